@@ -1,0 +1,116 @@
+"""Start `kvd serve` as a child process and wait until it is ready (selftest, demo, tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class DaemonProcess:
+    """A running child daemon and what its ready file said."""
+
+    process: subprocess.Popen[bytes]
+    name: str
+    unix_socket: str
+    tcp: str
+    metrics: str
+    incarnation: str
+    log_path: Path
+
+    @property
+    def unix_target(self) -> str:
+        return f"unix://{self.unix_socket}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def terminate(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM and wait; SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return int(self.process.returncode)
+
+    def kill(self) -> None:
+        """SIGKILL: the daemon dies mid-whatever (chaos tests)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_daemon(
+    workdir: Path,
+    name: str,
+    extra_flags: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 60.0,
+) -> DaemonProcess:
+    """Start a daemon on a free TCP port, a private Unix socket and a free metrics port."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready = workdir / f"{name}.ready.json"
+    ready.unlink(missing_ok=True)
+    log_path = workdir / f"{name}.log"
+    sock = workdir / f"{name}.sock"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvd.cli.main",
+        "serve",
+        "--unix-socket",
+        str(sock),
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--ready-file",
+        str(ready),
+        *extra_flags,
+    ]
+    log = open(log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env if env is not None else None)
+    log.close()
+    deadline = time.monotonic() + ready_timeout_s
+    while not ready.exists():
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"kvd serve ({name}) exited with {process.returncode} before it was ready:\n"
+                + log_path.read_text(errors="replace")[-4000:]
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"kvd serve ({name}) not ready after {ready_timeout_s}s:\n" + log_path.read_text()[-4000:])
+        time.sleep(0.05)
+    info = json.loads(ready.read_text())
+    return DaemonProcess(process, name, info["unix"], info["tcp"], info["metrics"], info["incarnation"], log_path)
+
+
+@contextlib.contextmanager
+def running_daemon(workdir: Path, name: str, extra_flags: Sequence[str] = ()) -> Iterator[DaemonProcess]:
+    daemon = start_daemon(workdir, name, extra_flags)
+    try:
+        yield daemon
+    finally:
+        daemon.terminate()
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    """The current environment plus overrides (for children with e.g. UCX_TLS set)."""
+    env = dict(os.environ)
+    env.update(overrides)
+    return env

@@ -1,0 +1,231 @@
+"""The daemon's one configuration object.
+
+Precedence, lowest first: field defaults < TOML file (``--config``) < ``KVD_*`` environment
+variables < command-line flags. :func:`load_config` is the only place that reads the
+environment; everything else receives a :class:`KvdConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, get_type_hints
+
+ENV_PREFIX = "KVD_"
+
+
+def _default_unix_socket() -> str:
+    """Owner-private default path, so a fresh machine needs no config at all."""
+    return f"/tmp/kvd-{os.getuid()}/engine.sock"
+
+
+@dataclasses.dataclass(frozen=True)
+class KvdConfig:
+    """Everything an operator can set. Each field's docstring-comment is its --help text."""
+
+    unix_socket: str = dataclasses.field(
+        default_factory=_default_unix_socket,
+        metadata={"help": "Unix socket engines connect to (created owner-only, 0600)."},
+    )
+    host: str = dataclasses.field(
+        default="127.0.0.1",
+        metadata={"help": "TCP address for peers and routers; loopback unless you mean otherwise."},
+    )
+    port: int = dataclasses.field(default=50151, metadata={"help": "TCP port for peers and routers (0: any free port)."})
+    advertise_address: str = dataclasses.field(
+        default="",
+        metadata={"help": "host:port peers should use to reach this daemon (default: host and bound port)."},
+    )
+    metrics_host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "Prometheus /metrics address."})
+    metrics_port: int = dataclasses.field(
+        default=9464, metadata={"help": "Prometheus /metrics port (0: any free port; -1: disabled)."}
+    )
+    lease_ttl_s: float = dataclasses.field(
+        default=30.0, metadata={"help": "Default lifetime of a hold on blocks for a remote reader."}
+    )
+    max_lease_ttl_s: float = dataclasses.field(default=600.0, metadata={"help": "Longest lease a caller may ask for."})
+    transfer_deadline_s: float = dataclasses.field(
+        default=30.0, metadata={"help": "Default deadline of one pull, handshake included."}
+    )
+    handshake_timeout_s: float = dataclasses.field(default=5.0, metadata={"help": "Deadline of one peer RPC."})
+    commit_wait_s: float = dataclasses.field(
+        default=5.0,
+        metadata={"help": "How long a pull waits for the holder's tokens to be committed before failing."},
+    )
+    shutdown_grace_s: float = dataclasses.field(
+        default=10.0, metadata={"help": "On SIGTERM, how long in-flight transfers may finish before they are aborted."}
+    )
+    max_run_blocks: int = dataclasses.field(
+        default=64,
+        metadata={"help": "Longest run of adjacent blocks merged into one NIXL descriptor (a power of two)."},
+    )
+    direct_read_min_bytes: int = dataclasses.field(
+        default=4096,
+        metadata={
+            "help": "Smallest contiguous piece worth reading straight into an engine's blocks; "
+            "conversions with smaller pieces read whole blocks into staging and convert."
+        },
+    )
+    staging_pool_bytes: int = dataclasses.field(
+        default=256 << 20, metadata={"help": "Bytes of NIXL-registered staging memory for layout conversion."}
+    )
+    staging_wait_s: float = dataclasses.field(
+        default=2.0, metadata={"help": "How long a pull waits for staging memory before RESOURCE_EXHAUSTED."}
+    )
+    nixl_backends: tuple[str, ...] = dataclasses.field(
+        default=("UCX",), metadata={"help": "NIXL backends to create (comma-separated)."}
+    )
+    agent_name_prefix: str = dataclasses.field(
+        default="kvd", metadata={"help": "Agent names are <prefix>-<host>-<uuid4>: a restart is visible."}
+    )
+    tls_cert: str = dataclasses.field(default="", metadata={"help": "PEM certificate for TCP (mTLS with tls_ca)."})
+    tls_key: str = dataclasses.field(default="", metadata={"help": "PEM private key for TCP."})
+    tls_ca: str = dataclasses.field(default="", metadata={"help": "PEM CA that peer certificates must chain to."})
+    ready_file: str = dataclasses.field(
+        default="",
+        metadata={"help": "Write a JSON line with the bound addresses here once serving (for supervisors, tests)."},
+    )
+    log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR."})
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if not self.unix_socket:
+            problems.append("unix_socket must not be empty")
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port {self.port} is not in 0..65535")
+        if not -1 <= self.metrics_port <= 65535:
+            problems.append(f"metrics_port {self.metrics_port} is not in -1..65535")
+        for name in (
+            "lease_ttl_s",
+            "max_lease_ttl_s",
+            "transfer_deadline_s",
+            "handshake_timeout_s",
+            "commit_wait_s",
+            "staging_wait_s",
+        ):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.shutdown_grace_s < 0:
+            problems.append(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if self.lease_ttl_s > self.max_lease_ttl_s:
+            problems.append(f"lease_ttl_s {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}")
+        if self.max_run_blocks < 1 or self.max_run_blocks & (self.max_run_blocks - 1):
+            problems.append(f"max_run_blocks must be a power of two >= 1, got {self.max_run_blocks}")
+        if self.staging_pool_bytes < 0 or self.direct_read_min_bytes < 0:
+            problems.append("staging_pool_bytes and direct_read_min_bytes must be >= 0")
+        if not self.nixl_backends:
+            problems.append("nixl_backends must name at least one backend")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            problems.append("tls_cert and tls_key must be given together")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            problems.append(f"log_level {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
+        if problems:
+            raise ValueError("invalid kvd configuration: " + "; ".join(problems))
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert)
+
+
+_FIELD_TYPES: dict[str, Any] = get_type_hints(KvdConfig)
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Convert a raw value (TOML value, env or flag string) to the field's type."""
+    kind = _FIELD_TYPES[name]
+    try:
+        if kind is bool:
+            if isinstance(value, str):
+                lowered = value.strip().lower()
+                if lowered not in {"1", "0", "true", "false", "yes", "no", "on", "off"}:
+                    raise ValueError(value)
+                return lowered in {"1", "true", "yes", "on"}
+            return bool(value)
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            return float(value)
+        if kind == tuple[str, ...]:
+            if isinstance(value, str):
+                return tuple(part.strip() for part in value.split(",") if part.strip())
+            return tuple(str(part) for part in value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: {name}={value!r} is not a valid {getattr(kind, '__name__', kind)}") from exc
+
+
+def _field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(KvdConfig)]
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per config field (``--lease-ttl-s``), defaulting to "not given"."""
+    parser.add_argument("--config", type=Path, default=None, help="TOML file with config fields.")
+    for f in dataclasses.fields(KvdConfig):
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            default=None,
+            help=f.metadata.get("help", ""),
+        )
+
+
+def load_config(
+    file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> KvdConfig:
+    """Merge defaults < file < env < flags into a validated config.
+
+    ``env`` defaults to ``os.environ``; pass a dict in tests.
+    """
+    names = set(_field_names())
+    values: dict[str, Any] = {}
+    if file is not None:
+        try:
+            data = tomllib.loads(Path(file).read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read config file {file}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {file} is not valid TOML: {exc}") from exc
+        section = data.get("kvd", data)
+        unknown = sorted(set(section) - names)
+        if unknown:
+            raise ValueError(f"config file {file}: unknown keys {unknown}; known: {sorted(names)}")
+        for key, value in section.items():
+            values[key] = _coerce(key, value, f"config file {file}")
+    environ = os.environ if env is None else env
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name in names:
+            values[name] = _coerce(name, value, f"environment {key}")
+    for key, value in (flags or {}).items():
+        if key in names and value is not None:
+            values[key] = _coerce(key, value, f"flag --{key.replace('_', '-')}")
+    return KvdConfig(**values)
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> KvdConfig:
+    """Build the config from parsed CLI arguments (see :func:`add_config_flags`)."""
+    return load_config(getattr(args, "config", None), env, vars(args))
+
+
+def flags_for(config: KvdConfig, base: KvdConfig | None = None) -> list[str]:
+    """Command-line flags that reproduce ``config`` (fields differing from ``base``): to spawn daemons."""
+    reference = base or KvdConfig()
+    out: list[str] = []
+    for f in dataclasses.fields(KvdConfig):
+        value = getattr(config, f.name)
+        if value == getattr(reference, f.name):
+            continue
+        text = ",".join(value) if isinstance(value, tuple) else str(value)
+        out += ["--" + f.name.replace("_", "-"), text]
+    return out

@@ -1,0 +1,755 @@
+"""The daemon's core facade: everything the gRPC servicers call, free of gRPC.
+
+One instance per process. All methods run on the asyncio event loop; blocking work (NIXL table
+preparation, layout conversion) goes to a thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvd.config import KvdConfig
+from kvd.core.commits import CommitTracker
+from kvd.core.dataplane import LOCAL, DataPlane, XferState
+from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
+from kvd.core.leases import Lease, LeaseTable
+from kvd.core.memory import RegionRequest, open_region
+from kvd.core.metrics import Metrics
+from kvd.core.params import TransferParams
+from kvd.core.peers import HandshakeInfo, PeerSession, PeerTransport, Peers, PrepareResult, RemoteEngine
+from kvd.core.registry import EngineRank, Registry, next_registration_id
+from kvd.core.staging import StagingChunk, StagingPool
+from kvd.core.transfers import Transfer, TransferState, TransferTable
+from kvd.layout.plan import PullPlan, Target, block_geometry, plan_pull
+from kvd.layout.spec import LayerPlacement, LayoutSpec
+from kvd_client.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    KvdError,
+    PeerUnavailable,
+    Unavailable,
+    UnknownEngine,
+)
+
+logger = logging.getLogger(__name__)
+
+NOTIF_PREFIX = "kvd1"
+NOTIF_POLL_S = 0.001
+LEASE_SWEEP_S = 0.05
+LIVENESS_S = 1.0
+
+
+class Daemon:
+    """Registry, memory, data plane, peers, commits, leases and transfers of one daemon."""
+
+    def __init__(self, config: KvdConfig, transport: PeerTransport, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.incarnation = uuid.uuid4().hex
+        host = socket.gethostname().split(".")[0] or "host"
+        self.agent_name = f"{config.agent_name_prefix}-{host}-{self.incarnation}"
+        self.advertise_address = config.advertise_address
+        self.registry = Registry()
+        self.leases = LeaseTable()
+        self.commits = CommitTracker()
+        self.transfers = TransferTable()
+        self._transport = transport
+        self.dataplane: DataPlane | None = None
+        self.peers: Peers | None = None
+        self._staging: dict[str, StagingPool] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvd-work")
+        self._background: list[asyncio.Task[None]] = []
+        self._reader_labels: dict[str, str] = {}  # lease id -> reader's address (metrics label)
+        self._selftest_seed = -1
+        self.serving = False
+        self.started_at = time.monotonic()
+        self.selftest_engine_id = f"kvd-selftest-{self.incarnation[:8]}"
+
+    # --- life cycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.dataplane = await loop.run_in_executor(
+            self._executor, DataPlane, self.agent_name, self.config.nixl_backends
+        )
+        self.peers = Peers(
+            self._transport, self.dataplane, self.metrics, lambda: self.incarnation, self.config.handshake_timeout_s
+        )
+        self._background = [
+            loop.create_task(self._notification_loop(), name="kvd-notifs"),
+            loop.create_task(self._lease_sweeper(), name="kvd-leases"),
+            loop.create_task(self._liveness_loop(), name="kvd-liveness"),
+        ]
+        self.serving = True
+        logger.info("daemon %s started (agent %s)", self.incarnation, self.agent_name)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop accepting, let in-flight pulls finish within ``grace_s``, abort the rest, release all."""
+        self.serving = False
+        pending = [t.task for t in self.transfers.in_flight() if t.task is not None]
+        if pending:
+            logger.info("shutdown: waiting up to %.1fs for %d in-flight pulls", grace_s, len(pending))
+            _, still = await asyncio.wait(pending, timeout=grace_s)
+            for task in still:
+                task.cancel()
+            if still:
+                await asyncio.wait(still, timeout=5.0)
+        for lease in self.leases.all():
+            self.leases.release(lease.lease_id)
+            self._lease_ended(lease, "shutdown")
+        for rank in list(self.registry):
+            self._unregister(rank, "daemon shutting down")
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self.peers is not None:
+            self.peers.drop_all()
+        await self._transport.close()
+        for pool in self._staging.values():
+            pool.close()
+        if self.dataplane is not None:
+            self.dataplane.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        logger.info("daemon %s stopped", self.incarnation)
+
+    def require_serving(self) -> None:
+        if not self.serving:
+            raise Unavailable("the daemon is shutting down: retry against its replacement")
+
+    @property
+    def _dp(self) -> DataPlane:
+        if self.dataplane is None:
+            raise Unavailable("the daemon is still starting")
+        return self.dataplane
+
+    # --- engines -----------------------------------------------------------------------------
+
+    async def register_engine(
+        self,
+        engine_id: str,
+        spec: LayoutSpec,
+        regions: Sequence[RegionRequest],
+        placements: Sequence[LayerPlacement],
+        require_commits: bool = False,
+        engine_pid: int = 0,
+    ) -> EngineRank:
+        """Map the engine's memory (zero copy) and register it with NIXL. All or nothing."""
+        self.require_serving()
+        if not regions:
+            raise InvalidArgument("a registration needs at least one memory region")
+        if len({region.kind for region in regions}) != 1:
+            raise InvalidArgument("all regions of one engine rank must be of one memory kind")
+        self.registry.check_can_add(engine_id, spec)
+        spec.validate_placements(placements, [region.size_bytes for region in regions])
+        opened = [open_region(region) for region in regions]
+        dataplane = self._dp
+        registrations: list[Any] = []
+        try:
+            for region in opened:
+                registrations.append(
+                    dataplane.register(region.address, region.size_bytes, region.device_index, region.mem_type)
+                )
+        except Exception as exc:
+            for registration in registrations:
+                dataplane.deregister(registration)
+            raise Internal(f"NIXL could not register engine {engine_id!r} memory: {exc}") from exc
+        rank = EngineRank(
+            engine_id=engine_id,
+            spec=spec,
+            placements=tuple(placements),
+            regions=opened,
+            nixl_registrations=registrations,
+            registration_id=next_registration_id(),
+            require_commits=require_commits,
+            engine_pid=engine_pid,
+        )
+        self.registry.add(rank)
+        self.metrics.engines.set(len(self.registry))
+        self.metrics.registered_bytes.labels(engine_id, str(spec.tp_rank)).set(rank.registered_bytes)
+        # Prepare the engine's whole-block table now, so the first pull does not pay for it.
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._local_block_table, rank)
+        logger.info(
+            "registered engine %s rank %d: %s, %d bytes in %d %s regions",
+            engine_id,
+            spec.tp_rank,
+            spec.describe(),
+            rank.registered_bytes,
+            len(opened),
+            rank.mem_type,
+        )
+        return rank
+
+    def _local_block_table(self, rank: EngineRank) -> Any:
+        geometry = block_geometry(rank.view, self.config.max_run_blocks)
+        return self._dp.table(
+            ("local", rank.registration_id), LOCAL, geometry, rank.region_addresses, rank.device_index, rank.mem_type
+        )
+
+    def unregister_engine(self, engine_id: str, tp_rank: int) -> None:
+        self._unregister(self.registry.get(engine_id, tp_rank), "unregistered by the engine")
+
+    def _unregister(self, rank: EngineRank, reason: str) -> None:
+        """Abort pulls into the rank, release its engine's leases if it was the last rank, unmap."""
+        self.registry.remove(rank.engine_id, rank.tp_rank)
+        for transfer in self.transfers.in_flight():
+            if transfer.engine_id == rank.engine_id and transfer.tp_rank == rank.tp_rank and transfer.task:
+                transfer.task.cancel(f"engine {rank.engine_id} rank {rank.tp_rank}: {reason}")
+        if not self.registry.ranks_of(rank.engine_id):
+            for lease in self.leases.of_engine(rank.engine_id):
+                self.leases.release(lease.lease_id)
+                self._lease_ended(lease, "engine_gone")
+        self.commits.forget_engine(rank.engine_id, rank.tp_rank)
+        dataplane = self._dp
+        dataplane.drop_tables(("local", rank.registration_id))
+        for registration in rank.nixl_registrations:
+            dataplane.deregister(registration)
+        rank.regions.clear()
+        if rank.wakeup is not None:
+            rank.wakeup.set()
+        self.metrics.engines.set(len(self.registry))
+        self.metrics.registered_bytes.remove(rank.engine_id, str(rank.tp_rank))
+        logger.info("unregistered engine %s rank %d: %s", rank.engine_id, rank.tp_rank, reason)
+
+    # --- engine stream ---------------------------------------------------------------------------
+
+    def attach_stream(self, engine_id: str, tp_rank: int) -> EngineRank:
+        rank = self.registry.get(engine_id, tp_rank)
+        if rank.stream_connected:
+            raise FailedPrecondition(f"engine {engine_id!r} rank {tp_rank} already has a stream open")
+        rank.stream_connected = True
+        rank.wakeup = asyncio.Event()
+        if rank.pending:
+            rank.wakeup.set()
+        return rank
+
+    def detach_stream(self, rank: EngineRank) -> None:
+        rank.stream_connected = False
+        rank.wakeup = None
+
+    def commit(self, rank: EngineRank, request_id: str, committed_tokens: int) -> None:
+        self.commits.commit(rank.engine_id, rank.tp_rank, request_id, committed_tokens)
+        self.metrics.commits.inc()
+
+    def post_forward(self, rank: EngineRank, step: int, finished_request_ids: Sequence[str]) -> None:
+        """A step's KV is complete (sent after the draft proposer ran): nothing to serve yet."""
+        self.metrics.post_forward.inc()
+        logger.debug("engine %s rank %d: step %d post-forward, %d finished", rank.engine_id, rank.tp_rank, step, len(finished_request_ids))
+
+    # --- leases ----------------------------------------------------------------------------------
+
+    def hold(
+        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl_s: float = 0.0
+    ) -> tuple[Lease, TransferParams]:
+        """Hold a finished request's blocks for a remote reader."""
+        self.require_serving()
+        ranks = self.registry.require_engine(engine_id)
+        spec = next(iter(ranks.values())).spec
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        if num_tokens < 1:
+            raise InvalidArgument(f"num_tokens must be >= 1, got {num_tokens}")
+        need = spec.blocks_for(num_tokens)
+        if len(block_ids) < need:
+            raise InvalidArgument(
+                f"{num_tokens} tokens need {need} blocks of {spec.block_size} tokens, got {len(block_ids)} block ids"
+            )
+        spec.validate_block_ids(block_ids, "held block ids")
+        ttl = ttl_s or self.config.lease_ttl_s
+        if ttl > self.config.max_lease_ttl_s:
+            raise InvalidArgument(f"lease ttl {ttl}s exceeds max_lease_ttl_s {self.config.max_lease_ttl_s}s")
+        lease = self.leases.create(engine_id, request_id, tuple(block_ids[:need]), num_tokens, ttl)
+        self.metrics.leases_held.set(len(self.leases))
+        return lease, self.params_of(lease)
+
+    def params_of(self, lease: Lease) -> TransferParams:
+        spec = next(iter(self.registry.require_engine(lease.engine_id).values())).spec
+        return TransferParams(
+            daemon_address=self.advertise_address,
+            daemon_incarnation=self.incarnation,
+            engine_id=lease.engine_id,
+            tp_size=spec.tp_size,
+            lease_id=lease.lease_id,
+            block_ids=lease.block_ids,
+            num_tokens=lease.num_tokens,
+            request_id=lease.request_id,
+            lease_expires_unix_ms=int((time.time() + self.leases.remaining_s(lease)) * 1000),
+        )
+
+    def renew_lease(self, lease_id: str, ttl_s: float = 0.0) -> Lease:
+        ttl = ttl_s or self.config.lease_ttl_s
+        if ttl > self.config.max_lease_ttl_s:
+            raise InvalidArgument(f"lease ttl {ttl}s exceeds max_lease_ttl_s {self.config.max_lease_ttl_s}s")
+        return self.leases.renew(lease_id, ttl)
+
+    def release_lease(self, lease_id: str) -> None:
+        lease = self.leases.release(lease_id)
+        self._lease_ended(lease, "released")
+
+    def lookup_held(self, engine_id: str = "", request_id: str = "") -> list[TransferParams]:
+        return [
+            self.params_of(lease)
+            for lease in self.leases.all()
+            if (not engine_id or lease.engine_id == engine_id) and (not request_id or lease.request_id == request_id)
+            and self.leases.remaining_s(lease) > 0
+        ]
+
+    def _lease_ended(self, lease: Lease, reason: str) -> None:
+        """Tell every rank of the owning engine, once, that it may reuse the blocks."""
+        for rank in self.registry.ranks_of(lease.engine_id).values():
+            rank.post(FinishedSending(lease.request_id, lease.lease_id, expired=reason == "expired"))
+        self.commits.forget_request(lease.engine_id, lease.request_id)
+        self.metrics.leases_ended.labels(reason).inc()
+        self.metrics.leases_held.set(len(self.leases))
+        logger.debug("lease %s on %s/%s ended: %s", lease.lease_id, lease.engine_id, lease.request_id, reason)
+
+    async def _lease_sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_SWEEP_S)
+            for lease in self.leases.expire_due():
+                logger.info("lease on %s/%s expired unread", lease.engine_id, lease.request_id)
+                self._lease_ended(lease, "expired")
+
+    async def _notification_loop(self) -> None:
+        """Holder side: NIXL READ notifications say a reader finished a part of a lease."""
+        dataplane = self._dp
+        while True:
+            try:
+                notifications = dataplane.notifications()
+            except Exception:  # the loop must survive a NIXL hiccup; log and go on
+                logger.exception("reading NIXL notifications failed")
+                notifications = {}
+            for agent, messages in notifications.items():
+                for message in messages:
+                    self._on_notification(agent, message)
+            await asyncio.sleep(NOTIF_POLL_S)
+
+    def _on_notification(self, agent: str, message: bytes) -> None:
+        fields = message.decode(errors="replace").split("|")
+        if len(fields) != 6 or fields[0] != NOTIF_PREFIX:
+            logger.debug("ignoring NIXL notification from %s: %r", agent, message[:64])
+            return
+        _, lease_id, reader_rank, part, parts, nbytes = fields
+        try:
+            reader, index, count, size = int(reader_rank), int(part), int(parts), int(nbytes)
+        except ValueError:
+            logger.debug("malformed kvd notification from %s: %r", agent, message[:64])
+            return
+        lease_label = self._reader_labels.get(lease_id, agent)
+        self.metrics.transfer_bytes.labels(lease_label, "serve").inc(size)
+        lease = self.leases.record_read(lease_id, reader, index, count)
+        if lease is not None:
+            self.metrics.transfers.labels(lease_label, "serve", "done").inc()
+            self._reader_labels.pop(lease_id, None)
+            self._lease_ended(lease, "read")
+
+    async def _liveness_loop(self) -> None:
+        """An engine process that exited without unregistering is unregistered here."""
+        while True:
+            await asyncio.sleep(LIVENESS_S)
+            for rank in list(self.registry):
+                if rank.engine_pid and not _process_alive(rank.engine_pid):
+                    logger.warning("engine %s rank %d (pid %d) exited", rank.engine_id, rank.tp_rank, rank.engine_pid)
+                    self._unregister(rank, f"engine process {rank.engine_pid} exited")
+
+    # --- peer-facing ----------------------------------------------------------------------------
+
+    def handshake_info(self) -> HandshakeInfo:
+        engines = tuple(
+            RemoteEngine(
+                engine_id=rank.engine_id,
+                view=rank.view,
+                region_addresses=tuple(rank.region_addresses),
+                region_sizes=tuple(region.size_bytes for region in rank.regions),
+                vram=rank.mem_type == "VRAM",
+                device_index=rank.device_index,
+                registration_id=rank.registration_id,
+            )
+            for rank in self.registry
+        )
+        return HandshakeInfo(self.incarnation, self.agent_name, self._dp.metadata(), engines)
+
+    async def prepare_pull(
+        self,
+        *,
+        lease_id: str,
+        engine_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        reader_tp_rank: int,
+        reader_tp_size: int,
+        remote_tp_ranks: Sequence[int],
+        reader_address: str = "",
+    ) -> PrepareResult:
+        """Check a reader's request against the lease and wait (bounded) for committed tokens."""
+        self.require_serving()
+        lease = self.leases.get(lease_id)
+        if lease.engine_id != engine_id:
+            raise InvalidArgument(f"lease {lease_id!r} holds engine {lease.engine_id!r}, not {engine_id!r}")
+        if tuple(block_ids) != lease.block_ids[: len(block_ids)] or not block_ids:
+            raise InvalidArgument(f"block ids {list(block_ids)[:8]} are not a prefix of lease {lease_id!r}'s blocks")
+        if not 1 <= num_tokens <= lease.num_tokens:
+            raise InvalidArgument(f"the read asks for {num_tokens} tokens, lease {lease_id!r} holds {lease.num_tokens}")
+        if reader_tp_size < 1 or not 0 <= reader_tp_rank < reader_tp_size:
+            raise InvalidArgument(f"reader tp_rank {reader_tp_rank} / tp_size {reader_tp_size} is not a rank")
+        if lease.reader_tp_size and lease.reader_tp_size != reader_tp_size:
+            raise InvalidArgument(
+                f"lease {lease_id!r} is being read by a TP-{lease.reader_tp_size} engine, not TP-{reader_tp_size}"
+            )
+        ranks = self.registry.ranks_of(engine_id)
+        missing = [r for r in remote_tp_ranks if r not in ranks]
+        if missing or not remote_tp_ranks:
+            raise UnknownEngine(f"engine {engine_id!r} has no ranks {missing or '[]'} registered here")
+        for r in remote_tp_ranks:
+            rank = ranks[r]
+            if not rank.require_commits:
+                continue
+            if not await self.commits.wait_for(engine_id, r, lease.request_id, num_tokens, self.config.commit_wait_s):
+                have = self.commits.watermark(engine_id, r, lease.request_id)
+                raise FailedPrecondition(
+                    f"request {lease.request_id!r} on engine {engine_id!r} rank {r}: only {have} of {num_tokens} "
+                    f"tokens committed after {self.config.commit_wait_s}s (no post-forward signal yet?)"
+                )
+        lease = self.leases.extend_to(lease_id, self.config.transfer_deadline_s)
+        lease.reader_tp_size = reader_tp_size
+        if reader_address:
+            self._reader_labels[lease_id] = reader_address
+        return PrepareResult(
+            registration_ids=tuple(ranks[r].registration_id for r in remote_tp_ranks),
+            notif_tag=f"{NOTIF_PREFIX}|{lease_id}|{reader_tp_rank}",
+        )
+
+    def abandon_pull(self, lease_id: str, reader_tp_rank: int, reason: str) -> None:
+        self.leases.get(lease_id)  # NOT_FOUND / DEADLINE_EXCEEDED for a gone lease
+        logger.info("reader rank %d abandoned its read of lease %s: %s", reader_tp_rank, lease_id, reason)
+
+    # --- pulls -----------------------------------------------------------------------------------
+
+    def start_pull(
+        self,
+        engine_id: str,
+        tp_rank: int,
+        request_id: str,
+        local_block_ids: Sequence[int],
+        remote: TransferParams,
+        deadline_s: float = 0.0,
+    ) -> Transfer:
+        """Start pulling ``remote`` into the local rank's blocks; returns at once (see watch)."""
+        self.require_serving()
+        rank = self.registry.get(engine_id, tp_rank)
+        if not remote.daemon_address:
+            raise InvalidArgument("kv_transfer_params.daemon_address is empty: which daemon holds the KV?")
+        if not remote.lease_id:
+            raise InvalidArgument("kv_transfer_params.lease_id is empty: the holder must hold the blocks first")
+        if not remote.engine_id:
+            raise InvalidArgument("kv_transfer_params.engine_id is empty")
+        if remote.num_tokens < 1:
+            raise InvalidArgument(f"kv_transfer_params.num_tokens must be >= 1, got {remote.num_tokens}")
+        need = rank.spec.blocks_for(remote.num_tokens)
+        if len(local_block_ids) != need:
+            raise InvalidArgument(
+                f"{remote.num_tokens} tokens need {need} local blocks of {rank.spec.block_size} tokens, "
+                f"got {len(local_block_ids)} local block ids"
+            )
+        rank.spec.validate_block_ids(local_block_ids, "local block ids")
+        if deadline_s < 0:
+            raise InvalidArgument(f"deadline must be >= 0, got {deadline_s}")
+        transfer = self.transfers.new(
+            request_id=request_id or remote.request_id,
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            peer_address=remote.daemon_address,
+            local_block_ids=tuple(local_block_ids),
+            deadline_s=deadline_s or self.config.transfer_deadline_s,
+        )
+        self.metrics.in_flight.inc()
+        transfer.task = asyncio.get_running_loop().create_task(self._run_pull(transfer, rank, remote))
+        return transfer
+
+    def cancel_transfer(self, transfer_id: str) -> Transfer:
+        transfer = self.transfers.get(transfer_id)
+        if transfer.task is not None and not transfer.state.final:
+            transfer.task.cancel("cancelled by a caller")
+        return transfer
+
+    async def _run_pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams) -> None:
+        error: KvdError | None = None
+        try:
+            async with asyncio.timeout(transfer.deadline_s):
+                await self._pull(transfer, rank, remote)
+        except TimeoutError:
+            error = DeadlineExceeded(
+                f"pull of request {transfer.request_id!r} from {remote.daemon_address} did not finish within "
+                f"{transfer.deadline_s}s (state {transfer.state.value})"
+            )
+        except asyncio.CancelledError as exc:
+            why = str(exc.args[0]) if exc.args else ("daemon shutting down" if not self.serving else "cancelled")
+            error = Aborted(f"pull of request {transfer.request_id!r} from {remote.daemon_address} aborted: {why}")
+        except KvdError as exc:
+            error = exc
+        except Exception:  # a bug: the engine must still learn its blocks are not loaded
+            logger.exception("pull %s failed unexpectedly", transfer.transfer_id)
+            error = Internal("the pull failed on an internal error; see the daemon's log")
+        finally:
+            self.metrics.in_flight.dec()
+        direction = "pull"
+        if error is None and rank.key in {r.key for r in self.registry}:
+            transfer.advance(TransferState.DONE)
+            rank.post(FinishedRecving(transfer.request_id, transfer.transfer_id))
+            self.metrics.transfers.labels(remote.daemon_address, direction, "done").inc()
+            self.metrics.transfer_bytes.labels(remote.daemon_address, direction).inc(transfer.nbytes)
+            self.metrics.transfer_seconds.labels(direction).observe(transfer.elapsed_s)
+            return
+        if error is None:
+            error = Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} unregistered during the pull")
+        state = TransferState.ABORTED if isinstance(error, Aborted) else TransferState.FAILED
+        transfer.advance(state, error)
+        self.metrics.transfers.labels(remote.daemon_address, direction, state.value.lower()).inc()
+        self.metrics.errors.labels("pull", error.code.name).inc()
+        rank.post(
+            LoadFailed(transfer.request_id, transfer.transfer_id, error.code.name, error.message, transfer.local_block_ids)
+        )
+        logger.warning("pull %s of %s failed: %s", transfer.transfer_id, transfer.request_id, error.message)
+        if self.peers is not None and self.peers.cached(remote.daemon_address) is not None:
+            asyncio.get_running_loop().create_task(self._abandon(remote, rank.tp_rank, error.message))
+
+    async def _abandon(self, remote: TransferParams, reader_rank: int, reason: str) -> None:
+        try:
+            await self._transport.abandon_pull(
+                remote.daemon_address, remote.lease_id, reader_rank, reason, self.config.handshake_timeout_s
+            )
+        except KvdError as exc:  # best effort: the lease expires on its own
+            logger.debug("abandon of lease %s at %s: %s", remote.lease_id, remote.daemon_address, exc.message)
+
+    async def _plan(
+        self, transfer: Transfer, rank: EngineRank, remote: TransferParams
+    ) -> tuple[PeerSession, PullPlan, dict[int, RemoteEngine], PrepareResult]:
+        """Handshake (cached), plan, and have the holder validate the lease; re-handshake once if stale."""
+        assert self.peers is not None
+        address = remote.daemon_address
+        session = await self.peers.session(address, remote.daemon_incarnation)
+        if remote.daemon_incarnation and session.incarnation != remote.daemon_incarnation:
+            raise FailedPrecondition(
+                f"the holder daemon at {address} restarted (incarnation {session.incarnation[:8]}, the lease came "
+                f"from {remote.daemon_incarnation[:8]}): its blocks are gone, recompute"
+            )
+        for attempt in range(2):
+            remote_ranks = session.engine_ranks(remote.engine_id)
+            if not remote_ranks and attempt == 0:
+                session = await self.peers.refresh(address, "engine not in cached handshake")
+                continue
+            if not remote_ranks:
+                raise UnknownEngine(f"the daemon at {address} serves no engine {remote.engine_id!r}")
+            loop = asyncio.get_running_loop()
+            plan = await loop.run_in_executor(
+                self._executor,
+                lambda: plan_pull(
+                    {r: e.view for r, e in remote_ranks.items()},
+                    rank.view,
+                    remote.block_ids,
+                    transfer.local_block_ids,
+                    remote.num_tokens,
+                    max_run_blocks=self.config.max_run_blocks,
+                    direct_read_min_bytes=self.config.direct_read_min_bytes,
+                ),
+            )
+            prepared = await self._transport.prepare_pull(
+                address,
+                lease_id=remote.lease_id,
+                engine_id=remote.engine_id,
+                block_ids=tuple(remote.block_ids[: remote_ranks[plan.remote_ranks[0]].view.spec.blocks_for(remote.num_tokens)]),
+                num_tokens=remote.num_tokens,
+                reader_tp_rank=rank.tp_rank,
+                reader_tp_size=rank.spec.tp_size,
+                remote_tp_ranks=plan.remote_ranks,
+                timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
+            )
+            cached_ids = tuple(remote_ranks[r].registration_id for r in plan.remote_ranks)
+            if prepared.registration_ids == cached_ids:
+                return session, plan, remote_ranks, prepared
+            if attempt == 0:
+                session = await self.peers.refresh(address, "stale engine registration")
+        raise FailedPrecondition(f"engine {remote.engine_id!r} at {address} re-registered during the pull: retry")
+
+    async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams) -> None:
+        assert self.peers is not None
+        session, plan, remote_ranks, prepared = await self._plan(transfer, rank, remote)
+        transfer.descriptors = plan.num_descriptors
+        transfer.nbytes = plan.total_bytes
+        transfer.direct = plan.direct
+        self.metrics.descriptors.observe(plan.num_descriptors)
+        transfer.advance(TransferState.READING)
+        dataplane = self._dp
+        loop = asyncio.get_running_loop()
+        staging: StagingChunk | None = None
+        handles: list[Any] = []
+        one_off: list[Any] = []
+        try:
+            if plan.staging_bytes:
+                staging = await self._staging_pool(rank).acquire(plan.staging_bytes, self.config.staging_wait_s)
+                self.metrics.staging_bytes_in_use.inc(staging.size)
+            parts = len(plan.reads)
+            for index, group in enumerate(plan.reads):
+                holder = remote_ranks[group.remote_rank]
+                remote_table = await self._table(
+                    ("remote", session.agent_name, holder.registration_id),
+                    session.agent_name,
+                    group.remote_geometry,
+                    holder.region_addresses,
+                    holder.device_index,
+                    holder.mem_type,
+                )
+                if group.local_target is Target.ENGINE:
+                    local_table = await self._table(
+                        ("local", rank.registration_id),
+                        LOCAL,
+                        group.local_geometry,
+                        rank.region_addresses,
+                        rank.device_index,
+                        rank.mem_type,
+                    )
+                    local_indices = group.local_indices
+                else:
+                    assert staging is not None
+                    rows = group.local_geometry.rows_for(group.local_indices, [staging.address], staging.device_index)
+                    local_table = dataplane.one_off_table(rows, staging.mem_type)
+                    one_off.append(local_table)
+                    local_indices = np.arange(rows.shape[0], dtype=np.int32)
+                notif = f"{prepared.notif_tag}|{index}|{parts}|{group.nbytes}".encode()
+                handles.append(
+                    dataplane.read(local_table, local_indices, remote_table, group.remote_indices, notif, session.agent_name)
+                )
+            await self._wait_reads(handles, session)
+            if plan.postprocess is not None:
+                assert staging is not None
+                transfer.advance(TransferState.POSTPROCESSING)
+                engine_regions = [region.tensor for region in rank.regions]
+                await loop.run_in_executor(self._executor, plan.postprocess.run, staging.tensor, engine_regions)
+        except PeerUnavailable:
+            self.peers.drop(session.address, "disconnected")
+            raise
+        finally:
+            for handle in handles:
+                dataplane.release(handle)
+            for table in one_off:
+                table.release()
+            if staging is not None:
+                self.metrics.staging_bytes_in_use.dec(staging.size)
+                staging.release()
+
+    async def _table(self, owner: tuple[Any, ...], agent: str, geometry: Any, addresses: Sequence[int], device: int, mem_type: str) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._dp.table, owner, agent, geometry, addresses, device, mem_type
+        )
+
+    async def _wait_reads(self, handles: list[Any], session: PeerSession) -> None:
+        dataplane = self._dp
+        pending = list(handles)
+        delay = 0.00005
+        while pending:
+            still = []
+            for handle in pending:
+                state = dataplane.state(handle, session.agent_name)
+                if state is XferState.ERROR:
+                    raise PeerUnavailable(
+                        f"NIXL read from peer {session.address} (agent {session.agent_name}) failed: peer gone?"
+                    )
+                if state is XferState.IN_PROGRESS:
+                    still.append(handle)
+            pending = still
+            if pending:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.002)
+
+    def _staging_pool(self, rank: EngineRank) -> StagingPool:
+        import torch  # noqa: PLC0415
+
+        device = rank.regions[0].tensor.device
+        key = str(device)
+        pool = self._staging.get(key)
+        if pool is None:
+            if self.config.staging_pool_bytes <= 0:
+                raise FailedPrecondition("this pull needs a layout conversion but staging_pool_bytes is 0")
+            pool = StagingPool(self._dp, self.config.staging_pool_bytes, torch.device(device))
+            self._staging[key] = pool
+        return pool
+
+    # --- selftest ---------------------------------------------------------------------------------
+
+    async def selftest_hold(self, size_bytes: int, seed: int) -> tuple[LayoutSpec, TransferParams]:
+        """Hold a daemon-owned scratch engine filled with the pattern of ``seed`` (see kvd.core.scratch).
+
+        The scratch engine is an ordinary registration (shm, NIXL) so the selftest exercises the
+        real path. One scratch engine per daemon; a different size or seed replaces it.
+        """
+        from kvd.core import scratch  # noqa: PLC0415
+        from kvd.core.memory import MemoryKind, create_shm_tensor, unlink_shm  # noqa: PLC0415
+        from kvd.layout.spec import contiguous_placements  # noqa: PLC0415
+
+        self.require_serving()
+        if not 0 < size_bytes <= scratch.MAX_SCRATCH_BYTES:
+            raise InvalidArgument(f"selftest size must be in 1..{scratch.MAX_SCRATCH_BYTES} bytes, got {size_bytes}")
+        spec = scratch.scratch_layout(size_bytes)
+        ranks = self.registry.ranks_of(self.selftest_engine_id)
+        current = ranks.get(0)
+        if current is not None and (current.spec != spec or self._selftest_seed != seed):
+            self._unregister(current, "selftest scratch replaced")
+            current = None
+        if current is None:
+            name = f"{self.selftest_engine_id}-{seed}"
+            buffer = create_shm_tensor(name, spec.total_bytes)
+            try:
+                scratch.fill_pattern(buffer, seed)
+                await self.register_engine(
+                    self.selftest_engine_id,
+                    spec,
+                    [RegionRequest(MemoryKind.SHM, spec.total_bytes, shm_name=name)],
+                    contiguous_placements(spec),
+                )
+            finally:
+                unlink_shm(name)  # the daemon's mapping keeps the memory alive
+            self._selftest_seed = seed
+        lease, params = self.hold(
+            self.selftest_engine_id,
+            f"selftest-{uuid.uuid4().hex[:8]}",
+            list(range(spec.num_blocks)),
+            spec.num_blocks * spec.block_size,
+        )
+        return spec, params
+
+    # --- status ------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "agent_name": self.agent_name,
+            "peer_address": self.advertise_address,
+            "engines": list(self.registry),
+            "peers": self.peers.sessions() if self.peers else [],
+            "transfers_in_flight": len(self.transfers.in_flight()),
+            "leases_held": len(self.leases),
+            "serving": self.serving,
+            "uptime_s": time.monotonic() - self.started_at,
+        }
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

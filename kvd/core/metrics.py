@@ -1,0 +1,47 @@
+"""Prometheus metrics of one daemon, on a registry of its own (tests build a fresh one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """Every metric kvd exports. ``direction`` is "pull" (bytes in) or "serve" (bytes out)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.transfer_bytes = Counter(
+            "kvd_transfer_bytes", "KV bytes moved through NIXL", ["peer", "direction"], registry=r
+        )
+        self.transfers = Counter(
+            "kvd_transfers", "Transfers by outcome (done, failed, aborted)", ["peer", "direction", "outcome"], registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "kvd_transfer_duration_seconds",
+            "Pull latency from request to blocks loaded",
+            ["direction"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.descriptors = Histogram(
+            "kvd_transfer_descriptors", "NIXL descriptors posted per transfer", buckets=DESCRIPTOR_BUCKETS, registry=r
+        )
+        self.in_flight = Gauge("kvd_transfers_in_flight", "Pulls not yet finished", registry=r)
+        self.leases_held = Gauge("kvd_leases_held", "Leases currently held for remote readers", registry=r)
+        self.leases_ended = Counter(
+            "kvd_leases_ended", "Leases ended, by how (read, released, expired, engine_gone)", ["reason"], registry=r
+        )
+        self.handshakes = Counter("kvd_handshakes", "Peer handshakes by outcome", ["peer", "outcome"], registry=r)
+        self.peer_drops = Counter("kvd_peer_drops", "Cached peer handshakes dropped", ["peer", "reason"], registry=r)
+        self.errors = Counter("kvd_errors", "Errors returned, by gRPC status", ["operation", "code"], registry=r)
+        self.registered_bytes = Gauge(
+            "kvd_registered_bytes", "Engine memory registered with NIXL", ["engine_id", "tp_rank"], registry=r
+        )
+        self.engines = Gauge("kvd_engines_registered", "Engine ranks registered", registry=r)
+        self.commits = Counter("kvd_commits", "Commit watermarks received from engines", registry=r)
+        self.post_forward = Counter("kvd_post_forward_signals", "Post-forward signals received", registry=r)
+        self.staging_bytes_in_use = Gauge("kvd_staging_bytes_in_use", "Staging memory held by pulls", registry=r)

@@ -1,0 +1,115 @@
+"""A bounded, reused, NIXL-registered staging pool for pulls that need a layout conversion.
+
+Registered once per device at first use; a pull takes one contiguous chunk and gives it back.
+A pull that cannot get a chunk waits (bounded) and then fails with RESOURCE_EXHAUSTED: the
+pool never grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import dataclasses
+import logging
+
+import torch
+
+from kvd.core.dataplane import DataPlane
+from kvd_client.errors import ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 256
+
+
+@dataclasses.dataclass(eq=False)
+class StagingChunk:
+    pool: StagingPool
+    offset: int
+    size: int
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.pool.buffer[self.offset : self.offset + self.size]
+
+    @property
+    def address(self) -> int:
+        return self.pool.address + self.offset
+
+    @property
+    def device_index(self) -> int:
+        return self.pool.device_index
+
+    @property
+    def mem_type(self) -> str:
+        return self.pool.mem_type
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+
+class StagingPool:
+    """First-fit allocator over one registered buffer. Event-loop only."""
+
+    def __init__(self, dataplane: DataPlane, size: int, device: torch.device) -> None:
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        self.address = int(self.buffer.data_ptr())
+        self.device_index = int(device.index or 0) if device.type == "cuda" else 0
+        self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
+        self.size = size
+        self._registration = dataplane.register(self.address, size, self.device_index, self.mem_type)
+        self._dataplane = dataplane
+        self._free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, size)
+        self._changed = asyncio.Condition()
+        self.in_use = 0
+
+    def _take(self, size: int) -> StagingChunk | None:
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                self.in_use += size
+                return StagingChunk(self, offset, size)
+        return None
+
+    async def acquire(self, nbytes: int, wait_s: float) -> StagingChunk:
+        size = -(-nbytes // ALIGN) * ALIGN
+        if size > self.size:
+            raise ResourceExhausted(
+                f"a pull needs {nbytes} staging bytes but the pool has {self.size}: raise staging_pool_bytes"
+            )
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._fits(size)), wait_s)
+            except TimeoutError as exc:
+                raise ResourceExhausted(
+                    f"no {nbytes} bytes of staging memory free within {wait_s}s ({self.in_use}/{self.size} in use)"
+                ) from exc
+            chunk = self._take(size)
+            assert chunk is not None
+            return chunk
+
+    def _fits(self, size: int) -> bool:
+        return any(free >= size for _, free in self._free)
+
+    def release(self, chunk: StagingChunk) -> None:
+        self.in_use -= chunk.size
+        i = bisect.bisect_left(self._free, (chunk.offset, 0))
+        self._free.insert(i, (chunk.offset, chunk.size))
+        merged: list[tuple[int, int]] = []
+        for offset, size in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((offset, size))
+        self._free = merged
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        self._dataplane.deregister(self._registration)

@@ -1,0 +1,113 @@
+"""Transfers (pulls) and their state machine: planned -> reading -> postprocessing -> done | failed | aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from kvd_client.errors import KvdError, UnknownTransfer
+
+# Finished transfers kept for GetTransfer / WatchTransfer after they end.
+KEEP_FINISHED = 4096
+
+
+class TransferState(enum.Enum):
+    PLANNED = "PLANNED"
+    READING = "READING"
+    POSTPROCESSING = "POSTPROCESSING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    ABORTED = "ABORTED"
+
+    @property
+    def final(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED, TransferState.ABORTED)
+
+
+_NEXT = {
+    TransferState.PLANNED: {TransferState.READING, TransferState.FAILED, TransferState.ABORTED},
+    TransferState.READING: {TransferState.POSTPROCESSING, TransferState.DONE, TransferState.FAILED, TransferState.ABORTED},
+    TransferState.POSTPROCESSING: {TransferState.DONE, TransferState.FAILED, TransferState.ABORTED},
+}
+
+
+@dataclasses.dataclass(eq=False)
+class Transfer:
+    """One pull into a local engine rank's blocks."""
+
+    transfer_id: str
+    request_id: str
+    engine_id: str
+    tp_rank: int
+    peer_address: str
+    local_block_ids: tuple[int, ...]
+    deadline_s: float
+    state: TransferState = TransferState.PLANNED
+    nbytes: int = 0
+    descriptors: int = 0
+    direct: bool = True
+    error: KvdError | None = None
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    finished: float = 0.0
+    task: asyncio.Task[None] | None = None
+    _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    def advance(self, state: TransferState, error: KvdError | None = None) -> None:
+        """Move to ``state``; a transfer that has ended never moves again."""
+        if self.state.final:
+            return
+        if state not in _NEXT[self.state]:
+            raise RuntimeError(f"transfer {self.transfer_id}: {self.state.value} -> {state.value} is not allowed")
+        self.state = state
+        if error is not None:
+            self.error = error
+        if state.final:
+            self.finished = time.monotonic()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def changes(self) -> AsyncIterator[Transfer]:
+        """Yield the transfer now and after every state change, until it ends."""
+        while True:
+            waiter = self._changed
+            yield self
+            if self.state.final:
+                return
+            await waiter.wait()
+
+
+class TransferTable:
+    """Live and recently finished transfers by id."""
+
+    def __init__(self) -> None:
+        self._transfers: dict[str, Transfer] = {}
+
+    def new(self, **fields: object) -> Transfer:
+        transfer = Transfer(transfer_id=uuid.uuid4().hex, **fields)  # type: ignore[arg-type]
+        self._transfers[transfer.transfer_id] = transfer
+        self._trim()
+        return transfer
+
+    def get(self, transfer_id: str) -> Transfer:
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            raise UnknownTransfer(f"no transfer {transfer_id!r} is known here (finished long ago, or never started)")
+        return transfer
+
+    def in_flight(self) -> list[Transfer]:
+        return [t for t in self._transfers.values() if not t.state.final]
+
+    def _trim(self) -> None:
+        if len(self._transfers) <= KEEP_FINISHED:
+            return
+        finished = [tid for tid, t in self._transfers.items() if t.state.final]
+        for tid in finished[: len(self._transfers) - KEEP_FINISHED]:
+            del self._transfers[tid]

@@ -1,0 +1,263 @@
+"""Pull plans: which bytes NIXL reads where, and what conversion runs after.
+
+:func:`plan_pull` is a pure function of the two engines' layouts, the block ids on both
+sides and the token count. The daemon executes the plan: one NIXL transfer per
+:class:`ReadGroup` (a pair of descriptor tables), then the plan's ``postprocess`` if any.
+
+Only committed tokens are read: a partial last block is read token-exact (its tail may hold
+KV of rejected draft tokens, which must never leave the holder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from kvd.layout.geometry import DescGeometry, max_run_log2_for, split_runs
+from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec
+from kvd_client.errors import IncompatibleLayout, InvalidArgument
+
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Postprocess(Protocol):
+    """A conversion run after the reads: staging bytes -> the local engine's blocks.
+
+    ``staging`` is the pull's staging chunk (uint8, ``plan.staging_bytes`` long) and
+    ``engine_regions`` the local engine's regions (uint8 tensors), both on the device the
+    engine's memory lives on. Must be vectorised torch (no Python loop per block).
+    """
+
+    def run(self, staging: torch.Tensor, engine_regions: Sequence[torch.Tensor]) -> None: ...
+
+
+class Target(enum.Enum):
+    """Where a read lands on the local side."""
+
+    ENGINE = "engine"  # straight into the engine's blocks
+    STAGING = "staging"  # into the daemon's staging pool, converted afterwards
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineView:
+    """One engine rank as a planner sees it: its layout and where its layers live."""
+
+    spec: LayoutSpec
+    placements: tuple[LayerPlacement, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ReadGroup:
+    """One NIXL transfer: runs of ``remote_geometry`` read into runs of ``local_geometry``."""
+
+    remote_rank: int
+    remote_geometry: DescGeometry
+    remote_indices: np.ndarray
+    local_target: Target
+    local_geometry: DescGeometry
+    local_indices: np.ndarray
+    nbytes: int
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.remote_indices.size)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PullPlan:
+    """Everything a pull does, decided before any byte moves."""
+
+    reads: tuple[ReadGroup, ...]
+    # Conversion run after the reads (staging -> engine blocks); None for direct reads.
+    postprocess: Postprocess | None = None
+    staging_bytes: int = 0
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(group.num_descriptors for group in self.reads)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(group.nbytes for group in self.reads)
+
+    @property
+    def direct(self) -> bool:
+        return all(group.local_target is Target.ENGINE for group in self.reads)
+
+    @property
+    def remote_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({group.remote_rank for group in self.reads}))
+
+
+def block_geometry(view: EngineView, max_run_blocks: int) -> DescGeometry:
+    """Whole blocks of every plane of every layer, with runs up to ``max_run_blocks``."""
+    spec = view.spec
+    if spec.kv_format is KvFormat.JOINT:
+        planes = tuple((p.region, p.k_offset) for p in view.placements)
+        unit = 2 * spec.block_bytes  # K and V of a block are adjacent: one descriptor
+    else:
+        planes = tuple((p.region, off) for p in view.placements for off in spec.plane_offsets(p))
+        unit = spec.block_bytes
+    return DescGeometry(
+        planes=planes,
+        num_units=spec.num_blocks,
+        unit_stride=unit,
+        unit_bytes=unit,
+        max_run_log2=max_run_log2_for(spec.num_blocks, max_run_blocks),
+    )
+
+
+def partial_block_geometry(view: EngineView, tokens: int) -> DescGeometry:
+    """The first ``tokens`` tokens of any block, every plane (and every head for HND)."""
+    spec = view.spec
+    if spec.layout is KvLayout.NHD or spec.kv_format is KvFormat.MLA:
+        planes = tuple((p.region, off) for p in view.placements for off in spec.plane_offsets(p))
+        unit = tokens * spec.token_bytes
+    else:
+        head_stride = spec.block_size * spec.head_bytes_per_token
+        planes = tuple(
+            (p.region, off + head * head_stride)
+            for p in view.placements
+            for off in spec.plane_offsets(p)
+            for head in range(spec.num_kv_heads)
+        )
+        unit = tokens * spec.head_bytes_per_token
+    return DescGeometry(planes=planes, num_units=spec.num_blocks, unit_stride=spec.block_stride, unit_bytes=unit)
+
+
+def check_convertible(remote: LayoutSpec, local: LayoutSpec) -> None:
+    """Refuse pairs no conversion can serve, naming both sides' values."""
+    mismatches = []
+    for name in ("dtype", "head_dim", "num_layers", "total_num_kv_heads"):
+        if getattr(remote, name) != getattr(local, name):
+            mismatches.append(f"{name}: remote {getattr(remote, name)} vs local {getattr(local, name)}")
+    if (remote.kv_format is KvFormat.MLA) != (local.kv_format is KvFormat.MLA):
+        mismatches.append(f"kv_format: remote {remote.kv_format.value} vs local {local.kv_format.value}")
+    if mismatches:
+        raise IncompatibleLayout("KV layouts cannot be converted: " + "; ".join(mismatches))
+
+
+def _same_layout_group(
+    remote_rank: int,
+    remote_geo: DescGeometry,
+    remote_units: np.ndarray,
+    local_geo: DescGeometry,
+    local_units: np.ndarray,
+) -> ReadGroup:
+    """Read units to units across all planes, merging runs of adjacent units."""
+    local_start, remote_start, log2_len, _ = split_runs(local_units, remote_units, local_geo.max_run_log2)
+    pieces = log2_len.size
+    plane = np.repeat(np.arange(len(local_geo.planes), dtype=np.int64), pieces)
+    local_idx = local_geo.index(plane, np.tile(local_start, len(local_geo.planes)), np.tile(log2_len, len(local_geo.planes)))
+    remote_idx = remote_geo.index(
+        plane, np.tile(remote_start, len(remote_geo.planes)), np.tile(log2_len, len(remote_geo.planes))
+    )
+    nbytes = local_geo.nbytes_of(log2_len) * len(local_geo.planes)
+    return ReadGroup(remote_rank, remote_geo, remote_idx, Target.ENGINE, local_geo, local_idx, nbytes)
+
+
+def validate_pull(
+    remote: LayoutSpec,
+    local: LayoutSpec,
+    remote_block_ids: Sequence[int],
+    local_block_ids: Sequence[int],
+    num_tokens: int,
+) -> None:
+    """Raise InvalidArgument unless the block lists and token count agree with both layouts."""
+    if num_tokens < 1:
+        raise InvalidArgument(f"num_tokens must be >= 1, got {num_tokens}")
+    need_local = local.blocks_for(num_tokens)
+    if len(local_block_ids) != need_local:
+        raise InvalidArgument(
+            f"{num_tokens} tokens need {need_local} local blocks of {local.block_size} tokens, "
+            f"got {len(local_block_ids)} local block ids"
+        )
+    need_remote = remote.blocks_for(num_tokens)
+    if len(remote_block_ids) < need_remote:
+        raise InvalidArgument(
+            f"{num_tokens} tokens need {need_remote} remote blocks of {remote.block_size} tokens, "
+            f"the holder offered {len(remote_block_ids)}"
+        )
+    local.validate_block_ids(local_block_ids, "local block ids")
+    remote.validate_block_ids(remote_block_ids, "remote block ids")
+    if len(set(local_block_ids)) != len(local_block_ids):
+        raise InvalidArgument("local block ids repeat a block: two token ranges cannot land in one block")
+
+
+def same_layout(remote: LayoutSpec, local: LayoutSpec) -> bool:
+    """True when bytes can be copied block for block (only block counts may differ)."""
+    return dataclasses.replace(remote, num_blocks=1, tp_rank=0) == dataclasses.replace(local, num_blocks=1, tp_rank=0)
+
+
+def plan_pull(
+    remote: Mapping[int, EngineView],
+    local: EngineView,
+    remote_block_ids: Sequence[int],
+    local_block_ids: Sequence[int],
+    num_tokens: int,
+    *,
+    max_run_blocks: int = 64,
+    direct_read_min_bytes: int = 4096,
+) -> PullPlan:
+    """Plan reading ``num_tokens`` tokens held in ``remote_block_ids`` into ``local_block_ids``.
+
+    ``remote`` maps the holder's TP ranks to their views (all ranks the holder registered).
+    Same layout, block size and TP on both sides: direct reads, whole blocks merged into runs,
+    the last partial block token-exact. Other pairs go to the conversion planner.
+    """
+    if not remote:
+        raise IncompatibleLayout("the holder has no engine ranks registered")
+    any_remote = next(iter(remote.values())).spec
+    check_convertible(any_remote, local.spec)
+    validate_pull(any_remote, local.spec, remote_block_ids, local_block_ids, num_tokens)
+    local_rank = local.spec.tp_rank
+    if same_layout(any_remote, local.spec) and local_rank in remote:
+        return _plan_same_layout(remote[local_rank], local, remote_block_ids, local_block_ids, num_tokens, max_run_blocks)
+    from kvd.layout import convert_plan  # noqa: PLC0415 - the conversion planner is optional weight
+
+    return convert_plan.plan_conversion(
+        remote,
+        local,
+        remote_block_ids,
+        local_block_ids,
+        num_tokens,
+        max_run_blocks=max_run_blocks,
+        direct_read_min_bytes=direct_read_min_bytes,
+    )
+
+
+def _plan_same_layout(
+    remote: EngineView,
+    local: EngineView,
+    remote_block_ids: Sequence[int],
+    local_block_ids: Sequence[int],
+    num_tokens: int,
+    max_run_blocks: int,
+) -> PullPlan:
+    spec = local.spec
+    full_blocks, tail_tokens = divmod(num_tokens, spec.block_size)
+    local_ids = np.asarray(local_block_ids, dtype=np.int64)
+    remote_ids = np.asarray(remote_block_ids, dtype=np.int64)[: local_ids.size]
+    rank = remote.spec.tp_rank
+    groups = []
+    if full_blocks:
+        remote_geo = block_geometry(remote, max_run_blocks)
+        local_geo = block_geometry(local, max_run_blocks)
+        # Both tables must cut runs the same way: use the smaller run limit of the two.
+        k = min(remote_geo.max_run_log2, local_geo.max_run_log2)
+        remote_geo = dataclasses.replace(remote_geo, max_run_log2=k)
+        local_geo = dataclasses.replace(local_geo, max_run_log2=k)
+        groups.append(_same_layout_group(rank, remote_geo, remote_ids[:full_blocks], local_geo, local_ids[:full_blocks]))
+    if tail_tokens:
+        remote_geo = partial_block_geometry(remote, tail_tokens)
+        local_geo = partial_block_geometry(local, tail_tokens)
+        groups.append(
+            _same_layout_group(rank, remote_geo, remote_ids[full_blocks:], local_geo, local_ids[full_blocks:])
+        )
+    return PullPlan(reads=tuple(groups))

@@ -1,0 +1,1 @@
+"""The gRPC edge of the daemon: thin servicers that translate wire <-> core and map errors."""

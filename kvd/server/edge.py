@@ -1,0 +1,65 @@
+"""The server edge: kvd errors -> gRPC status codes, once, for every RPC.
+
+A KvdError travels as its class's status code with its message, and the class name in the
+trailing metadata (the client rebuilds the same class). Anything else is a bug: logged with
+its traceback, and the caller gets INTERNAL with a generic message.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvd.core.metrics import Metrics
+from kvd_client.errors import ERROR_CLASS_METADATA_KEY, KvdError
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+async def _abort(context: grpc.aio.ServicerContext, metrics: Metrics | None, operation: str, exc: BaseException) -> None:
+    if isinstance(exc, KvdError):
+        code, message, name = exc.code, exc.message, type(exc).__name__
+    else:
+        logger.exception("internal error in %s", operation, exc_info=exc)
+        code, message, name = grpc.StatusCode.INTERNAL, f"internal error in {operation}; see the daemon's log", "Internal"
+    if metrics is not None:
+        metrics.errors.labels(operation, code.name).inc()
+    context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, name),))
+    await context.abort(code, message)
+
+
+def rpc(method: F) -> F:
+    """Wrap a servicer method (unary or streaming) so core errors become precise statuses."""
+    operation = method.__name__
+
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except (KvdError, Exception) as exc:  # noqa: BLE001 - this is the one mapping point
+                if isinstance(exc, grpc.aio.AbortError):
+                    raise
+                await _abort(context, getattr(self, "metrics", None), operation, exc)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the one mapping point
+            await _abort(context, getattr(self, "metrics", None), operation, exc)
+
+    return unary_wrapper  # type: ignore[return-value]

@@ -1,0 +1,110 @@
+"""The core's PeerTransport over gRPC: how this daemon calls peer daemons.
+
+Channels are cached per address. Statuses from the peer come back as the same kvd error
+classes; a peer that cannot be reached is PeerUnavailable, naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from kvd.core.peers import HandshakeInfo, PrepareResult
+from kvd.server import convert
+from kvd.v1 import peer_pb2, peer_pb2_grpc
+from kvd_client.errors import ERROR_CLASS_METADATA_KEY, KvdError, PeerUnavailable, from_status
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+def _to_kvd(exc: grpc.aio.AioRpcError, address: str, what: str) -> KvdError:
+    code = exc.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not _class_name(exc):
+        return PeerUnavailable(f"peer daemon {address} unreachable during {what}: {exc.details() or code.name}")
+    return from_status(code, f"peer daemon {address}: {exc.details()}", _class_name(exc))
+
+
+def _class_name(exc: grpc.aio.AioRpcError) -> str:
+    for key, value in exc.trailing_metadata() or ():
+        if key == ERROR_CLASS_METADATA_KEY:
+            return str(value)
+    return ""
+
+
+class GrpcPeerTransport:
+    """PeerTransport over grpc.aio (TLS when credentials are given)."""
+
+    def __init__(self, own_address: Callable[[], str], own_incarnation: Callable[[], str], credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._own_address = own_address
+        self._own_incarnation = own_incarnation
+        self._credentials = credentials
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> peer_pb2_grpc.PeerServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            if self._credentials is not None:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return peer_pb2_grpc.PeerServiceStub(channel)
+
+    async def _call(self, address: str, what: str, call: Callable[[peer_pb2_grpc.PeerServiceStub], Awaitable[T]]) -> T:
+        try:
+            return await call(self._stub(address))
+        except grpc.aio.AioRpcError as exc:
+            raise _to_kvd(exc, address, what) from exc
+
+    async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo:
+        request = peer_pb2.HandshakeRequest(caller_incarnation=self._own_incarnation(), caller_address=self._own_address())
+        response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
+        return convert.handshake_from_pb(response)
+
+    async def prepare_pull(
+        self,
+        address: str,
+        *,
+        lease_id: str,
+        engine_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        reader_tp_rank: int,
+        reader_tp_size: int,
+        remote_tp_ranks: tuple[int, ...],
+        timeout_s: float,
+    ) -> PrepareResult:
+        request = peer_pb2.PreparePullRequest(
+            lease_id=lease_id,
+            engine_id=engine_id,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            reader_incarnation=self._own_incarnation(),
+            reader_tp_rank=reader_tp_rank,
+            reader_tp_size=reader_tp_size,
+            remote_tp_ranks=list(remote_tp_ranks),
+            reader_address=self._own_address(),
+        )
+        response = await self._call(address, "prepare pull", lambda stub: stub.PreparePull(request, timeout=timeout_s))
+        return PrepareResult(tuple(response.registration_ids), response.notif_tag)
+
+    async def abandon_pull(self, address: str, lease_id: str, reader_tp_rank: int, reason: str, timeout_s: float) -> None:
+        request = peer_pb2.AbandonPullRequest(lease_id=lease_id, reader_tp_rank=reader_tp_rank, reason=reason[:500])
+        await self._call(address, "abandon pull", lambda stub: stub.AbandonPull(request, timeout=timeout_s))
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()

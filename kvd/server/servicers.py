@@ -1,0 +1,248 @@
+"""Thin servicers: validate, call the core, translate. No logic lives here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvd.core.daemon import Daemon
+from kvd.core.events import EngineEvent, FinishedRecving, FinishedSending, LoadFailed
+from kvd.core.leases import Lease
+from kvd.server import convert
+from kvd.server.edge import rpc
+from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
+from kvd_client.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+
+def _lease_to_pb(daemon: Daemon, lease: Lease) -> common_pb2.LeaseInfo:
+    params = daemon.params_of(lease)
+    return common_pb2.LeaseInfo(
+        lease_id=lease.lease_id,
+        engine_id=lease.engine_id,
+        request_id=lease.request_id,
+        block_ids=list(lease.block_ids),
+        num_tokens=lease.num_tokens,
+        expires_unix_ms=params.lease_expires_unix_ms,
+    )
+
+
+def _event_to_pb(event: EngineEvent) -> engine_pb2.DaemonMessage:
+    if isinstance(event, FinishedSending):
+        return engine_pb2.DaemonMessage(
+            finished_sending=engine_pb2.FinishedSending(
+                request_id=event.request_id, lease_id=event.lease_id, expired=event.expired
+            )
+        )
+    if isinstance(event, FinishedRecving):
+        return engine_pb2.DaemonMessage(
+            finished_recving=engine_pb2.FinishedRecving(request_id=event.request_id, transfer_id=event.transfer_id)
+        )
+    assert isinstance(event, LoadFailed)
+    return engine_pb2.DaemonMessage(
+        load_failed=engine_pb2.LoadFailed(
+            request_id=event.request_id,
+            transfer_id=event.transfer_id,
+            error_code=event.error_code,
+            error_message=event.error_message,
+            block_ids=list(event.block_ids),
+        )
+    )
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.metrics = daemon.metrics
+
+    @rpc
+    async def RegisterKvCache(self, request: engine_pb2.RegisterKvCacheRequest, context: grpc.aio.ServicerContext) -> engine_pb2.RegisterKvCacheResponse:
+        if not request.HasField("layout"):
+            raise InvalidArgument("layout is required")
+        spec = convert.layout_from_pb(request.layout)
+        regions = [convert.region_from_pb(region, i) for i, region in enumerate(request.regions)]
+        placements = [convert.placement_from_pb(p) for p in request.layers]
+        rank = await self.daemon.register_engine(
+            request.engine_id, spec, regions, placements, request.require_commits, request.engine_pid
+        )
+        return engine_pb2.RegisterKvCacheResponse(
+            daemon_incarnation=self.daemon.incarnation,
+            agent_name=self.daemon.agent_name,
+            registration_id=rank.registration_id,
+        )
+
+    @rpc
+    async def UnregisterKvCache(self, request: engine_pb2.UnregisterKvCacheRequest, context: grpc.aio.ServicerContext) -> engine_pb2.UnregisterKvCacheResponse:
+        self.daemon.unregister_engine(request.engine_id, request.tp_rank)
+        return engine_pb2.UnregisterKvCacheResponse()
+
+    @rpc
+    async def HoldBlocks(self, request: engine_pb2.HoldBlocksRequest, context: grpc.aio.ServicerContext) -> engine_pb2.HoldBlocksResponse:
+        lease, params = self.daemon.hold(
+            request.engine_id, request.request_id, list(request.block_ids), request.num_tokens, request.ttl_ms / 1000.0
+        )
+        return engine_pb2.HoldBlocksResponse(
+            lease=_lease_to_pb(self.daemon, lease), kv_transfer_params=convert.params_to_pb(params)
+        )
+
+    @rpc
+    async def EngineStream(
+        self, request_iterator: AsyncIterator[engine_pb2.EngineMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.DaemonMessage]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "hello":
+            raise InvalidArgument("the first message of an engine stream must be hello(engine_id, tp_rank)")
+        rank = self.daemon.attach_stream(first.hello.engine_id, first.hello.tp_rank)
+        reader = asyncio.get_running_loop().create_task(self._read_engine(rank, request_iterator))
+        try:
+            while not reader.done():
+                wakeup = rank.wakeup
+                if wakeup is None:
+                    break
+                for event in rank.drain():
+                    yield _event_to_pb(event)
+                wakeup.clear()
+                if rank.pending:
+                    continue
+                waiter = asyncio.ensure_future(wakeup.wait())
+                await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+            for event in rank.drain():
+                yield _event_to_pb(event)
+            if reader.done() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+        finally:
+            reader.cancel()
+            self.daemon.detach_stream(rank)
+
+    async def _read_engine(self, rank: object, request_iterator: AsyncIterator[engine_pb2.EngineMessage]) -> None:
+        async for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            if kind == "commit":
+                self.daemon.commit(rank, message.commit.request_id, message.commit.committed_tokens)  # type: ignore[arg-type]
+            elif kind == "post_forward":
+                pf = message.post_forward
+                self.daemon.post_forward(rank, pf.step, list(pf.finished_request_ids))  # type: ignore[arg-type]
+            else:
+                raise InvalidArgument(f"unexpected {kind!r} message on an open engine stream")
+
+
+class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.metrics = daemon.metrics
+
+    @rpc
+    async def Handshake(self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> peer_pb2.HandshakeResponse:
+        self.daemon.require_serving()
+        return convert.handshake_to_pb(self.daemon.handshake_info())
+
+    @rpc
+    async def PreparePull(self, request: peer_pb2.PreparePullRequest, context: grpc.aio.ServicerContext) -> peer_pb2.PreparePullResponse:
+        result = await self.daemon.prepare_pull(
+            lease_id=request.lease_id,
+            engine_id=request.engine_id,
+            block_ids=list(request.block_ids),
+            num_tokens=request.num_tokens,
+            reader_tp_rank=request.reader_tp_rank,
+            reader_tp_size=request.reader_tp_size,
+            remote_tp_ranks=list(request.remote_tp_ranks),
+            reader_address=request.reader_address,
+        )
+        return peer_pb2.PreparePullResponse(registration_ids=list(result.registration_ids), notif_tag=result.notif_tag)
+
+    @rpc
+    async def AbandonPull(self, request: peer_pb2.AbandonPullRequest, context: grpc.aio.ServicerContext) -> peer_pb2.AbandonPullResponse:
+        self.daemon.abandon_pull(request.lease_id, request.reader_tp_rank, request.reason)
+        return peer_pb2.AbandonPullResponse()
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.metrics = daemon.metrics
+
+    @rpc
+    async def StartPull(self, request: router_pb2.StartPullRequest, context: grpc.aio.ServicerContext) -> router_pb2.StartPullResponse:
+        if not request.HasField("remote"):
+            raise InvalidArgument("remote kv_transfer_params are required")
+        transfer = self.daemon.start_pull(
+            request.engine_id,
+            request.tp_rank,
+            request.request_id,
+            list(request.local_block_ids),
+            convert.params_from_pb(request.remote),
+            request.deadline_ms / 1000.0,
+        )
+        return router_pb2.StartPullResponse(transfer_id=transfer.transfer_id)
+
+    @rpc
+    async def GetTransfer(self, request: router_pb2.GetTransferRequest, context: grpc.aio.ServicerContext) -> common_pb2.TransferStatus:
+        return convert.transfer_to_pb(self.daemon.transfers.get(request.transfer_id))
+
+    @rpc
+    async def WatchTransfer(self, request: router_pb2.GetTransferRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TransferStatus]:
+        transfer = self.daemon.transfers.get(request.transfer_id)
+        async for current in transfer.changes():
+            yield convert.transfer_to_pb(current)
+
+    @rpc
+    async def CancelTransfer(self, request: router_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext) -> common_pb2.TransferStatus:
+        transfer = self.daemon.cancel_transfer(request.transfer_id)
+        if transfer.task is not None and not transfer.task.done():
+            await asyncio.wait({transfer.task}, timeout=5.0)
+        return convert.transfer_to_pb(transfer)
+
+    @rpc
+    async def LookupHeld(self, request: router_pb2.LookupHeldRequest, context: grpc.aio.ServicerContext) -> router_pb2.LookupHeldResponse:
+        held = self.daemon.lookup_held(request.engine_id, request.request_id)
+        return router_pb2.LookupHeldResponse(held=[convert.params_to_pb(p) for p in held])
+
+    @rpc
+    async def RenewLease(self, request: router_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext) -> common_pb2.LeaseInfo:
+        lease = self.daemon.renew_lease(request.lease_id, request.ttl_ms / 1000.0)
+        return _lease_to_pb(self.daemon, lease)
+
+    @rpc
+    async def ReleaseLease(self, request: router_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext) -> router_pb2.ReleaseLeaseResponse:
+        self.daemon.release_lease(request.lease_id)
+        return router_pb2.ReleaseLeaseResponse()
+
+    @rpc
+    async def GetStatus(self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext) -> router_pb2.GetStatusResponse:
+        s = self.daemon.status()
+        return router_pb2.GetStatusResponse(
+            incarnation=s["incarnation"],
+            agent_name=s["agent_name"],
+            peer_address=s["peer_address"],
+            engines=[
+                router_pb2.EngineSummary(
+                    engine_id=r.engine_id,
+                    tp_rank=r.tp_rank,
+                    tp_size=r.spec.tp_size,
+                    registered_bytes=r.registered_bytes,
+                    stream_connected=r.stream_connected,
+                    layout=convert.layout_to_pb(r.spec),
+                )
+                for r in s["engines"]
+            ],
+            peers=[
+                router_pb2.PeerSummary(address=p.address, incarnation=p.incarnation, agent_name=p.agent_name)
+                for p in s["peers"]
+            ],
+            transfers_in_flight=s["transfers_in_flight"],
+            leases_held=s["leases_held"],
+            serving=s["serving"],
+            uptime_s=s["uptime_s"],
+        )
+
+    @rpc
+    async def SelftestHold(self, request: router_pb2.SelftestHoldRequest, context: grpc.aio.ServicerContext) -> router_pb2.SelftestHoldResponse:
+        spec, params = await self.daemon.selftest_hold(request.size_bytes, request.seed)
+        return router_pb2.SelftestHoldResponse(
+            kv_transfer_params=convert.params_to_pb(params), layout=convert.layout_to_pb(spec)
+        )
