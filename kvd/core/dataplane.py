@@ -79,9 +79,10 @@ class DataPlane:
 
     def add_remote(self, metadata: bytes) -> str:
         try:
-            return str(self.agent.add_remote_agent(metadata))
+            name = self.agent.add_remote_agent(metadata)
         except Exception as exc:  # NIXL raises its own exception types here
             raise InvalidArgument(f"peer agent metadata rejected by NIXL: {exc}") from exc
+        return name.decode() if isinstance(name, bytes) else str(name)
 
     def remove_remote(self, agent_name: str) -> None:
         """Forget a peer agent and every table prepared against it."""

@@ -1,0 +1,196 @@
+"""The engine's long-lived stream to its daemon (asyncio front end).
+
+Same contract as :class:`kvd_client.EngineStream`: sends are plain (non-async) queue puts that
+never wait on the daemon, a background task collects what the daemon sends, :attr:`closed` and
+:attr:`error` report the end of the RPC. ``poll`` and ``close`` are coroutines, and the stream is an
+async iterator of the daemon's messages. Use it from the event loop that created it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator, Sequence
+from types import TracebackType
+
+import grpc
+
+from kvd.v1 import engine_pb2, engine_pb2_grpc
+
+from . import errors
+from ._engine_stream import (
+    CLOSE,
+    COMMIT,
+    DEFAULT_CLOSE_TIMEOUT_S,
+    POST_FORWARD,
+    Item,
+    ended_by_daemon,
+    hello_message,
+    to_message,
+)
+from ._errors_map import to_kvd_error
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngineStream:
+    """One engine rank's bidirectional stream to its daemon, driven by an asyncio task."""
+
+    def __init__(
+        self,
+        stub: engine_pb2_grpc.EngineServiceStub,
+        engine_id: str,
+        tp_rank: int,
+        *,
+        wait_for_ready: bool = False,
+    ) -> None:
+        self.engine_id = engine_id
+        self.tp_rank = tp_rank
+        self._outbox: asyncio.Queue[Item | object] = asyncio.Queue()
+        self._inbox: collections.deque[engine_pb2.DaemonMessage] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._closing = False
+        self._ended = False
+        self._error: errors.KvdError | None = None
+        self._dropped = 0
+        self._call = stub.EngineStream(self._requests(), wait_for_ready=wait_for_ready)
+        self._task = asyncio.get_running_loop().create_task(
+            self._receive(), name=f"kvd-engine-stream-{engine_id}-{tp_rank}"
+        )
+
+    # -- the engine's side -------------------------------------------------------------------
+
+    def send_commit(self, request_id: str, committed_tokens: int) -> bool:
+        """Queue a commit watermark for ``request_id``; False once the stream ended. Never waits."""
+        if self._ended or self._closing:
+            return False
+        self._outbox.put_nowait((COMMIT, request_id, committed_tokens))
+        return True
+
+    def send_post_forward(self, step: int, finished_request_ids: Sequence[str] = ()) -> bool:
+        """Queue the post-forward signal of ``step``; False if the stream has ended. Never waits."""
+        if self._ended or self._closing:
+            return False
+        self._outbox.put_nowait((POST_FORWARD, step, tuple(finished_request_ids)))
+        return True
+
+    async def poll(self, timeout_s: float = 0.0) -> list[engine_pb2.DaemonMessage]:
+        """Drain what the daemon sent; with ``timeout_s`` > 0, wait up to that long for a first
+        message, returning early if the stream ends."""
+        inbox = self._inbox
+        if not inbox and timeout_s > 0 and not self._ended:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        out: list[engine_pb2.DaemonMessage] = []
+        while inbox:
+            out.append(inbox.popleft())
+        return out
+
+    def __aiter__(self) -> AsyncIterator[engine_pb2.DaemonMessage]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[engine_pb2.DaemonMessage]:
+        """Each message the daemon sends, until the stream ends (check :attr:`error` after)."""
+        while True:
+            while self._inbox:
+                yield self._inbox.popleft()
+            if self._ended:
+                return
+            self._arrived.clear()
+            if not self._inbox and not self._ended:
+                await self._arrived.wait()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the RPC is over (closed by us, ended by the daemon, or failed)."""
+        return self._ended
+
+    @property
+    def error(self) -> errors.KvdError | None:
+        """Why the RPC ended, when it was not a clean :meth:`close` (e.g. the daemon died)."""
+        return self._error
+
+    @property
+    def dropped(self) -> int:
+        """How many queued messages were dropped because their values could not be encoded."""
+        return self._dropped
+
+    async def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
+        """End the stream cleanly (half-close, then wait for the daemon); cancel the RPC if the
+        daemon does not end its side within ``timeout_s``. Idempotent."""
+        if not self._closing:
+            self._closing = True
+            self._outbox.put_nowait(CLOSE)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+        except TimeoutError:
+            logger.warning(
+                "daemon did not end the engine stream of %s rank %d within %.1fs; cancelling",
+                self.engine_id, self.tp_rank, timeout_s,
+            )
+            self._call.cancel()
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+
+    async def __aenter__(self) -> AsyncEngineStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # -- the background side -----------------------------------------------------------------
+
+    async def _requests(self) -> AsyncIterator[engine_pb2.EngineMessage]:
+        """What grpc sends: the hello, then each queued item until CLOSE."""
+        yield hello_message(self.engine_id, self.tp_rank)
+        while True:
+            item = await self._outbox.get()
+            if item is CLOSE:
+                return
+            message = to_message(item)  # type: ignore[arg-type]
+            if message is None:
+                self._dropped += 1
+            else:
+                yield message
+
+    async def _receive(self) -> None:
+        """Task body: collect the daemon's messages until the RPC ends, then record why."""
+        try:
+            async for message in self._call:
+                self._inbox.append(message)
+                self._arrived.set()
+            if not self._closing:
+                self._error = ended_by_daemon(self.engine_id, self.tp_rank)
+        except grpc.RpcError as rpc_error:
+            code = rpc_error.code() if hasattr(rpc_error, "code") else None
+            if not (self._closing and code == grpc.StatusCode.CANCELLED):
+                err = to_kvd_error(rpc_error)
+                err.__cause__ = rpc_error
+                self._error = err
+        except asyncio.CancelledError:
+            # grpc.aio raises CancelledError for a locally cancelled call: expected after close().
+            if not self._closing:
+                self._error = errors.Cancelled("engine stream cancelled")
+                raise
+        except Exception as exc:  # a background task must record what killed it
+            logger.exception("engine stream of %s rank %d failed", self.engine_id, self.tp_rank)
+            err = errors.Internal(f"engine stream failed: {exc!r}")
+            err.__cause__ = exc
+            self._error = err
+        finally:
+            self._ended = True
+            self._outbox.put_nowait(CLOSE)  # ends the request generator if grpc still reads it
+            self._arrived.set()
+            if self._error is not None:
+                logger.warning(
+                    "engine stream of %s rank %d ended: %s",
+                    self.engine_id, self.tp_rank, self._error,
+                )

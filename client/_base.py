@@ -1,0 +1,112 @@
+"""What the sync and asyncio clients share: request building, deadlines, transfer outcomes.
+
+Kept free of any I/O so that both front ends behave identically and the rules are tested once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from kvd.v1 import common_pb2
+
+from . import errors
+
+M = TypeVar("M", bound=Message)
+
+DEFAULT_TIMEOUT_S = 10.0
+"""Per-call deadline when neither the call nor the client names one: long enough for a
+registration (the daemon maps and registers memory), short enough that a hung daemon is noticed."""
+
+TERMINAL_STATES: frozenset[int] = frozenset(
+    {
+        common_pb2.TRANSFER_STATE_DONE,
+        common_pb2.TRANSFER_STATE_FAILED,
+        common_pb2.TRANSFER_STATE_ABORTED,
+    }
+)
+
+UNREACHABLE_STATUS: frozenset[grpc.StatusCode] = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+"""Codes for which a health check answers False (the daemon is not healthy) rather than raising."""
+
+
+def build_request(cls: type[M], request: M | None, **fields: Any) -> M:
+    """The request message: ``request`` as given, or one built from the fields that are not None.
+
+    Fields left at None take the proto default, so callers name only what they mean. Passing both
+    a prebuilt request and fields is ambiguous (which wins?) and is refused.
+    """
+    given = {name: value for name, value in fields.items() if value is not None}
+    if request is None:
+        return cls(**given)
+    if not isinstance(request, cls):
+        raise TypeError(f"request= must be a {cls.__name__}, not {type(request).__name__}")
+    if given:
+        raise TypeError(f"pass either request= or {', '.join(sorted(given))}, not both")
+    return request
+
+
+def grpc_timeout(timeout_s: float | None, default_s: float | None) -> float | None:
+    """The grpc ``timeout=`` of a call: None picks the client's default, ``math.inf`` means none."""
+    value = default_s if timeout_s is None else timeout_s
+    if value is None or math.isinf(value):
+        return None
+    if value <= 0:
+        raise ValueError(f"timeout_s must be positive, got {value}")
+    return value
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    """A monotonic deadline ``timeout`` seconds from now (None: no deadline)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def time_left(deadline: float | None) -> float:
+    """Seconds until ``deadline`` (``math.inf`` without one); at least a millisecond, so that a
+    last call still fails DEADLINE_EXCEEDED rather than with a local ValueError."""
+    if deadline is None:
+        return math.inf
+    return max(deadline - time.monotonic(), 1e-3)
+
+
+def is_terminal(status: common_pb2.TransferStatus) -> bool:
+    """Whether the transfer has ended (done, failed or aborted)."""
+    return status.state in TERMINAL_STATES
+
+
+def transfer_error(status: common_pb2.TransferStatus) -> errors.KvdError | None:
+    """The error a FAILED or ABORTED transfer stands for; None for any other state.
+
+    The daemon reports the gRPC status code *name* (e.g. ``"UNAVAILABLE"``) in ``error_code``; an
+    unknown or missing name falls back to ABORTED / INTERNAL so that a caller still gets a class.
+    """
+    if status.state == common_pb2.TRANSFER_STATE_ABORTED:
+        fallback = grpc.StatusCode.ABORTED
+    elif status.state == common_pb2.TRANSFER_STATE_FAILED:
+        fallback = grpc.StatusCode.INTERNAL
+    else:
+        return None
+    code = grpc.StatusCode.__members__.get(status.error_code, fallback)
+    message = status.error_message or (
+        f"transfer {status.transfer_id} {common_pb2.TransferState.Name(status.state)}"
+    )
+    return errors.from_status(code, message)
+
+
+def final_status(status: common_pb2.TransferStatus) -> common_pb2.TransferStatus:
+    """``status`` if the transfer is DONE; the mapped error raised if it failed or was aborted."""
+    err = transfer_error(status)
+    if err is not None:
+        raise err
+    return status
+
+
+def watch_ended_early(transfer_id: str) -> errors.KvdError:
+    """The error for a watch that ended before the transfer did (the daemon went away)."""
+    return errors.Unavailable(f"watch of transfer {transfer_id} ended before the transfer did")

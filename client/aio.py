@@ -1,0 +1,327 @@
+"""The asyncio client of a kvd daemon, for engines (EngineService) and routers (RouterService).
+
+Every RPC is a snake_case method taking keyword arguments (or a prebuilt ``request=``) and a
+per-call ``timeout_s`` (None: the client's default; ``math.inf``: no deadline). Every grpc error
+comes out as a :mod:`kvd_client.errors` class, with the RpcError chained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import AsyncGenerator, Iterable
+from types import TracebackType
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+
+from . import _base
+from ._aio_engine_stream import AsyncEngineStream
+from ._channel import ChannelOptions, TlsConfig, create_aio_channel
+from ._errors_map import to_kvd_error, translate_aiter, translate_async
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncKvdClient:
+    """An asyncio connection to one daemon (Unix socket for engines, TCP for routers).
+
+    Create and use it inside one running event loop (grpc.aio channels belong to their loop).
+    Pass ``channel=`` to use a grpc.aio channel you built; the client then does not close it.
+    """
+
+    def __init__(
+        self,
+        target: str = "",
+        *,
+        timeout_s: float | None = _base.DEFAULT_TIMEOUT_S,
+        tls: TlsConfig | None = None,
+        options: ChannelOptions = (),
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        if channel is None:
+            if not target:
+                raise ValueError("AsyncKvdClient needs a target or a channel")
+            channel = create_aio_channel(target, tls=tls, options=options)
+            self._owns_channel = True
+        else:
+            self._owns_channel = False
+        self.target = target
+        self.default_timeout_s = timeout_s
+        self._channel = channel
+        self._engine = engine_pb2_grpc.EngineServiceStub(channel)
+        self._router = router_pb2_grpc.RouterServiceStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+        self._streams: weakref.WeakSet[AsyncEngineStream] = weakref.WeakSet()
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The underlying grpc channel."""
+        return self._channel
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return _base.grpc_timeout(timeout_s, self.default_timeout_s)
+
+    # -- EngineService -----------------------------------------------------------------------
+
+    @translate_async
+    async def register_kv_cache(
+        self,
+        *,
+        engine_id: str | None = None,
+        layout: common_pb2.KvLayoutSpec | None = None,
+        regions: Iterable[common_pb2.MemoryRegion] | None = None,
+        layers: Iterable[common_pb2.LayerPlacement] | None = None,
+        require_commits: bool | None = None,
+        engine_pid: int | None = None,
+        request: engine_pb2.RegisterKvCacheRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> engine_pb2.RegisterKvCacheResponse:
+        """Have the daemon map an engine rank's KV memory and register it with NIXL."""
+        req = _base.build_request(
+            engine_pb2.RegisterKvCacheRequest, request, engine_id=engine_id, layout=layout,
+            regions=regions, layers=layers, require_commits=require_commits, engine_pid=engine_pid,
+        )
+        return await self._engine.RegisterKvCache(req, timeout=self._timeout(timeout_s))
+
+    @translate_async
+    async def unregister_kv_cache(
+        self,
+        *,
+        engine_id: str | None = None,
+        tp_rank: int | None = None,
+        request: engine_pb2.UnregisterKvCacheRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> engine_pb2.UnregisterKvCacheResponse:
+        """Deregister an engine rank (its leases are released, its pulls aborted)."""
+        req = _base.build_request(
+            engine_pb2.UnregisterKvCacheRequest, request, engine_id=engine_id, tp_rank=tp_rank
+        )
+        return await self._engine.UnregisterKvCache(req, timeout=self._timeout(timeout_s))
+
+    @translate_async
+    async def hold_blocks(
+        self,
+        *,
+        engine_id: str | None = None,
+        request_id: str | None = None,
+        block_ids: Iterable[int] | None = None,
+        num_tokens: int | None = None,
+        ttl_ms: int | None = None,
+        request: engine_pb2.HoldBlocksRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> engine_pb2.HoldBlocksResponse:
+        """Hold a finished request's blocks under a lease; the answer carries kv_transfer_params."""
+        req = _base.build_request(
+            engine_pb2.HoldBlocksRequest, request, engine_id=engine_id, request_id=request_id,
+            block_ids=block_ids, num_tokens=num_tokens, ttl_ms=ttl_ms,
+        )
+        return await self._engine.HoldBlocks(req, timeout=self._timeout(timeout_s))
+
+    def open_engine_stream(
+        self, engine_id: str, tp_rank: int, *, wait_for_ready: bool = False
+    ) -> AsyncEngineStream:
+        """Open the rank's long-lived stream (commits and post-forward up, completions down).
+
+        Call it from the running loop (the stream's reader is a task of that loop). No deadline
+        applies: the stream lives as long as the engine. ``wait_for_ready`` makes the
+        RPC wait for a daemon that is still starting instead of failing UNAVAILABLE at once.
+        """
+        stream = AsyncEngineStream(self._engine, engine_id, tp_rank, wait_for_ready=wait_for_ready)
+        self._streams.add(stream)
+        return stream
+
+    # -- RouterService -----------------------------------------------------------------------
+
+    @translate_async
+    async def start_pull(
+        self,
+        *,
+        engine_id: str | None = None,
+        tp_rank: int | None = None,
+        request_id: str | None = None,
+        local_block_ids: Iterable[int] | None = None,
+        remote: common_pb2.KvTransferParams | None = None,
+        deadline_ms: int | None = None,
+        request: router_pb2.StartPullRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> router_pb2.StartPullResponse:
+        """Start pulling a remote engine's held KV into a local rank's blocks."""
+        req = _base.build_request(
+            router_pb2.StartPullRequest, request, engine_id=engine_id, tp_rank=tp_rank,
+            request_id=request_id, local_block_ids=local_block_ids, remote=remote,
+            deadline_ms=deadline_ms,
+        )
+        return await self._router.StartPull(req, timeout=self._timeout(timeout_s))
+
+    @translate_async
+    async def get_transfer(
+        self,
+        transfer_id: str | None = None,
+        *,
+        request: router_pb2.GetTransferRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> common_pb2.TransferStatus:
+        """The current status of a transfer."""
+        req = _base.build_request(router_pb2.GetTransferRequest, request, transfer_id=transfer_id)
+        return await self._router.GetTransfer(req, timeout=self._timeout(timeout_s))
+
+    def watch_transfer(
+        self,
+        transfer_id: str | None = None,
+        *,
+        request: router_pb2.GetTransferRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[common_pb2.TransferStatus, None]:
+        """Each state change of a transfer until it ends; ``timeout_s`` bounds the whole watch.
+
+        Stopping early (``break``) cancels the RPC.
+        """
+        req = _base.build_request(router_pb2.GetTransferRequest, request, transfer_id=transfer_id)
+        try:
+            call = self._router.WatchTransfer(req, timeout=self._timeout(timeout_s))
+        except grpc.RpcError as err:
+            raise to_kvd_error(err) from err
+        return translate_aiter(call)
+
+    async def wait_transfer(
+        self, transfer_id: str, timeout_s: float | None = None
+    ) -> common_pb2.TransferStatus:
+        """Wait until the transfer ends: its DONE status, or the mapped error if it failed or was
+        aborted (e.g. ``errors.Unavailable`` for a peer that died) or did not end in time."""
+        timeout = self._timeout(timeout_s)
+        deadline = _base.deadline_after(timeout)
+        watch = self.watch_transfer(transfer_id, timeout_s=timeout_s)
+        async with contextlib.aclosing(watch):
+            async for status in watch:
+                if _base.is_terminal(status):
+                    return _base.final_status(status)
+        # The watch ended without a final state; the daemon may still know it.
+        status = await self.get_transfer(transfer_id, timeout_s=_base.time_left(deadline))
+        if _base.is_terminal(status):
+            return _base.final_status(status)
+        raise _base.watch_ended_early(transfer_id)
+
+    @translate_async
+    async def cancel_transfer(
+        self,
+        transfer_id: str | None = None,
+        *,
+        request: router_pb2.CancelTransferRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> common_pb2.TransferStatus:
+        """Abort a transfer; its blocks are never reported loaded."""
+        req = _base.build_request(
+            router_pb2.CancelTransferRequest, request, transfer_id=transfer_id
+        )
+        return await self._router.CancelTransfer(req, timeout=self._timeout(timeout_s))
+
+    @translate_async
+    async def lookup_held(
+        self,
+        *,
+        engine_id: str | None = None,
+        request_id: str | None = None,
+        request: router_pb2.LookupHeldRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> router_pb2.LookupHeldResponse:
+        """What the daemon holds for remote readers (empty filters: everything)."""
+        req = _base.build_request(
+            router_pb2.LookupHeldRequest, request, engine_id=engine_id, request_id=request_id
+        )
+        return await self._router.LookupHeld(req, timeout=self._timeout(timeout_s))
+
+    @translate_async
+    async def renew_lease(
+        self,
+        lease_id: str | None = None,
+        *,
+        ttl_ms: int | None = None,
+        request: router_pb2.RenewLeaseRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> common_pb2.LeaseInfo:
+        """Push a lease's expiry out (``ttl_ms`` 0 or None: the daemon's default)."""
+        req = _base.build_request(
+            router_pb2.RenewLeaseRequest, request, lease_id=lease_id, ttl_ms=ttl_ms
+        )
+        return await self._router.RenewLease(req, timeout=self._timeout(timeout_s))
+
+    @translate_async
+    async def release_lease(
+        self,
+        lease_id: str | None = None,
+        *,
+        request: router_pb2.ReleaseLeaseRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> router_pb2.ReleaseLeaseResponse:
+        """Release a lease now (the holder's engine is told its blocks are free)."""
+        req = _base.build_request(router_pb2.ReleaseLeaseRequest, request, lease_id=lease_id)
+        return await self._router.ReleaseLease(req, timeout=self._timeout(timeout_s))
+
+    @translate_async
+    async def get_status(
+        self,
+        *,
+        request: router_pb2.GetStatusRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> router_pb2.GetStatusResponse:
+        """The daemon's incarnation, engines, peers and load."""
+        req = _base.build_request(router_pb2.GetStatusRequest, request)
+        return await self._router.GetStatus(req, timeout=self._timeout(timeout_s))
+
+    @translate_async
+    async def selftest_hold(
+        self,
+        *,
+        size_bytes: int | None = None,
+        seed: int | None = None,
+        request: router_pb2.SelftestHoldRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> router_pb2.SelftestHoldResponse:
+        """Have the daemon hold a scratch KV cache filled with a checksummed pattern (kvd selftest)."""
+        req = _base.build_request(router_pb2.SelftestHoldRequest, request, size_bytes=size_bytes, seed=seed)
+        return await self._router.SelftestHold(req, timeout=self._timeout(timeout_s))
+
+    # -- health and lifetime -----------------------------------------------------------------
+
+    async def health_check(self, timeout_s: float | None = None, service: str = "") -> bool:
+        """Whether the daemon (or ``service``) reports SERVING on the stock grpc health service.
+
+        An unreachable or unresponsive daemon is unhealthy (False); other failures (e.g. an unknown
+        service name) raise the mapped error.
+        """
+        try:
+            response = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout_s)
+            )
+        except grpc.RpcError as err:
+            if err.code() in _base.UNREACHABLE_STATUS:
+                logger.debug("health check of %s failed: %s", self.target, err)
+                return False
+            raise to_kvd_error(err) from err
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        """Close the engine streams this client opened, then the channel (if the client made it)."""
+        for stream in list(self._streams):
+            await stream.close()
+        if self._owns_channel:
+            await self._channel.close(grace=None)
+
+    async def __aenter__(self) -> AsyncKvdClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+__all__ = ["AsyncKvdClient", "AsyncEngineStream"]

@@ -1,0 +1,15 @@
+"""The kvd.v1 wire modules, for callers that build messages: ``from kvd_client import pb``.
+
+``pb.common_pb2.KvLayoutSpec(...)``, ``pb.router_pb2.StartPullRequest(...)``. The generated code
+lives in ``kvd.v1`` (light to import: no torch, no nixl); this module only gathers it.
+"""
+
+from kvd.v1 import (
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
+
+__all__ = ["common_pb2", "engine_pb2", "engine_pb2_grpc", "router_pb2", "router_pb2_grpc"]

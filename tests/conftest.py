@@ -1,0 +1,39 @@
+"""Fixtures shared by every test folder: real daemons as child processes."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/kvtest.py helpers
+
+from kvd.cli.spawn import DaemonProcess, start_daemon  # noqa: E402
+
+
+@pytest.fixture
+def spawn_daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start `kvd serve` processes (free ports, private sockets); all are stopped at the end."""
+    started: list[DaemonProcess] = []
+    counter = iter(range(1000))
+
+    def spawn(*flags: str, name: str = "", env: dict[str, str] | None = None) -> DaemonProcess:
+        daemon = start_daemon(tmp_path, name or f"d{next(counter)}", list(flags), env=env)
+        started.append(daemon)
+        return daemon
+
+    yield spawn
+    failed = getattr(request.node, "rep_call", None)
+    for daemon in started:
+        code = daemon.terminate()
+        if failed is not None and failed.failed:
+            print(f"--- log of daemon {daemon.name} (exit {code}) ---\n{daemon.log_tail(60)}")
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, "rep_" + report.when, report)

@@ -1,0 +1,99 @@
+"""Two real daemons, engines owning shm KV, real NIXL pulls in both directions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
+
+from kvd.v1 import common_pb2
+
+pytestmark = pytest.mark.integration
+
+
+def _events(engine: ShmEngine, stream, kind: str, want: int = 1, timeout_s: float = 10.0) -> list:
+    import time
+
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        got += [m for m in stream.poll() if m.WhichOneof("kind") == kind]
+        time.sleep(0.01)
+    return got
+
+
+@pytest.mark.parametrize("direction", ["decode_pulls_from_prefill", "prefill_pulls_from_decode"])
+def test_pull_moves_exact_bytes_both_directions(spawn_daemon, direction: str) -> None:
+    a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
+    if direction == "prefill_pulls_from_decode":
+        a, b = b, a  # the holder is on the other daemon
+    spec = small_spec(num_blocks=48)
+    holder = ShmEngine(a.unix_target, "holder", spec)
+    reader = ShmEngine(b.unix_target, "reader", spec)
+    try:
+        holder.register()
+        reader.register()
+        holder.fill_random(seed=7)
+        reader.fill(0xAB)
+        holder_stream = holder.client.open_engine_stream("holder", 0)
+        reader_stream = reader.client.open_engine_stream("reader", 0)
+        num_tokens = 16 * 9 + 5  # a partial last block
+        rng = random.Random(3)
+        held_blocks = rng.sample(range(48), 10)
+        local_blocks = rng.sample(range(48), 10)
+        hold = holder.client.hold_blocks(engine_id="holder", request_id="req-1", block_ids=held_blocks, num_tokens=num_tokens)
+        params = hold.kv_transfer_params
+        assert params.lease_id and params.daemon_address == a.tcp and params.num_tokens == num_tokens
+
+        started = reader.client.start_pull(
+            engine_id="reader", tp_rank=0, request_id="req-1", local_block_ids=local_blocks, remote=params
+        )
+        status = reader.client.wait_transfer(started.transfer_id, timeout_s=30)
+        assert status.state == common_pb2.TRANSFER_STATE_DONE
+        assert status.bytes == num_tokens * spec.token_bytes * 2 * spec.num_layers
+
+        assert reader.token_bytes(local_blocks, num_tokens).equal(holder.token_bytes(held_blocks, num_tokens))
+        assert reader.untouched_mask_ok(local_blocks, 0xAB, num_tokens), "bytes outside the pulled tokens changed"
+
+        assert _events(reader, reader_stream, "finished_recving"), "the reader was not told its load finished"
+        sent = _events(holder, holder_stream, "finished_sending")
+        assert sent and sent[0].finished_sending.request_id == "req-1" and not sent[0].finished_sending.expired
+        assert not holder.client.lookup_held(engine_id="holder").held, "the lease outlived its read"
+
+        pulled = metric_value(scrape(b.metrics), "kvd_transfer_bytes_total", direction="pull")
+        served = metric_value(scrape(a.metrics), "kvd_transfer_bytes_total", direction="serve")
+        assert pulled == status.bytes
+        assert served == status.bytes
+        assert metric_value(scrape(b.metrics), "kvd_handshakes_total", outcome="ok") == 1
+        holder_stream.close()
+        reader_stream.close()
+    finally:
+        holder.close()
+        reader.close()
+
+
+def test_one_k_token_request_posts_merged_descriptors(spawn_daemon) -> None:
+    a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
+    spec = llama_spec(num_blocks=80)
+    holder = ShmEngine(a.unix_target, "p", spec)
+    reader = ShmEngine(b.unix_target, "d", spec)
+    try:
+        holder.register()
+        reader.register()
+        holder.fill_random(seed=1)
+        params = holder.client.hold_blocks(
+            engine_id="p", request_id="r", block_ids=list(range(64)), num_tokens=1024
+        ).kv_transfer_params
+        started = reader.client.start_pull(
+            engine_id="d", tp_rank=0, request_id="r", local_block_ids=list(range(10, 74)), remote=params
+        )
+        status = reader.client.wait_transfer(started.transfer_id, timeout_s=60)
+        # 32 layers x K/V, each a single run of 64 adjacent blocks: 64 descriptors, not 4096.
+        assert status.descriptors == 64
+        assert reader.token_bytes(list(range(10, 74)), 1024).equal(holder.token_bytes(list(range(64)), 1024))
+        text = scrape(b.metrics)
+        assert metric_value(text, "kvd_transfer_descriptors_sum") == 64
+    finally:
+        holder.close()
+        reader.close()

@@ -1,0 +1,156 @@
+"""Test helpers shared by integration, chaos and benchmark tests: engines that own shm KV.
+
+The test process plays the engine: it creates the KV cache in POSIX shared memory, registers
+it with a real daemon over the daemon's Unix socket, and reads the bytes back to compare.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.request
+import uuid
+
+import torch
+
+from kvd.core.memory import create_shm_tensor, unlink_shm
+from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec, contiguous_placements
+from kvd.server import convert
+from kvd.v1 import common_pb2
+from kvd_client import KvdClient
+
+
+def llama_spec(num_blocks: int = 128, **overrides: object) -> LayoutSpec:
+    """A Llama-3-8B-shaped layout (32 layers, 8 KV heads x 128, bf16, block 16) unless overridden."""
+    fields: dict[str, object] = dict(
+        num_layers=32,
+        kv_format=KvFormat.SPLIT,
+        layout=KvLayout.NHD,
+        block_size=16,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        num_blocks=num_blocks,
+    )
+    fields.update(overrides)
+    return LayoutSpec(**fields)  # type: ignore[arg-type]
+
+
+def small_spec(num_blocks: int = 32, **overrides: object) -> LayoutSpec:
+    fields: dict[str, object] = dict(
+        num_layers=4,
+        kv_format=KvFormat.SPLIT,
+        layout=KvLayout.NHD,
+        block_size=16,
+        num_kv_heads=4,
+        head_dim=64,
+        dtype="float16",
+        num_blocks=num_blocks,
+    )
+    fields.update(overrides)
+    return LayoutSpec(**fields)  # type: ignore[arg-type]
+
+
+class ShmEngine:
+    """An engine rank whose KV cache lives in /dev/shm and is registered with a daemon."""
+
+    def __init__(self, target: str, engine_id: str, spec: LayoutSpec, require_commits: bool = False) -> None:
+        self.engine_id = engine_id
+        self.spec = spec
+        self.require_commits = require_commits
+        self.shm_name = f"kvdtest-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        self.buffer = create_shm_tensor(self.shm_name, spec.total_bytes)
+        self.placements: list[LayerPlacement] = contiguous_placements(spec)
+        self.client = KvdClient(target, timeout_s=30)
+        self.registered = False
+
+    def register(self, **overrides: object) -> object:
+        fields: dict[str, object] = dict(
+            engine_id=self.engine_id,
+            layout=convert.layout_to_pb(self.spec),
+            regions=[
+                common_pb2.MemoryRegion(
+                    kind=common_pb2.MEMORY_KIND_SHM, size_bytes=self.spec.total_bytes, shm_name=self.shm_name
+                )
+            ],
+            layers=[convert.placement_to_pb(p) for p in self.placements],
+            require_commits=self.require_commits,
+            engine_pid=os.getpid(),
+        )
+        fields.update(overrides)
+        response = self.client.register_kv_cache(**fields)
+        self.registered = True
+        return response
+
+    def fill_random(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.buffer.copy_(torch.randint(0, 256, (self.buffer.numel(),), dtype=torch.uint8, generator=generator))
+
+    def fill(self, value: int) -> None:
+        self.buffer.fill_(value)
+
+    def token_bytes(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """The bytes of the first ``num_tokens`` tokens in ``block_ids``, in a fixed logical order."""
+        spec = self.spec
+        pieces = []
+        for placement in self.placements:
+            for plane in spec.plane_offsets(placement):
+                for i, block in enumerate(block_ids):
+                    tokens = min(spec.block_size, num_tokens - i * spec.block_size)
+                    if tokens <= 0:
+                        break
+                    start = plane + block * spec.block_stride
+                    if spec.layout is KvLayout.NHD or spec.kv_format is KvFormat.MLA:
+                        pieces.append(self.buffer[start : start + tokens * spec.token_bytes])
+                    else:
+                        head = spec.block_size * spec.head_bytes_per_token
+                        for h in range(spec.num_kv_heads):
+                            lo = start + h * head
+                            pieces.append(self.buffer[lo : lo + tokens * spec.head_bytes_per_token])
+        return torch.cat(pieces)
+
+    def untouched_mask_ok(self, written_blocks: list[int], fill_value: int, num_tokens: int) -> bool:
+        """True if every byte outside the pulled tokens still holds ``fill_value``."""
+        probe = self.buffer.clone()
+        spec = self.spec
+        for placement in self.placements:
+            for plane in spec.plane_offsets(placement):
+                for i, block in enumerate(written_blocks):
+                    tokens = min(spec.block_size, num_tokens - i * spec.block_size)
+                    start = plane + block * spec.block_stride
+                    if spec.layout is KvLayout.NHD or spec.kv_format is KvFormat.MLA:
+                        probe[start : start + tokens * spec.token_bytes] = fill_value
+                    else:
+                        head = spec.block_size * spec.head_bytes_per_token
+                        for h in range(spec.num_kv_heads):
+                            lo = start + h * head
+                            probe[lo : lo + tokens * spec.head_bytes_per_token] = fill_value
+        return bool((probe == fill_value).all())
+
+    def close(self) -> None:
+        if self.registered:
+            try:
+                self.client.unregister_kv_cache(engine_id=self.engine_id, tp_rank=self.spec.tp_rank)
+            except Exception:  # noqa: BLE001 - the daemon may be gone already in chaos tests
+                pass
+        self.client.close()
+        unlink_shm(self.shm_name)
+
+
+def scrape(metrics_address: str) -> str:
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0.0 if none)."""
+    total = 0.0
+    pattern = re.compile(r"^" + re.escape(name) + r"(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
+    for line in text.splitlines():
+        match = pattern.match(line)
+        if not match:
+            continue
+        label_text = match.group(1) or ""
+        if all(f'{key}="{value}"' in label_text for key, value in labels.items()):
+            total += float(match.group(2))
+    return total
