@@ -629,7 +629,7 @@ class Daemon:
                     local_indices = np.arange(rows.shape[0], dtype=np.int32)
                 notif = f"{prepared.notif_tag}|{index}|{parts}|{group.nbytes}".encode()
                 handles.append(
-                    dataplane.read(local_table, local_indices, remote_table, group.remote_indices, notif, session.agent_name)
+                    dataplane.read(local_table, local_indices, remote_table, group.remote_indices, notif, _peer_label(session))
                 )
             await self._wait_reads(handles, session)
             if plan.postprocess is not None:
@@ -661,7 +661,7 @@ class Daemon:
         while pending:
             still = []
             for handle in pending:
-                state = dataplane.state(handle, session.agent_name)
+                state = dataplane.state(handle, _peer_label(session))
                 if state is XferState.ERROR:
                     raise PeerUnavailable(
                         f"NIXL read from peer {session.address} (agent {session.agent_name}) failed: peer gone?"
@@ -743,6 +743,10 @@ class Daemon:
             "serving": self.serving,
             "uptime_s": time.monotonic() - self.started_at,
         }
+
+
+def _peer_label(session: PeerSession) -> str:
+    return f"{session.address} (agent {session.agent_name})"
 
 
 def _process_alive(pid: int) -> bool:

@@ -149,7 +149,7 @@ class DataPlane:
         remote_table: Any,
         remote_indices: np.ndarray,
         notif: bytes,
-        peer_agent: str,
+        peer: str,
     ) -> Any:
         """Post a READ; returns the transfer handle. Raises PeerUnavailable if the peer is gone."""
         try:
@@ -163,17 +163,17 @@ class DataPlane:
             )
             state = self.agent.transfer(handle)
         except Exception as exc:
-            raise self._map(exc, peer_agent) from exc
+            raise self._map(exc, peer) from exc
         if state == "ERR":
             self.release(handle)
-            raise PeerUnavailable(f"NIXL could not post a read from peer agent {peer_agent}")
+            raise PeerUnavailable(f"NIXL could not post a read from peer {peer}")
         return handle
 
-    def state(self, handle: Any, peer_agent: str) -> XferState:
+    def state(self, handle: Any, peer: str) -> XferState:
         try:
             return XferState(self.agent.check_xfer_state(handle))
         except Exception as exc:
-            raise self._map(exc, peer_agent) from exc
+            raise self._map(exc, peer) from exc
 
     def release(self, handle: Any) -> bool:
         """Release (and if still active, cancel) a transfer; False if NIXL could not cancel it."""
@@ -187,15 +187,15 @@ class DataPlane:
     def notifications(self) -> dict[str, list[bytes]]:
         return dict(self.agent.get_new_notifs())
 
-    def _map(self, exc: Exception, peer_agent: str) -> Exception:
+    def _map(self, exc: Exception, peer: str) -> Exception:
         bindings = _bindings()
         if isinstance(exc, (bindings.nixlRemoteDisconnectError, bindings.nixlBackendError)):
-            return PeerUnavailable(f"peer agent {peer_agent} disconnected: {exc}")
+            return PeerUnavailable(f"peer {peer} disconnected: {exc}")
         if isinstance(exc, bindings.nixlNotFoundError):
-            return PeerUnavailable(f"peer agent {peer_agent} is not known to NIXL (restarted?): {exc}")
+            return PeerUnavailable(f"peer {peer} is not known to NIXL (restarted?): {exc}")
         if isinstance(exc, bindings.nixlInvalidParamError):
             return Internal(f"NIXL rejected a transfer built by kvd: {exc}")
-        return Internal(f"NIXL error reading from {peer_agent}: {type(exc).__name__}: {exc}")
+        return Internal(f"NIXL error reading from {peer}: {type(exc).__name__}: {exc}")
 
     def close(self) -> None:
         """Release every prepared table (the agent itself goes with the process)."""

@@ -310,6 +310,19 @@ def _copy_groups(
     return groups
 
 
+def _piece_sizes(remote: _Side, local: _Side, num_heads: int, max_run_blocks: int) -> tuple[int, int]:
+    """(bytes of one piece, bytes of the longest run of pieces) of a copy's whole-piece reads.
+
+    The first says whether the descriptors are big enough to read straight into the engine;
+    the second whether staging would buy bigger ones (runs of whole remote blocks merge).
+    """
+    shape = common_shape(remote.view.spec, local.view.spec, num_heads)
+    rtab = _piece_table(remote.view, remote.layout, remote.head0, num_heads, shape, shape.tokens, max_run_blocks)
+    ltab = _piece_table(local.view, local.layout, local.head0, num_heads, shape, shape.tokens, max_run_blocks)
+    k_runs = min(rtab.geometry.max_run_log2, ltab.geometry.max_run_log2)
+    return rtab.geometry.unit_bytes, rtab.geometry.unit_bytes << k_runs
+
+
 def _group(
     rank: int,
     remote: _Side,
@@ -402,16 +415,16 @@ def plan_conversion(
         rlay, llay = effective_layouts(rspec, local.spec)
         rside = _Side(rview, rlay, remote_ids, source.remote_head0)
         lside = _Side(local, llay, local_ids, source.local_head0)
-        direct = common_shape(rspec, local.spec, source.num_heads).nbytes(rspec.head_bytes_per_token)
         sview = staging_view(rspec, source.num_heads, num_tokens, staging_bytes)
-        via_staging = common_shape(rspec, sview.spec, source.num_heads).nbytes(rspec.head_bytes_per_token)
-        if direct >= direct_read_min_bytes or via_staging <= direct:
+        r_eff, s_eff = effective_layouts(rspec, sview.spec)
+        sside = _Side(sview, s_eff, np.arange(sview.spec.num_blocks, dtype=np.int64), 0)
+        direct_piece, direct_most = _piece_sizes(rside, lside, source.num_heads, max_run_blocks)
+        _, staged_most = _piece_sizes(dataclasses.replace(rside, layout=r_eff), sside, source.num_heads, max_run_blocks)
+        if direct_piece >= direct_read_min_bytes or staged_most <= direct_most:
             reads += _copy_groups(
                 source.remote_rank, rside, lside, source.num_heads, num_tokens, Target.ENGINE, max_run_blocks
             )
             continue
-        r_eff, s_eff = effective_layouts(rspec, sview.spec)
-        sside = _Side(sview, s_eff, np.arange(sview.spec.num_blocks, dtype=np.int64), 0)
         rside = dataclasses.replace(rside, layout=r_eff)
         reads += _copy_groups(
             source.remote_rank, rside, sside, source.num_heads, num_tokens, Target.STAGING, max_run_blocks

@@ -163,7 +163,9 @@ def execute_plan(
                 assert dst_index.max() < targets[dst].numel(), "a write past the end of its region"
                 log.remote_read[group.remote_rank][src][src_index] = True
                 np.add.at(writes[dst], dst_index, 1)
-                targets[dst][torch.from_numpy(dst_index)] = sources[src][torch.from_numpy(src_index)]
+                target, source = targets[dst], sources[src]
+                values = source[torch.from_numpy(src_index).to(source.device)]
+                target[torch.from_numpy(dst_index).to(target.device)] = values.to(target.device)
     if plan.postprocess is not None:
         plan.postprocess.run(staging, list(local_regions))
     return log
