@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -107,9 +108,9 @@ class KvdConfig:
             "commit_wait_s",
             "staging_wait_s",
         ):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.shutdown_grace_s < 0:
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0 (and finite), got {getattr(self, name)}")
+        if not math.isfinite(self.shutdown_grace_s) or self.shutdown_grace_s < 0:
             problems.append(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.lease_ttl_s > self.max_lease_ttl_s:
             problems.append(f"lease_ttl_s {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}")
@@ -146,10 +147,14 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 return lowered in {"1", "true", "yes", "on"}
             return bool(value)
         if kind is int:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            if not isinstance(value, (int, float, str)):
                 raise ValueError(value)
             return int(value)
         if kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError(value)
             return float(value)
         if kind == tuple[str, ...]:
             if isinstance(value, str):
@@ -194,6 +199,10 @@ def load_config(
             raise ValueError(f"cannot read config file {file}: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {file} is not valid TOML: {exc}") from exc
+        if "kvd" in data:
+            stray = sorted(set(data) - {"kvd"})
+            if stray:
+                raise ValueError(f"config file {file}: keys {stray} are outside the [kvd] table")
         section = data.get("kvd", data)
         unknown = sorted(set(section) - names)
         if unknown:
@@ -227,5 +236,5 @@ def flags_for(config: KvdConfig, base: KvdConfig | None = None) -> list[str]:
         if value == getattr(reference, f.name):
             continue
         text = ",".join(value) if isinstance(value, tuple) else str(value)
-        out += ["--" + f.name.replace("_", "-"), text]
+        out.append(f"--{f.name.replace('_', '-')}={text}")
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import random
 import statistics
@@ -68,20 +69,39 @@ def _start(stack: contextlib.ExitStack, workdir: Path, name: str) -> DaemonProce
     return daemon
 
 
-def _selftest(
-    stack: contextlib.ExitStack,
-    local: KvdClient,
-    peer: KvdClient,
-    peer_address: str,
-    size: int,
-    seed: int,
-    iterations: int,
-) -> int:
+@dataclasses.dataclass
+class PullMeasurement:
+    """kvd pulls and raw NIXL reads of the same bytes from the same peer, in one run."""
+
+    nbytes: int
+    descriptors: int
+    kvd_times: list[float]
+    raw_times: list[float]
+
+    @property
+    def kvd_gbs(self) -> float:
+        return self.nbytes / statistics.median(self.kvd_times) / 1e9
+
+    @property
+    def raw_gbs(self) -> float:
+        return self.nbytes / statistics.median(self.raw_times) / 1e9
+
+    @property
+    def ratio(self) -> float:
+        return self.kvd_gbs / self.raw_gbs
+
+
+class PatternMismatch(Exception):
+    """A pull delivered bytes that differ from the pattern."""
+
+
+def measure_pull(
+    stack: contextlib.ExitStack, local: KvdClient, peer: KvdClient, peer_address: str, size: int, seed: int, iterations: int
+) -> PullMeasurement:
+    """Pull the peer's scratch cache ``iterations`` (+1 warm-up) times, verifying every byte."""
     held = peer.selftest_hold(size_bytes=size, seed=seed)
     spec = convert.layout_from_pb(held.layout)
     nbytes = spec.total_bytes
-    _say(f"peer holds {nbytes / 2**20:.1f} MiB: {spec.describe()}, {spec.num_blocks} blocks")
-
     shm_name = f"kvd-selftest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     buffer = create_shm_tensor(shm_name, nbytes)
     stack.callback(unlink_shm, shm_name)
@@ -112,21 +132,34 @@ def _selftest(
         elapsed = time.perf_counter() - t0
         bad = scratch.pattern_mismatches(buffer, seed)
         if bad:
-            _say(f"FAIL: pull {iteration} delivered {bad} wrong bytes out of {nbytes}")
-            return 1
+            raise PatternMismatch(f"pull {iteration} delivered {bad} wrong bytes out of {nbytes}")
         descriptors = status.descriptors
         if iteration:
             kvd_times.append(elapsed)
-
     raw_times = _raw_nixl_reads(peer_address, held.kv_transfer_params.engine_id, buffer, seed, iterations)
-    kvd_s = statistics.median(kvd_times)
-    raw_s = statistics.median(raw_times)
-    kvd_gbs = nbytes / kvd_s / 1e9
-    raw_gbs = nbytes / raw_s / 1e9
-    _say(f"verified {iterations + 1} pulls of {nbytes} bytes ({descriptors} NIXL descriptors per pull): all bytes match")
-    _say(f"kvd pull      median {kvd_s * 1e3:8.2f} ms  {kvd_gbs:6.2f} GB/s  (StartPull -> DONE, over gRPC)")
-    _say(f"raw NIXL read median {raw_s * 1e3:8.2f} ms  {raw_gbs:6.2f} GB/s  (same bytes, same peer, one agent)")
-    _say(f"ratio kvd/raw {kvd_gbs / raw_gbs:.2f}")
+    return PullMeasurement(nbytes, descriptors, kvd_times, raw_times)
+
+
+def _selftest(
+    stack: contextlib.ExitStack,
+    local: KvdClient,
+    peer: KvdClient,
+    peer_address: str,
+    size: int,
+    seed: int,
+    iterations: int,
+) -> int:
+    try:
+        m = measure_pull(stack, local, peer, peer_address, size, seed, iterations)
+    except PatternMismatch as exc:
+        _say(f"FAIL: {exc}")
+        return 1
+    kvd_ms = statistics.median(m.kvd_times) * 1e3
+    raw_ms = statistics.median(m.raw_times) * 1e3
+    _say(f"verified {iterations + 1} pulls of {m.nbytes} bytes, {m.descriptors} NIXL descriptors each: all bytes match")
+    _say(f"kvd pull      median {kvd_ms:8.2f} ms  {m.kvd_gbs:6.2f} GB/s  (StartPull -> DONE, over gRPC)")
+    _say(f"raw NIXL read median {raw_ms:8.2f} ms  {m.raw_gbs:6.2f} GB/s  (same bytes, same peer, one agent)")
+    _say(f"ratio kvd/raw {m.ratio:.2f}")
     _say("PASS")
     return 0
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
+from kvd_client.errors import Aborted
+
 Key = tuple[str, int, str]  # (engine_id, tp_rank, request_id)
 
 
@@ -72,7 +74,7 @@ class CommitTracker:
         for key in [k for k in self._waiters if k[0] == engine_id and k[1] == tp_rank]:
             for _, fut in self._waiters.pop(key):
                 if not fut.done():
-                    fut.cancel()
+                    fut.set_exception(Aborted(f"engine {engine_id!r} rank {tp_rank} went away while a read waited for its commit"))
 
     def __len__(self) -> int:
         return len(self._marks)

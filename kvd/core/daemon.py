@@ -539,21 +539,35 @@ class Daemon:
         """Handshake (cached), plan, and have the holder validate the lease; re-handshake once if stale."""
         assert self.peers is not None
         address = remote.daemon_address
+        asked_at = time.monotonic()
         session = await self.peers.session(address, remote.daemon_incarnation)
         if remote.daemon_incarnation and session.incarnation != remote.daemon_incarnation:
             raise FailedPrecondition(
                 f"the holder daemon at {address} restarted (incarnation {session.incarnation[:8]}, the lease came "
                 f"from {remote.daemon_incarnation[:8]}): its blocks are gone, recompute"
             )
-        for attempt in range(2):
-            remote_ranks = session.engine_ranks(remote.engine_id)
-            if not remote_ranks and attempt == 0:
-                session = await self.peers.refresh(address, "engine not in cached handshake")
-                continue
+        while True:
+            fresh = session.handshaken_at >= asked_at
+            try:
+                return session, *await self._plan_with(session, transfer, rank, remote)
+            except _StaleHandshake as exc:
+                # A cached handshake may describe an engine that has since re-registered (other
+                # blocks, other memory): handshake again once before believing the error.
+                if fresh:
+                    raise exc.error from None
+                reason = exc.reason
+                asked_at = time.monotonic()
+                session = await self.peers.refresh(address, reason)
+
+    async def _plan_with(
+        self, session: PeerSession, transfer: Transfer, rank: EngineRank, remote: TransferParams
+    ) -> tuple[PullPlan, dict[int, RemoteEngine], PrepareResult]:
+        """Plan against one handshake and have the holder validate the lease for it."""
+        remote_ranks = session.engine_ranks(remote.engine_id)
+        try:
             if not remote_ranks:
-                raise UnknownEngine(f"the daemon at {address} serves no engine {remote.engine_id!r}")
-            loop = asyncio.get_running_loop()
-            plan = await loop.run_in_executor(
+                raise UnknownEngine(f"the daemon at {remote.daemon_address} serves no engine {remote.engine_id!r}")
+            plan = await asyncio.get_running_loop().run_in_executor(
                 self._executor,
                 lambda: plan_pull(
                     {r: e.view for r, e in remote_ranks.items()},
@@ -565,23 +579,26 @@ class Daemon:
                     direct_read_min_bytes=self.config.direct_read_min_bytes,
                 ),
             )
-            prepared = await self._transport.prepare_pull(
-                address,
-                lease_id=remote.lease_id,
-                engine_id=remote.engine_id,
-                block_ids=tuple(remote.block_ids[: remote_ranks[plan.remote_ranks[0]].view.spec.blocks_for(remote.num_tokens)]),
-                num_tokens=remote.num_tokens,
-                reader_tp_rank=rank.tp_rank,
-                reader_tp_size=rank.spec.tp_size,
-                remote_tp_ranks=plan.remote_ranks,
-                timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
+        except KvdError as exc:
+            raise _StaleHandshake("cached layout refused", exc) from exc
+        holder_spec = remote_ranks[plan.remote_ranks[0]].view.spec
+        prepared = await self._transport.prepare_pull(
+            remote.daemon_address,
+            lease_id=remote.lease_id,
+            engine_id=remote.engine_id,
+            block_ids=tuple(remote.block_ids[: holder_spec.blocks_for(remote.num_tokens)]),
+            num_tokens=remote.num_tokens,
+            reader_tp_rank=rank.tp_rank,
+            reader_tp_size=rank.spec.tp_size,
+            remote_tp_ranks=plan.remote_ranks,
+            timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
+        )
+        if prepared.registration_ids != tuple(remote_ranks[r].registration_id for r in plan.remote_ranks):
+            raise _StaleHandshake(
+                "stale engine registration",
+                FailedPrecondition(f"engine {remote.engine_id!r} at {remote.daemon_address} re-registered during the pull: retry"),
             )
-            cached_ids = tuple(remote_ranks[r].registration_id for r in plan.remote_ranks)
-            if prepared.registration_ids == cached_ids:
-                return session, plan, remote_ranks, prepared
-            if attempt == 0:
-                session = await self.peers.refresh(address, "stale engine registration")
-        raise FailedPrecondition(f"engine {remote.engine_id!r} at {address} re-registered during the pull: retry")
+        return plan, remote_ranks, prepared
 
     async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams) -> None:
         assert self.peers is not None
@@ -649,7 +666,13 @@ class Daemon:
                 self.metrics.staging_bytes_in_use.dec(staging.size)
                 staging.release()
 
-    async def _table(self, owner: tuple[Any, ...], agent: str, geometry: Any, addresses: Sequence[int], device: int, mem_type: str) -> Any:
+    async def _table(
+        self, owner: tuple[Any, ...], agent: str, geometry: Any, addresses: Sequence[int], device: int, mem_type: str
+    ) -> Any:
+        """A prepared table: from the cache, or prepared in the thread pool (large tables take time)."""
+        cached = self._dp.cached_table(owner, geometry)
+        if cached is not None:
+            return cached
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, self._dp.table, owner, agent, geometry, addresses, device, mem_type
         )
@@ -743,6 +766,15 @@ class Daemon:
             "serving": self.serving,
             "uptime_s": time.monotonic() - self.started_at,
         }
+
+
+class _StaleHandshake(Exception):
+    """Planning against a cached handshake failed; a fresh handshake may succeed."""
+
+    def __init__(self, reason: str, error: KvdError) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
 
 
 def _peer_label(session: PeerSession) -> str:

@@ -124,6 +124,11 @@ class DataPlane:
         logger.debug("prepared %d descriptors for %s", geometry.table_size, owner)
         return handle
 
+    def cached_table(self, owner: tuple[Hashable, ...], geometry: DescGeometry) -> Any | None:
+        """The prepared table if it exists already (no NIXL call: safe on the event loop)."""
+        with self._lock:
+            return self._tables.get((owner, geometry))
+
     def one_off_table(self, rows: np.ndarray, mem_type: str) -> Any:
         """A local list prepared for one transfer (staging chunks); release after use."""
         return self.agent.prep_xfer_dlist(LOCAL, rows, mem_type)

@@ -88,6 +88,8 @@ class LeaseTable:
         lease = self._leases.get(lease_id)
         if lease is None or parts < 1 or not 0 <= part < parts:
             return None
+        if lease.reader_tp_size and not 0 <= reader_rank < lease.reader_tp_size:
+            return None  # not a rank of the reader engine: it must not count toward completion
         seen = lease.parts_seen.setdefault(reader_rank, set())
         seen.add(part)
         if len(seen) == parts:

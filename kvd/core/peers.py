@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -83,6 +84,7 @@ class PeerSession:
     incarnation: str
     agent_name: str
     engines: dict[tuple[str, int], RemoteEngine]
+    handshaken_at: float = dataclasses.field(default_factory=time.monotonic)
 
     def engine_ranks(self, engine_id: str) -> dict[int, RemoteEngine]:
         return {rank: engine for (eid, rank), engine in self.engines.items() if eid == engine_id}

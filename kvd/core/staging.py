@@ -75,8 +75,8 @@ class StagingPool:
         return None
 
     async def acquire(self, nbytes: int, wait_s: float) -> StagingChunk:
-        size = -(-nbytes // ALIGN) * ALIGN
-        if size > self.size:
+        size = min(-(-nbytes // ALIGN) * ALIGN, self.size)
+        if nbytes > self.size:
             raise ResourceExhausted(
                 f"a pull needs {nbytes} staging bytes but the pool has {self.size}: raise staging_pool_bytes"
             )

@@ -70,6 +70,8 @@ class LayoutSpec:
         if self.total_num_kv_heads == 0:
             object.__setattr__(self, "total_num_kv_heads", self.num_kv_heads)
         problems: list[str] = []
+        if self.total_num_kv_heads < 0:
+            problems.append(f"total_num_kv_heads must be >= 0, got {self.total_num_kv_heads}")
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "num_blocks", "tp_size"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")

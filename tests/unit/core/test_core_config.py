@@ -88,7 +88,7 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
     assert config.metrics_port == KvdConfig().metrics_port  # untouched: default
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
 @given(in_file=st.booleans(), in_env=st.booleans(), in_flags=st.booleans())
 def test_precedence_property(tmp_path: Path, in_file: bool, in_env: bool, in_flags: bool) -> None:
     """For any subset of layers setting a field, the highest layer present wins."""
@@ -250,6 +250,7 @@ def test_edge_values_are_accepted() -> None:
     assert config.tls_enabled
 
 
+@settings(deadline=None)
 @given(st.integers(min_value=-4, max_value=1 << 20))
 def test_max_run_blocks_valid_exactly_for_powers_of_two(n: int) -> None:
     """max_run_blocks is accepted if and only if it is a power of two >= 1."""
@@ -313,7 +314,7 @@ def _configs(draw: st.DrawFn) -> KvdConfig:
     )
 
 
-@settings(max_examples=150)
+@settings(max_examples=150, deadline=None)
 @given(_configs())
 def test_flags_for_round_trips(config: KvdConfig) -> None:
     """Parsing flags_for(config) with the CLI parser rebuilds exactly that config."""
@@ -324,13 +325,13 @@ def test_flags_for_round_trips(config: KvdConfig) -> None:
 def test_flags_for_the_default_config_is_empty() -> None:
     """Only fields that differ from the default become flags."""
     assert flags_for(KvdConfig()) == []
-    assert flags_for(KvdConfig(port=7, metrics_port=-1)) == ["--port", "7", "--metrics-port", "-1"]
+    assert flags_for(KvdConfig(port=7, metrics_port=-1)) == ["--port=7", "--metrics-port=-1"]
 
 
 def test_flags_for_relative_to_a_base() -> None:
     """With a base, only fields that differ from the base become flags."""
     base = KvdConfig(port=9, lease_ttl_s=5.0)
-    assert flags_for(KvdConfig(port=9, lease_ttl_s=6.0), base) == ["--lease-ttl-s", "6.0"]
+    assert flags_for(KvdConfig(port=9, lease_ttl_s=6.0), base) == ["--lease-ttl-s=6.0"]
 
 
 def test_float_flags_round_trip_exactly() -> None:

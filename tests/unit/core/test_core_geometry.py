@@ -42,7 +42,7 @@ def _pieces_for(length: int, k: int) -> int:
     return (length >> k) + bin(length & ((1 << k) - 1)).count("1")
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(seqs=_unit_sequences(), k=st.integers(0, 7))
 def test_split_runs_pieces_tile_both_sequences(seqs: tuple[np.ndarray, np.ndarray], k: int) -> None:
     """The pieces, in order, exactly tile both inputs: same cuts on both sides, powers of two <= 2**k."""
@@ -58,7 +58,7 @@ def test_split_runs_pieces_tile_both_sequences(seqs: tuple[np.ndarray, np.ndarra
         assert np.array_equal(remote[off : off + size], np.arange(rs, rs + size))
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(seqs=_unit_sequences(), k=st.integers(0, 7))
 def test_split_runs_merges_maximal_runs(seqs: tuple[np.ndarray, np.ndarray], k: int) -> None:
     """Each maximal run of length L costs exactly (L >> k) + popcount(L mod 2**k) pieces."""
@@ -67,6 +67,7 @@ def test_split_runs_merges_maximal_runs(seqs: tuple[np.ndarray, np.ndarray], k: 
     assert log2_len.size == sum(_pieces_for(length, k) for length in _maximal_runs(local, remote))
 
 
+@settings(deadline=None)
 @given(n=st.integers(1, 5000), k=st.integers(0, 10), lo=st.integers(0, 100), ro=st.integers(0, 100))
 def test_contiguous_input_gives_popcount_pieces_largest_first(n: int, k: int, lo: int, ro: int) -> None:
     """n contiguous units split into n >> k pieces of 2**k then one piece per set low bit, largest first."""
@@ -97,6 +98,7 @@ def test_split_runs_empty_and_mismatched() -> None:
         split_runs(np.zeros((2, 2)), np.zeros((2, 2)), 2)
 
 
+@settings(deadline=None)
 @given(n=st.integers(1, 10_000), m=st.integers(1, 4096))
 def test_max_run_log2_for(n: int, m: int) -> None:
     """max_run_log2_for(n, m) is the largest k with 2**k <= min(n, m)."""
@@ -123,7 +125,7 @@ def _geometries(draw: st.DrawFn) -> DescGeometry:
     return DescGeometry(planes, num_units, unit_bytes + draw(st.integers(0, 100)), unit_bytes, 0)
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(geo=_geometries(), device=st.integers(0, 7))
 def test_rows_for_matches_descriptors(geo: DescGeometry, device: int) -> None:
     """rows_for(idx) is row idx of descriptors(), for every index of the table."""
@@ -133,7 +135,7 @@ def test_rows_for_matches_descriptors(geo: DescGeometry, device: int) -> None:
     assert np.all(table[:, 2] == device)
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(geo=_geometries())
 def test_index_names_the_row_of_each_run(geo: DescGeometry) -> None:
     """index(plane, start, log2) is a bijection onto the table, and its row is that run's bytes."""
@@ -152,7 +154,7 @@ def test_index_names_the_row_of_each_run(geo: DescGeometry) -> None:
     assert np.array_equal(rows[:, 1], expected_len)
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(geo=_geometries())
 def test_runs_never_cross_the_end_of_a_plane(geo: DescGeometry) -> None:
     """Every descriptor, run or not, ends at or before the last unit of its plane."""
@@ -165,7 +167,7 @@ def test_runs_never_cross_the_end_of_a_plane(geo: DescGeometry) -> None:
     assert np.all(rows[:, 1] >= geo.unit_bytes)
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(seqs=_unit_sequences(), k=st.integers(0, 6))
 def test_split_runs_on_valid_units_index_whole_runs(seqs: tuple[np.ndarray, np.ndarray], k: int) -> None:
     """Pieces of valid unit ids fit in the plane, so their descriptors are never truncated and nbytes_of is exact."""

@@ -115,7 +115,7 @@ def test_expire_due_removes_exactly_the_due_leases(table: LeaseTable, clock: Fak
         table.get(short.lease_id)
 
 
-@settings(max_examples=100)
+@settings(max_examples=100, deadline=None)
 @given(
     ttls=st.lists(st.floats(min_value=0.01, max_value=100.0), min_size=0, max_size=20),
     elapsed=st.floats(min_value=0.0, max_value=120.0),
@@ -275,7 +275,7 @@ def test_record_read_of_an_unknown_lease_is_ignored(table: LeaseTable) -> None:
     assert table.record_read("gone", 0, 0, 1) is None
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(
     reader_tp=st.integers(1, 4),
     parts_of=st.lists(st.integers(1, 4), min_size=4, max_size=4),

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up a development / CI environment from a fresh clone: .venv with everything kvd needs.
+#
+#   bash scripts/setup.sh            # daemon, client, engine patch, tests (+ vLLM 0.33 CPU build)
+#   KVD_SETUP_VLLM=0 bash scripts/setup.sh   # skip vLLM (its tests then skip)
+#
+# torch is pinned first: an unpinned torch would pull several GB of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+TORCH_VERSION=2.13.0
+PIP_FLAGS=(-q --disable-pip-version-check)
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install "${PIP_FLAGS[@]}" --upgrade pip
+"${PIP[@]}" install "${PIP_FLAGS[@]}" "torch==${TORCH_VERSION}"
+"${PIP[@]}" install "${PIP_FLAGS[@]}" nixl
+"${PIP[@]}" install "${PIP_FLAGS[@]}" -e ".[test]"
+
+if [ "${KVD_SETUP_VLLM:-1}" = "1" ]; then
+    bash scripts/setup_vllm.sh "$VENV"
+fi
+
+"$VENV/bin/python" - <<'PY'
+import torch, nixl._api, grpc, kvd_client, kvd
+print(f"kvd {kvd.__version__}: torch {torch.__version__}, grpc {grpc.__version__}, nixl ok")
+PY
