@@ -50,6 +50,7 @@ NOTIF_PREFIX = "kvd1"
 NOTIF_POLL_S = 0.001
 LEASE_SWEEP_S = 0.05
 LIVENESS_S = 1.0
+INLINE_PLAN_BLOCKS = 512  # pulls this small are planned on the event loop (well under 1 ms)
 
 
 class Daemon:
@@ -567,9 +568,8 @@ class Daemon:
         try:
             if not remote_ranks:
                 raise UnknownEngine(f"the daemon at {remote.daemon_address} serves no engine {remote.engine_id!r}")
-            plan = await asyncio.get_running_loop().run_in_executor(
-                self._executor,
-                lambda: plan_pull(
+            def plan() -> PullPlan:
+                return plan_pull(
                     {r: e.view for r, e in remote_ranks.items()},
                     rank.view,
                     remote.block_ids,
@@ -577,10 +577,16 @@ class Daemon:
                     remote.num_tokens,
                     max_run_blocks=self.config.max_run_blocks,
                     direct_read_min_bytes=self.config.direct_read_min_bytes,
-                ),
-            )
+                )
+
+            # Planning is vectorised numpy: small pulls plan inline, large ones off the event loop.
+            if len(transfer.local_block_ids) <= INLINE_PLAN_BLOCKS:
+                plan_ = plan()
+            else:
+                plan_ = await asyncio.get_running_loop().run_in_executor(self._executor, plan)
         except KvdError as exc:
             raise _StaleHandshake("cached layout refused", exc) from exc
+        plan = plan_
         holder_spec = remote_ranks[plan.remote_ranks[0]].view.spec
         prepared = await self._transport.prepare_pull(
             remote.daemon_address,
@@ -680,7 +686,7 @@ class Daemon:
     async def _wait_reads(self, handles: list[Any], session: PeerSession) -> None:
         dataplane = self._dp
         pending = list(handles)
-        delay = 0.00005
+        delay = 0.00002
         while pending:
             still = []
             for handle in pending:
