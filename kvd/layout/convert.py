@@ -1,10 +1,12 @@
 """Conversions run after a pull's reads: staging bytes -> the local engine's blocks.
 
-A staged read leaves, per source (remote rank), the remote's blocks restricted to the source's
-heads in the staging chunk. :class:`ConvertPostprocess` re-lays them into the engine: layout
-(NHD/HND), block size, head slice, with a handful of vectorised torch ops per source (one
+A staged read leaves, per source (remote rank), the remote's blocks in the staging chunk: the
+remote's own layout and block size, restricted to the source's heads (or all the remote rank's
+heads, when the planner over-read). :class:`ConvertPostprocess` re-lays them into the engine:
+layout (NHD/HND), block size, head slice, with at most three vectorised torch ops per copy (one
 ``index_copy_``/``index_put_`` for whole blocks, plain slice copies for the partial ends), on the
-device the tensors live on. No Python loop per block or per token.
+device the tensors live on. Sources of a TP gather are stacked into one copy. No Python loop
+per block or per token (only per layer when an engine's layers are not evenly spaced).
 
 Both caches are seen through :class:`BlockFrame`: one strided tensor view per cache,
 ``[layers, planes, blocks, tokens, heads, words]`` in logical (token, head) order whatever the
@@ -159,11 +161,14 @@ class BlockFrame:
 
 @dataclasses.dataclass(frozen=True)
 class StagedSource:
-    """One source's bytes in staging (``frame``, region 0 = the staging chunk) and where its
-    heads land among the local rank's heads."""
+    """One source's bytes in staging (``frame``, region 0 = the staging chunk): its heads
+    ``[staged_head0, staged_head0 + num_heads)`` of the frame land at ``local_head0`` onward
+    among the local rank's heads (the frame may hold more heads: an over-read)."""
 
     frame: BlockFrame
     local_head0: int
+    staged_head0: int
+    num_heads: int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -182,7 +187,7 @@ class ConvertPostprocess:
     @property
     def nbytes(self) -> int:
         """Bytes the conversion writes into the engine."""
-        heads = sum(source.frame.num_heads for source in self.sources)
+        heads = sum(source.num_heads for source in self.sources)
         return self.target.num_layers * self.target.num_planes * self.num_tokens * heads * self.target.head_bytes
 
     def run(self, staging: torch.Tensor, engine_regions: Sequence[torch.Tensor]) -> None:
@@ -198,11 +203,63 @@ class ConvertPostprocess:
         device = engine_regions[self.target.regions[0]].device
         ids = torch.as_tensor(self.local_block_ids, dtype=torch.int64).to(device, non_blocking=True)
         targets = self.target.views(engine_words, word)
-        for source in self.sources:
-            ((_, _, staged),) = source.frame.views(staging_words, word)
-            heads = slice(source.local_head0, source.local_head0 + source.frame.num_heads)
+        for staged, local_head0, heads in _stacked_sources(self.sources, staging_words, word):
             for layers, planes, target in targets:
-                _copy_tokens(staged[layers, planes], target[:, :, :, :, heads], ids, self.local_block_ids, self.num_tokens)
+                dst = target[:, :, :, :, local_head0 : local_head0 + heads]
+                src = staged[layers, planes]
+                if src.dim() == 7:  # several sources side by side: split the local heads to match
+                    dst = dst.unflatten(4, (src.shape[4], src.shape[5]))
+                _copy_tokens(src, dst, ids, self.local_block_ids, self.num_tokens)
+
+
+def _stack_step(sources: Sequence[StagedSource]) -> int | None:
+    """Bytes between consecutive sources' staging frames if they can be viewed as one, else None.
+
+    True for the usual TP gather: equally shaped frames back to back in staging, feeding
+    adjacent local heads.
+    """
+    if len(sources) < 2:
+        return None
+    first = sources[0]
+    step = sources[1].frame.offsets[0] - first.frame.offsets[0]
+    shape = (dataclasses.replace(first.frame, offsets=()), first.staged_head0, first.num_heads)
+    for i, source in enumerate(sources):
+        if (dataclasses.replace(source.frame, offsets=()), source.staged_head0, source.num_heads) != shape:
+            return None
+        if source.local_head0 != first.local_head0 + i * first.num_heads:
+            return None
+        if any(o - f != i * step for o, f in zip(source.frame.offsets, first.frame.offsets, strict=True)):
+            return None
+    return step if step > 0 else None
+
+
+def _stacked_sources(
+    sources: Sequence[StagedSource], staging_words: Sequence[torch.Tensor], word: int
+) -> list[tuple[torch.Tensor, int, int]]:
+    """(staging view, first local head, heads) per copy to run.
+
+    Stackable sources (see :func:`_stack_step`) become one view
+    ``[L, P, blocks, tokens, sources, heads, W]``: one op then writes whole local tokens instead
+    of one narrow head slice per source, which halves the cost per byte on the CPU.
+    """
+    import torch  # noqa: PLC0415
+
+    step = _stack_step(sources)
+    if step is not None and step % word == 0:
+        first = sources[0]
+        ((_, _, view),) = first.frame.views(staging_words, word)
+        size, stride = list(view.shape), list(view.stride())
+        stacked = torch.as_strided(
+            view, [*size[:4], len(sources), *size[4:]], [*stride[:4], step // word, *stride[4:]], view.storage_offset()
+        )
+        heads = slice(first.staged_head0, first.staged_head0 + first.num_heads)
+        return [(stacked[:, :, :, :, :, heads], first.local_head0, len(sources) * first.num_heads)]
+    out = []
+    for source in sources:
+        ((_, _, view),) = source.frame.views(staging_words, word)
+        heads = slice(source.staged_head0, source.staged_head0 + source.num_heads)
+        out.append((view[:, :, :, :, heads], source.local_head0, source.num_heads))
+    return out
 
 
 def _copy_tokens(
@@ -210,9 +267,10 @@ def _copy_tokens(
 ) -> None:
     """Copy tokens [0, num_tokens) from blocks 0, 1, ... of ``src`` into blocks ``ids`` of ``dst``.
 
-    Both are ``[layers, planes, blocks, tokens, heads, words]`` views. Whole blocks of the
-    smaller block size move in one indexed copy; the blocks of a partial larger block and the
-    final partial block are plain slice copies. At most three ops, whatever the token count.
+    Both are ``[layers, planes, blocks, tokens, ...]`` views with the same trailing shape (heads
+    and words, or sources, heads and words). Whole blocks of the smaller block size move in one
+    indexed copy; the blocks of a partial larger block and the final partial block are plain
+    slice copies. At most three ops, whatever the token count.
     """
     src_bs, dst_bs = src.shape[3], dst.shape[3]
     if src_bs >= dst_bs:

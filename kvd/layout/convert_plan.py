@@ -19,8 +19,12 @@ The idea, so that one code path serves every pair:
   staging (laid out like the remote's blocks, restricted to the source's heads) and
   :class:`kvd.layout.convert.ConvertPostprocess` re-lays them into the engine with torch.
 
-Only tokens below ``num_tokens`` are ever read (the tail of the last remote block may hold KV of
-rejected draft tokens) and only the local rank's own heads are written.
+Where neither helps because the remote is NHD and the source takes a head slice of it (each
+token's slice is its own small piece), staging may *over-read*: whole tokens of the remote rank,
+all its heads, at most :data:`OVERREAD_MAX_FACTOR` times the bytes needed, the conversion then
+keeping the slice. Bytes of other heads of committed tokens may be read; never a token at or
+past ``num_tokens`` (the tail of the last remote block may hold KV of rejected draft tokens).
+Only the local rank's own heads are written.
 
 Pure numpy: the planner never imports torch (the postprocess imports it only when it runs).
 Descriptor tables for the engine side depend only on the two layouts, the head slice and the
@@ -30,6 +34,7 @@ length of a partial piece, never on block ids, so the daemon can prepare and cac
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -41,6 +46,7 @@ from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec, contiguous_placement
 from kvd_client.errors import IncompatibleLayout
 
 __all__ = [
+    "OVERREAD_MAX_FACTOR",
     "HeadSource",
     "PieceShape",
     "choose_sources",
@@ -51,6 +57,12 @@ __all__ = [
     "plan_conversion",
     "staging_view",
 ]
+
+
+# Staging may read up to this many times the bytes a source needs (other heads of the same tokens)
+# when that turns per-token slices into whole-block runs: TP 1 -> 2 on NHD caches reads 2x the
+# bytes in 64 descriptors instead of 65536 one-KiB ones for a 1k-token Llama-8B request.
+OVERREAD_MAX_FACTOR = 2
 
 
 # --- which remote rank supplies which heads -------------------------------------------------
@@ -75,8 +87,7 @@ def check_pair(remote: Mapping[int, EngineView], local: LayoutSpec) -> None:
     """
     if not remote:
         raise IncompatibleLayout("the holder has no engine ranks registered")
-    specs = [view.spec for view in remote.values()]
-    first = specs[0]
+    first = next(iter(remote.values())).spec
     for rank, view in remote.items():
         if view.spec.tp_rank != rank:
             raise IncompatibleLayout(f"the holder's rank {rank} describes itself as tp_rank {view.spec.tp_rank}")
@@ -86,11 +97,11 @@ def check_pair(remote: Mapping[int, EngineView], local: LayoutSpec) -> None:
             )
     check_convertible(first, local)
     if first.kv_format is not KvFormat.MLA:
-        r, l = first.num_kv_heads, local.num_kv_heads
-        if r % l and l % r:
+        theirs, ours = first.num_kv_heads, local.num_kv_heads
+        if theirs % ours and ours % theirs:
             raise IncompatibleLayout(
                 "KV layouts cannot be converted: heads per rank do not divide: "
-                f"remote {r} (tp_size {first.tp_size}) vs local {l} (tp_size {local.tp_size}) "
+                f"remote {theirs} (tp_size {first.tp_size}) vs local {ours} (tp_size {local.tp_size}) "
                 f"of {local.total_num_kv_heads} KV heads"
             )
 
@@ -228,7 +239,7 @@ def piece_geometry(
 
     Depends only on the layout, the head slice and ``length``: cacheable per pair of engines.
     """
-    return _piece_table(view, layout, head0, num_heads, shape, length, max_run_blocks).geometry
+    return _engine_piece_table(view, layout, head0, num_heads, shape, length, max_run_blocks).geometry
 
 
 def _piece_table(
@@ -279,7 +290,7 @@ def _piece_table(
     return _PieceTable(geometry, chunks, groups, collapsed)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Side:
     """One end of a copy: a cache (engine or staging), its blocks, and the first head used."""
 
@@ -287,6 +298,15 @@ class _Side:
     layout: KvLayout  # effective layout (see effective_layouts)
     block_ids: np.ndarray
     head0: int
+    staging: bool = False  # staging tables are one-off: not worth caching
+
+    def table(self, num_heads: int, shape: PieceShape, length: int, max_run_blocks: int) -> _PieceTable:
+        build = _piece_table if self.staging else _engine_piece_table
+        return build(self.view, self.layout, self.head0, num_heads, shape, length, max_run_blocks)
+
+
+# Engine tables depend on layouts only: a handful per pair of engines, reused by every pull.
+_engine_piece_table = functools.lru_cache(maxsize=256)(_piece_table)
 
 
 def _copy_groups(
@@ -317,8 +337,8 @@ def _piece_sizes(remote: _Side, local: _Side, num_heads: int, max_run_blocks: in
     the second whether staging would buy bigger ones (runs of whole remote blocks merge).
     """
     shape = common_shape(remote.view.spec, local.view.spec, num_heads)
-    rtab = _piece_table(remote.view, remote.layout, remote.head0, num_heads, shape, shape.tokens, max_run_blocks)
-    ltab = _piece_table(local.view, local.layout, local.head0, num_heads, shape, shape.tokens, max_run_blocks)
+    rtab = remote.table(num_heads, shape, shape.tokens, max_run_blocks)
+    ltab = local.table(num_heads, shape, shape.tokens, max_run_blocks)
     k_runs = min(rtab.geometry.max_run_log2, ltab.geometry.max_run_log2)
     return rtab.geometry.unit_bytes, rtab.geometry.unit_bytes << k_runs
 
@@ -335,8 +355,8 @@ def _group(
     max_run_blocks: int,
 ) -> ReadGroup:
     """One ReadGroup: every (layer-plane, head group, token chunk) piece, merged into runs."""
-    rtab = _piece_table(remote.view, remote.layout, remote.head0, num_heads, shape, length, max_run_blocks)
-    ltab = _piece_table(local.view, local.layout, local.head0, num_heads, shape, length, max_run_blocks)
+    rtab = remote.table(num_heads, shape, length, max_run_blocks)
+    ltab = local.table(num_heads, shape, length, max_run_blocks)
     k_runs = min(rtab.geometry.max_run_log2, ltab.geometry.max_run_log2)
     rgeo = dataclasses.replace(rtab.geometry, max_run_log2=k_runs)
     lgeo = dataclasses.replace(ltab.geometry, max_run_log2=k_runs)
@@ -382,6 +402,29 @@ def staging_view(remote: LayoutSpec, num_heads: int, num_tokens: int, offset: in
     return EngineView(spec, tuple(contiguous_placements(spec, region=0, base=offset)))
 
 
+def _staging_choice(
+    remote: _Side, source: HeadSource, num_tokens: int, offset: int, direct_most: int, max_run_blocks: int
+) -> tuple[_Side, _Side, int] | None:
+    """(remote side, staging side, heads read) when staging buys longer reads than ``direct_most``.
+
+    First the source's own heads; failing that, all the remote rank's heads (an over-read of at
+    most OVERREAD_MAX_FACTOR); None when neither reads longer pieces than a direct read.
+    """
+    rspec = remote.view.spec
+    options = [(remote.head0, source.num_heads)]
+    if rspec.num_kv_heads > source.num_heads and rspec.num_kv_heads <= OVERREAD_MAX_FACTOR * source.num_heads:
+        options.append((0, rspec.num_kv_heads))
+    for head0, heads in options:
+        sview = staging_view(rspec, heads, num_tokens, offset)
+        r_eff, s_eff = effective_layouts(rspec, sview.spec)
+        rside = dataclasses.replace(remote, layout=r_eff, head0=head0)
+        sside = _Side(sview, s_eff, np.arange(sview.spec.num_blocks, dtype=np.int64), 0, staging=True)
+        _, most = _piece_sizes(rside, sside, heads, max_run_blocks)
+        if most > direct_most:
+            return rside, sside, heads
+    return None
+
+
 # --- the planner --------------------------------------------------------------------------------
 
 
@@ -415,22 +458,27 @@ def plan_conversion(
         rlay, llay = effective_layouts(rspec, local.spec)
         rside = _Side(rview, rlay, remote_ids, source.remote_head0)
         lside = _Side(local, llay, local_ids, source.local_head0)
-        sview = staging_view(rspec, source.num_heads, num_tokens, staging_bytes)
-        r_eff, s_eff = effective_layouts(rspec, sview.spec)
-        sside = _Side(sview, s_eff, np.arange(sview.spec.num_blocks, dtype=np.int64), 0)
         direct_piece, direct_most = _piece_sizes(rside, lside, source.num_heads, max_run_blocks)
-        _, staged_most = _piece_sizes(dataclasses.replace(rside, layout=r_eff), sside, source.num_heads, max_run_blocks)
-        if direct_piece >= direct_read_min_bytes or staged_most <= direct_most:
+        if direct_piece >= direct_read_min_bytes:
+            choice = None
+        else:
+            choice = _staging_choice(rside, source, num_tokens, staging_bytes, direct_most, max_run_blocks)
+        if choice is None:
             reads += _copy_groups(
                 source.remote_rank, rside, lside, source.num_heads, num_tokens, Target.ENGINE, max_run_blocks
             )
             continue
-        rside = dataclasses.replace(rside, layout=r_eff)
-        reads += _copy_groups(
-            source.remote_rank, rside, sside, source.num_heads, num_tokens, Target.STAGING, max_run_blocks
+        rside, sside, read_heads = choice
+        reads += _copy_groups(source.remote_rank, rside, sside, read_heads, num_tokens, Target.STAGING, max_run_blocks)
+        staged.append(
+            StagedSource(
+                BlockFrame.of(sside.view),
+                local_head0=source.local_head0,
+                staged_head0=source.remote_head0 - rside.head0,
+                num_heads=source.num_heads,
+            )
         )
-        staged.append(StagedSource(BlockFrame.of(sview), source.local_head0))
-        staging_bytes += sview.spec.total_bytes
+        staging_bytes += sside.view.spec.total_bytes
     postprocess = None
     if staged:
         postprocess = ConvertPostprocess(tuple(staged), BlockFrame.of(local), local_ids, num_tokens)

@@ -11,6 +11,10 @@ it computes the byte offset straight from the layout's definition,
 and gathers (or scatters) those bytes with plain indexing. Tests compare the fast path with it
 bit for bit. Logical tensors are uint8 ``[layers, kv_planes, tokens, heads, head_bytes]`` where
 ``heads`` are the rank's heads in order, i.e. model-global heads ``spec.head_range()``.
+
+:func:`execute_plan` is the matching reference for the data path: it applies a PullPlan the way
+the daemon does (NIXL's reads as torch byte copies, then the postprocess) and logs every byte
+read and written, so tests can check plans without NIXL (and a selftest can use it too).
 """
 
 from __future__ import annotations
