@@ -75,6 +75,7 @@ class Daemon:
         self._background: list[asyncio.Task[None]] = []
         self._reader_labels: dict[str, str] = {}  # lease id -> reader's address (metrics label)
         self._selftest_seed = -1
+        self._cuda_streams: dict[int, Any] = {}  # device index -> the daemon's conversion stream
         self.serving = False
         self.started_at = time.monotonic()
         self.selftest_engine_id = f"kvd-selftest-{self.incarnation[:8]}"
@@ -659,7 +660,7 @@ class Daemon:
                 assert staging is not None
                 transfer.advance(TransferState.POSTPROCESSING)
                 engine_regions = [region.tensor for region in rank.regions]
-                await loop.run_in_executor(self._executor, plan.postprocess.run, staging.tensor, engine_regions)
+                await loop.run_in_executor(self._executor, self._postprocess, plan, staging, engine_regions)
         except PeerUnavailable:
             self.peers.drop(session.address, "disconnected")
             raise
@@ -701,6 +702,23 @@ class Daemon:
             if pending:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.002)
+
+    def _postprocess(self, plan: PullPlan, staging: StagingChunk, engine_regions: list[Any]) -> None:
+        """Run the plan's conversion (worker thread). On a GPU: on a daemon-owned stream, waited for
+        before the blocks are reported loaded, so the engine's own streams are never blocked."""
+        import torch  # noqa: PLC0415
+
+        assert plan.postprocess is not None
+        device = staging.tensor.device
+        if device.type != "cuda":
+            plan.postprocess.run(staging.tensor, engine_regions)
+            return
+        stream = self._cuda_streams.get(device.index or 0)
+        if stream is None:
+            stream = self._cuda_streams.setdefault(device.index or 0, torch.cuda.Stream(device=device))
+        with torch.cuda.stream(stream):
+            plan.postprocess.run(staging.tensor, engine_regions)
+        stream.synchronize()
 
     def _staging_pool(self, rank: EngineRank) -> StagingPool:
         import torch  # noqa: PLC0415

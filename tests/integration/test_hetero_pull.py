@@ -139,3 +139,25 @@ def test_refused_pairs_fail_with_failed_precondition(spawn_daemon, field: str, v
     finally:
         holder.close()
         reader.close()
+
+
+def test_a_pull_that_cannot_get_staging_is_resource_exhausted(spawn_daemon) -> None:
+    """The staging pool is bounded: a conversion bigger than it fails at once, nothing allocated."""
+    holder_daemon = spawn_daemon(name="holder")
+    reader_daemon = spawn_daemon("--staging-pool-bytes", "4096", name="reader")
+    holder = ShmEngine(holder_daemon.unix_target, "p", _spec(KvFormat.SPLIT, KvLayout.NHD, 16, 1, 0, 16))
+    reader = ShmEngine(reader_daemon.unix_target, "d", _spec(KvFormat.SPLIT, KvLayout.HND, 16, 1, 0, 16))
+    try:
+        holder.register()
+        reader.register()
+        reader.fill(0x11)
+        params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=[0, 1, 2], num_tokens=40).kv_transfer_params
+        started = reader.client.start_pull(engine_id="d", tp_rank=0, request_id="r", local_block_ids=[3, 4, 5], remote=params)
+        with pytest.raises(errors.ResourceExhausted, match="staging"):
+            reader.client.wait_transfer(started.transfer_id, timeout_s=30)
+        assert bool((reader.buffer == 0x11).all()), "a failed pull wrote into the engine's blocks"
+        # The lease survives a reader's failure: a retry with room to stage would still find it.
+        assert holder.client.lookup_held(engine_id="p").held
+    finally:
+        holder.close()
+        reader.close()
