@@ -12,7 +12,7 @@ import dataclasses
 import math
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_type_hints
 
