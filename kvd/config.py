@@ -80,6 +80,13 @@ class KvdConfig:
     nixl_backends: tuple[str, ...] = dataclasses.field(
         default=("UCX",), metadata={"help": "NIXL backends to create (comma-separated)."}
     )
+    nixl_progress_thread: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "Run NIXL's own progress thread. It busy-polls (a whole core per daemon, idle or not); "
+            "without it the daemon drives progress from its event loop every millisecond."
+        },
+    )
     agent_name_prefix: str = dataclasses.field(
         default="kvd", metadata={"help": "Agent names are <prefix>-<host>-<uuid4>: a restart is visible."}
     )

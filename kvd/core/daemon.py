@@ -78,7 +78,7 @@ class Daemon:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.dataplane = await loop.run_in_executor(
-            self._executor, DataPlane, self.agent_name, self.config.nixl_backends
+            self._executor, DataPlane, self.agent_name, self.config.nixl_backends, self.config.nixl_progress_thread
         )
         self.peers = Peers(
             self._transport, self.dataplane, self.metrics, lambda: self.incarnation, self.config.handshake_timeout_s

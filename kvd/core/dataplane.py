@@ -46,10 +46,10 @@ def _bindings() -> Any:
 class DataPlane:
     """A NIXL agent plus the tables and transfers kvd keeps on it."""
 
-    def __init__(self, agent_name: str, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(self, agent_name: str, backends: Sequence[str] = ("UCX",), progress_thread: bool = False) -> None:
         api = _nixl()
         config = api.nixl_agent_config(
-            enable_prog_thread=True,
+            enable_prog_thread=progress_thread,
             backends=list(backends),
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )

@@ -137,8 +137,10 @@ def check_convertible(remote: LayoutSpec, local: LayoutSpec) -> None:
     for name in ("dtype", "head_dim", "num_layers", "total_num_kv_heads"):
         if getattr(remote, name) != getattr(local, name):
             mismatches.append(f"{name}: remote {getattr(remote, name)} vs local {getattr(local, name)}")
-    if (remote.kv_format is KvFormat.MLA) != (local.kv_format is KvFormat.MLA):
-        mismatches.append(f"kv_format: remote {remote.kv_format.value} vs local {local.kv_format.value}")
+    for special in (KvFormat.MLA, KvFormat.PACKED):  # these convert only among themselves
+        if (remote.kv_format is special) != (local.kv_format is special):
+            mismatches.append(f"kv_format: remote {remote.kv_format.value} vs local {local.kv_format.value}")
+            break
     if mismatches:
         raise IncompatibleLayout("KV layouts cannot be converted: " + "; ".join(mismatches))
 

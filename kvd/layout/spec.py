@@ -29,6 +29,9 @@ class KvFormat(enum.Enum):
     SPLIT = "SPLIT"  # K blocks at k_offset, V blocks at v_offset (vLLM's [2, num_blocks, ...])
     JOINT = "JOINT"  # each block is [2, <block>]: K then V (FlashInfer's [num_blocks, 2, ...])
     MLA = "MLA"  # one latent vector per token, no K/V pair, one "head"
+    # K and V of one token and head side by side, [K | V] (vLLM 0.33 on CPU:
+    # [num_blocks, heads, block_size, 2 * head_dim]): one plane whose head vectors are 2 * head_dim.
+    PACKED = "PACKED"
 
 
 DTYPE_SIZES: dict[str, int] = {
@@ -104,8 +107,9 @@ class LayoutSpec:
 
     @property
     def head_bytes_per_token(self) -> int:
-        """Bytes of one head of one token (one K or one V vector)."""
-        return self.head_dim * self.elem_size
+        """Bytes of one head of one token in one plane (one K or one V vector; K|V for PACKED)."""
+        vectors = 2 if self.kv_format is KvFormat.PACKED else 1
+        return vectors * self.head_dim * self.elem_size
 
     @property
     def token_bytes(self) -> int:
@@ -119,8 +123,8 @@ class LayoutSpec:
 
     @property
     def kv_planes(self) -> int:
-        """2 (K and V) or 1 (MLA latent)."""
-        return 1 if self.kv_format is KvFormat.MLA else 2
+        """2 (K and V apart) or 1 (MLA latent; PACKED, whose plane holds K|V vectors)."""
+        return 1 if self.kv_format in (KvFormat.MLA, KvFormat.PACKED) else 2
 
     @property
     def block_stride(self) -> int:

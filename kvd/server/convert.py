@@ -20,6 +20,7 @@ _FORMAT = {
     common_pb2.KV_FORMAT_SPLIT: KvFormat.SPLIT,
     common_pb2.KV_FORMAT_JOINT: KvFormat.JOINT,
     common_pb2.KV_FORMAT_MLA: KvFormat.MLA,
+    common_pb2.KV_FORMAT_PACKED: KvFormat.PACKED,
 }
 _DTYPE = {
     common_pb2.DTYPE_FLOAT16: "float16",

@@ -19,6 +19,7 @@ class KvFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_FORMAT_SPLIT: _ClassVar[KvFormat]
     KV_FORMAT_JOINT: _ClassVar[KvFormat]
     KV_FORMAT_MLA: _ClassVar[KvFormat]
+    KV_FORMAT_PACKED: _ClassVar[KvFormat]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -52,6 +53,7 @@ KV_FORMAT_UNSPECIFIED: KvFormat
 KV_FORMAT_SPLIT: KvFormat
 KV_FORMAT_JOINT: KvFormat
 KV_FORMAT_MLA: KvFormat
+KV_FORMAT_PACKED: KvFormat
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType

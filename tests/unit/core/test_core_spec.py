@@ -96,16 +96,18 @@ def test_spec_is_frozen_and_hashable() -> None:
 @pytest.mark.parametrize("dtype", sorted(DTYPE_SIZES))
 @pytest.mark.parametrize("kv_format", list(KvFormat))
 def test_block_bytes_and_stride(kv_format: KvFormat, dtype: str) -> None:
-    """block_bytes is one plane of one block; JOINT blocks are twice as far apart (K then V)."""
+    """block_bytes is one plane of one block; JOINT blocks are twice as far apart (K then V);
+    a PACKED plane holds K|V vectors, twice head_dim."""
     heads = 1 if kv_format is KvFormat.MLA else 8
     spec = _spec(kv_format=kv_format, dtype=dtype, num_kv_heads=heads, head_dim=64, block_size=16)
     elem = DTYPE_SIZES[dtype]
+    vector = 2 * 64 * elem if kv_format is KvFormat.PACKED else 64 * elem
     assert spec.elem_size == elem
-    assert spec.head_bytes_per_token == 64 * elem
-    assert spec.token_bytes == heads * 64 * elem
-    assert spec.block_bytes == 16 * heads * 64 * elem
+    assert spec.head_bytes_per_token == vector
+    assert spec.token_bytes == heads * vector
+    assert spec.block_bytes == 16 * heads * vector
     assert spec.block_stride == (2 * spec.block_bytes if kv_format is KvFormat.JOINT else spec.block_bytes)
-    assert spec.kv_planes == (1 if kv_format is KvFormat.MLA else 2)
+    assert spec.kv_planes == (1 if kv_format in (KvFormat.MLA, KvFormat.PACKED) else 2)
     assert spec.layer_bytes == 10 * spec.block_bytes * spec.kv_planes
     assert spec.total_bytes == 4 * spec.layer_bytes
 

@@ -47,10 +47,10 @@ import time as _time  # noqa: E402
 import uuid  # noqa: E402
 from typing import Any  # noqa: E402
 
-from kvd.v1 import common_pb2, engine_pb2, router_pb2  # noqa: E402
 from kvd_client import errors  # noqa: E402
-
 from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout  # noqa: E402
+
+from kvd.v1 import common_pb2, engine_pb2, router_pb2  # noqa: E402
 
 _DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 
@@ -202,7 +202,9 @@ class FakeDaemon:
         else:
             stream.push(
                 engine_pb2.DaemonMessage(
-                    finished_recving=engine_pb2.FinishedRecving(request_id=pull.request_id, transfer_id=pull.transfer_id)
+                    finished_recving=engine_pb2.FinishedRecving(
+                        request_id=pull.request_id, transfer_id=pull.transfer_id
+                    )
                 )
             )
 
@@ -267,17 +269,27 @@ class FakeDaemon:
             dst_reg = self.registrations[(pull.engine_id, pull.tp_rank)]
             g_src, src_layers = self.layer_tensors(src_reg)
             g_dst, dst_layers = self.layer_tensors(dst_reg)
-            assert dataclasses.replace(g_src, num_blocks=1) == dataclasses.replace(g_dst, num_blocks=1), "fake copies same geometry only"
+            assert dataclasses.replace(g_src, num_blocks=2) == dataclasses.replace(g_dst, num_blocks=2), (
+                "fake copies same geometry only"
+            )
             remote_blocks = torch.tensor(list(pull.remote.block_ids), dtype=torch.int64)
             local_blocks = torch.tensor(pull.local_block_ids, dtype=torch.int64)
             for src, dst in zip(src_layers, dst_layers, strict=True):
                 sk, sv = g_src.kv_views(src)
                 dk, dv = g_dst.kv_views(dst)
-                self.read_log.append({"k": sk[remote_blocks].clone(), "v": sv[remote_blocks].clone(), "num_tokens": pull.remote.num_tokens})
+                self.read_log.append(
+                    {
+                        "k": sk[remote_blocks].clone(),
+                        "v": sv[remote_blocks].clone(),
+                        "num_tokens": pull.remote.num_tokens,
+                    }
+                )
                 dk[local_blocks] = sk[remote_blocks]
                 dv[local_blocks] = sv[remote_blocks]
             self.finish_pull(pull)
-            self.release(pull.remote.lease_id)
+            lease.setdefault("readers", set()).add(pull.tp_rank)
+            if len(lease["readers"]) == dst_reg.layout.tp_size:  # every reader rank has its part
+                self.release(pull.remote.lease_id)
             done += 1
         return done
 
@@ -298,7 +310,9 @@ class FakeClient:
                 raise errors.AlreadyExists(f"{key} already registered")
             d.registrations[key] = request
             d.register_calls += 1
-        return engine_pb2.RegisterKvCacheResponse(daemon_incarnation=d.incarnation, agent_name="fake", registration_id=1)
+        return engine_pb2.RegisterKvCacheResponse(
+            daemon_incarnation=d.incarnation, agent_name="fake", registration_id=1
+        )
 
     def unregister_kv_cache(self, *, engine_id: str, tp_rank: int, timeout_s: float | None = None) -> Any:
         self.daemon.check()
@@ -313,12 +327,26 @@ class FakeClient:
         d.all_streams.append(stream)
         return stream
 
-    def hold_blocks(self, *, engine_id: str, request_id: str, block_ids: Any, num_tokens: int, ttl_ms: int = 0, timeout_s: float | None = None) -> Any:
+    def hold_blocks(
+        self,
+        *,
+        engine_id: str,
+        request_id: str,
+        block_ids: Any,
+        num_tokens: int,
+        ttl_ms: int = 0,
+        timeout_s: float | None = None,
+    ) -> Any:
         d = self.daemon
         d.check()
         lease_id = f"lease-{next(d._ids)}"
         expires = int(_time.time() * 1000) + (ttl_ms or 30_000)
-        d.leases[lease_id] = {"engine_id": engine_id, "request_id": request_id, "block_ids": list(block_ids), "num_tokens": num_tokens}
+        d.leases[lease_id] = {
+            "engine_id": engine_id,
+            "request_id": request_id,
+            "block_ids": list(block_ids),
+            "num_tokens": num_tokens,
+        }
         params = common_pb2.KvTransferParams(
             daemon_address=d.address,
             daemon_incarnation=d.incarnation,
@@ -331,10 +359,21 @@ class FakeClient:
             lease_expires_unix_ms=expires,
         )
         return engine_pb2.HoldBlocksResponse(
-            lease=common_pb2.LeaseInfo(lease_id=lease_id, engine_id=engine_id, request_id=request_id), kv_transfer_params=params
+            lease=common_pb2.LeaseInfo(lease_id=lease_id, engine_id=engine_id, request_id=request_id),
+            kv_transfer_params=params,
         )
 
-    def start_pull(self, *, engine_id: str, tp_rank: int, request_id: str, local_block_ids: Any, remote: Any, deadline_ms: int = 0, timeout_s: float | None = None) -> Any:
+    def start_pull(
+        self,
+        *,
+        engine_id: str,
+        tp_rank: int,
+        request_id: str,
+        local_block_ids: Any,
+        remote: Any,
+        deadline_ms: int = 0,
+        timeout_s: float | None = None,
+    ) -> Any:
         d = self.daemon
         d.check()
         if d.pull_error is not None:

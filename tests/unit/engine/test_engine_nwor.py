@@ -8,7 +8,6 @@ import torch
 from engine_fakes import forbid_sync_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
 from kvd_engine.nwor import (
     DeferredWriteManager,
@@ -117,7 +116,9 @@ def test_off_mode_is_a_pass_through() -> None:
 def test_writes_outside_a_window_go_straight_to_the_cache() -> None:
     manager = DeferredWriteManager("stage")
     calls: list[int] = []
-    manager.write("l", torch.ones(2, 1, 1), torch.ones(2, 1, 1), torch.zeros(1), torch.arange(2), lambda *a: calls.append(1))
+    manager.write(
+        "l", torch.ones(2, 1, 1), torch.ones(2, 1, 1), torch.zeros(1), torch.arange(2), lambda *a: calls.append(1)
+    )
     assert calls == [1] and manager.num_staged == 0
 
 
@@ -140,7 +141,9 @@ def test_a_window_left_open_is_flushed_when_the_next_one_begins() -> None:
     manager = DeferredWriteManager("stage")
     flushed: list[int] = []
     manager.begin_window(2)
-    manager.write("l", torch.ones(2, 1, 1), torch.ones(2, 1, 1), torch.zeros(1), torch.arange(2), lambda *a: flushed.append(1))
+    manager.write(
+        "l", torch.ones(2, 1, 1), torch.ones(2, 1, 1), torch.zeros(1), torch.arange(2), lambda *a: flushed.append(1)
+    )
     assert manager.begin_window(2)
     assert flushed == [1] and manager.stats().fallbacks == 1
 

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 from engine_fakes import forbid_sync_ops
-
 from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
 from kvd_engine.engine_api import NullWorkerConnector, TransferResults
 from kvd_engine.reference_engine import (
@@ -82,7 +81,9 @@ def test_block_allocator_never_hands_out_the_null_block() -> None:
     ],
 )
 def test_prefill_and_decode_write_the_expected_kv(fmt: KvFormat, layout: KvLayout, dtype: torch.dtype) -> None:
-    with _engine(kv_format=fmt, layout=layout, dtype=dtype, tp_size=2, total_num_kv_heads=4, check_kv_reads=True) as engine:
+    with _engine(
+        kv_format=fmt, layout=layout, dtype=dtype, tp_size=2, total_num_kv_heads=4, check_kv_reads=True
+    ) as engine:
         engine.add_request("a", PROMPT, max_tokens=6)
         engine.add_request("b", PROMPT[:5], max_tokens=3)
         engine.run()
@@ -105,9 +106,10 @@ def test_caches_live_in_shm_and_are_removed_on_close() -> None:
 
 
 def test_two_engines_are_bit_identical() -> None:
-    with _engine(num_speculative_tokens=2, acceptance=AcceptancePattern.random(3)) as one, _engine(
-        num_speculative_tokens=2, acceptance=AcceptancePattern.random(3)
-    ) as two:
+    with (
+        _engine(num_speculative_tokens=2, acceptance=AcceptancePattern.random(3)) as one,
+        _engine(num_speculative_tokens=2, acceptance=AcceptancePattern.random(3)) as two,
+    ):
         for engine in (one, two):
             engine.add_request("a", PROMPT, max_tokens=9)
         while one.has_work():
@@ -150,7 +152,9 @@ def test_partial_pattern_accepts_exactly_that_many_drafts() -> None:
 
 @pytest.mark.parametrize("mode,clean", [("stage", True), ("immediate", False)])
 def test_rejected_drafts_never_reach_the_cache_in_stage_mode(mode: str, clean: bool) -> None:
-    with _engine(num_speculative_tokens=3, acceptance=AcceptancePattern.none(), nwor_mode=mode, block_size=16) as engine:
+    with _engine(
+        num_speculative_tokens=3, acceptance=AcceptancePattern.none(), nwor_mode=mode, block_size=16
+    ) as engine:
         engine.add_request("a", PROMPT, max_tokens=3)
         engine.run()
         request = engine.requests["a"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from kvd_client import errors
 from kvd_engine.config import KvdConnectorConfig
 from kvd_engine.engine_api import ScheduledRequest, StepView
@@ -23,7 +22,9 @@ class FakeHold:
     def available(self) -> bool:
         return self.up
 
-    def hold_blocks(self, engine_id: str, request_id: str, block_ids: Any, num_tokens: int, ttl_ms: int = 0) -> dict[str, Any]:
+    def hold_blocks(
+        self, engine_id: str, request_id: str, block_ids: Any, num_tokens: int, ttl_ms: int = 0
+    ) -> dict[str, Any]:
         self.calls.append((engine_id, request_id, list(block_ids), num_tokens, ttl_ms))
         if self.error is not None:
             raise self.error
@@ -78,7 +79,9 @@ def test_decode_pulls_the_whole_prompt_whatever_its_size() -> None:
 
 
 @pytest.mark.parametrize("remote_tokens,expected", [(63, (0, False)), (64, (64, True)), (200, (100, True))])
-def test_prefill_pulls_back_from_decode_only_above_the_threshold(remote_tokens: int, expected: tuple[int, bool]) -> None:
+def test_prefill_pulls_back_from_decode_only_above_the_threshold(
+    remote_tokens: int, expected: tuple[int, bool]
+) -> None:
     sched, _ = _sched(pull_threshold_tokens=64)
     params = _remote(remote_tokens, list(range(50)), pull_prefill=False)
     req = EngineRequest("r", list(range(100)), 1, params)
@@ -116,7 +119,9 @@ def test_malformed_params_mean_no_pull() -> None:
     assert remote_kv({"kvd": {"daemon_address": "a", "lease_id": "l", "block_ids": ["x"], "num_tokens": 3}}) is None
 
 
-def _finished(req: EngineRequest, computed: int, outputs: int, status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED) -> EngineRequest:
+def _finished(
+    req: EngineRequest, computed: int, outputs: int, status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED
+) -> EngineRequest:
     req.output_token_ids = list(range(outputs))
     req.num_computed_tokens = computed
     req.status = status
@@ -148,7 +153,9 @@ def test_decode_holds_for_the_next_turn_only_when_configured() -> None:
 
 def test_aborted_requests_and_failed_holds_free_their_blocks_at_once() -> None:
     sched, hold = _sched()
-    req = _finished(EngineRequest("r", list(range(8)), 1, {"do_remote_decode": True}), 8, 1, RequestStatus.FINISHED_ABORTED)
+    req = _finished(
+        EngineRequest("r", list(range(8)), 1, {"do_remote_decode": True}), 8, 1, RequestStatus.FINISHED_ABORTED
+    )
     assert sched.request_finished(req, [1, 2]) == (False, None)
     hold.error = errors.Unavailable("daemon down")
     req2 = _finished(EngineRequest("r2", list(range(8)), 1, {"do_remote_decode": True}), 8, 1)
@@ -165,7 +172,9 @@ def test_host_commits_only_without_speculative_decoding() -> None:
 
 
 def test_config_validation_and_extra_config_parsing() -> None:
-    cfg = KvdConnectorConfig.from_extra_config({"kvd_socket": "/tmp/k.sock", "pull_threshold_tokens": "128", "hold_on_decode": "false"})
+    cfg = KvdConnectorConfig.from_extra_config(
+        {"kvd_socket": "/tmp/k.sock", "pull_threshold_tokens": "128", "hold_on_decode": "false"}
+    )
     assert cfg.pull_threshold_tokens == 128 and cfg.hold_on_decode is False
     assert cfg.target == "unix:///tmp/k.sock"
     with pytest.raises(ValueError, match="unknown kvd connector option"):

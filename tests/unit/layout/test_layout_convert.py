@@ -134,9 +134,10 @@ def run_case(case: Case) -> Outcome:
     rng = np.random.default_rng(case.seed)
     gen = torch.Generator().manual_seed(case.seed)
     model = case.model
-    planes = 1 if case.local.kv_format is KvFormat.MLA else 2
+    local_spec = make_spec(model, case.local, case.local_rank)
+    planes = local_spec.kv_planes
     heads = 1 if case.local.kv_format is KvFormat.MLA else model.total_heads
-    head_bytes = model.head_dim * DTYPE_SIZES[model.dtype]
+    head_bytes = local_spec.head_bytes_per_token
     truth = torch.randint(0, 256, (model.layers, planes, case.num_tokens, heads, head_bytes), dtype=torch.uint8, generator=gen)
 
     offered = case.extra_remote_blocks - (-case.num_tokens // case.remote.block_size)
@@ -370,7 +371,8 @@ POW2 = [1, 2, 4, 8, 16, 32, 64]
 
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
-    mla = draw(st.integers(0, 6)) == 0
+    family = draw(st.sampled_from(["kv"] * 5 + ["mla", "packed"]))  # MLA and PACKED convert among themselves
+    mla = family == "mla"
     heads = 1 if mla else draw(st.sampled_from([1, 2, 4, 8]))
     model = Model(
         total_heads=heads,
@@ -381,7 +383,7 @@ def cases(draw: st.DrawFn) -> Case:
     num_tokens = draw(st.integers(1, 150))
 
     def side() -> Side:
-        kv_format = MLA if mla else draw(st.sampled_from([SPLIT, JOINT]))
+        kv_format = MLA if mla else (KvFormat.PACKED if family == "packed" else draw(st.sampled_from([SPLIT, JOINT])))
         block_size = draw(st.sampled_from(POW2))
         need = -(-num_tokens // block_size)
         return Side(

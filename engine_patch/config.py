@@ -1,0 +1,125 @@
+"""The connector's configuration: one frozen dataclass, validated on construction.
+
+In vLLM it comes from ``--kv-transfer-config``'s ``kv_connector_extra_config``::
+
+    {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd_engine.connector",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"kvd_socket": "/run/kvd/engine.sock", "pull_threshold_tokens": 256}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from .nwor import NworMode
+
+__all__ = ["KvdConnectorConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KvdConnectorConfig:
+    """Every knob of the engine side of kvd. Unknown keys are refused (typos fail loudly)."""
+
+    kvd_socket: str = "/run/kvd/engine.sock"
+    """The local daemon's engine socket: a path (Unix socket) or a full grpc target."""
+
+    pull_threshold_tokens: int = 64
+    """Prefill pulls a conversation's KV back from decode only when at least this many tokens
+    would be loaded; below it, recomputing is cheaper than a transfer."""
+
+    hold_on_decode: bool = True
+    """Decode holds a finished request's KV under a lease for the next turn's prefill (multi-turn)."""
+
+    hold_ttl_ms: int = 0
+    """Lease length asked for at hold time (0: the daemon's default)."""
+
+    pull_deadline_ms: int = 0
+    """Deadline of a pull (0: the daemon's default)."""
+
+    pull_timeout_slack_s: float = 5.0
+    """A pull the daemon has not reported this long past its deadline is failed locally (recompute)."""
+
+    require_commits: bool = True
+    """Register with require_commits: the daemon serves only tokens this rank committed."""
+
+    commit_every_steps: int = 16
+    """Send running requests' grown watermarks every this many steps (finished requests' at
+    once). 1 sends every step; higher keeps the engine stream far below its message rate."""
+
+    rpc_timeout_s: float = 2.0
+    """Deadline of each unary call to the daemon (holds, pulls, registration)."""
+
+    reconnect_initial_s: float = 0.2
+    """First wait before reconnecting to a daemon that went away; doubles up to reconnect_max_s."""
+
+    reconnect_max_s: float = 5.0
+    """Longest wait between reconnection attempts."""
+
+    nwor_mode: str = "stage"
+    """Deferred KV writes for speculative decoding: "stage", "immediate" or "off"."""
+
+    recompute_failed_loads: bool = True
+    """Switch vLLM's kv_load_failure_policy to "recompute": a failed pull is recomputed, never
+    a failed request."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.kvd_socket:
+            problems.append("kvd_socket must name the daemon's engine socket")
+        if self.commit_every_steps < 1:
+            problems.append(f"commit_every_steps must be >= 1, got {self.commit_every_steps}")
+        if self.pull_threshold_tokens < 0:
+            problems.append(f"pull_threshold_tokens must be >= 0, got {self.pull_threshold_tokens}")
+        for name in ("hold_ttl_ms", "pull_deadline_ms"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("rpc_timeout_s", "reconnect_initial_s", "reconnect_max_s", "pull_timeout_slack_s"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            problems.append("reconnect_max_s must be >= reconnect_initial_s")
+        try:
+            NworMode(str(self.nwor_mode).lower())
+        except ValueError:
+            problems.append(f"nwor_mode must be one of stage, immediate, off; got {self.nwor_mode!r}")
+        if problems:
+            raise ValueError("invalid kvd connector config: " + "; ".join(problems))
+
+    @property
+    def target(self) -> str:
+        """The grpc target of the daemon (a bare path means a Unix socket)."""
+        if "://" in self.kvd_socket or self.kvd_socket.startswith("unix:"):
+            return self.kvd_socket
+        return f"unix://{self.kvd_socket}"
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KvdConnectorConfig:
+        """Build from vLLM's ``kv_connector_extra_config`` (values may arrive as strings)."""
+        extra = dict(extra or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown kvd connector option(s) {unknown}; known: {sorted(fields)}")
+        values: dict[str, Any] = {}
+        for name, raw in extra.items():
+            default = fields[name].default
+            values[name] = _coerce(name, raw, type(default))
+        return cls(**values)
+
+
+def _coerce(name: str, raw: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"kvd connector option {name} wants a boolean, got {raw!r}")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"kvd connector option {name} wants a {kind.__name__}, got {raw!r}") from None

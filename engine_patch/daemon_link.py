@@ -1,0 +1,440 @@
+"""One engine rank's connection to its node's daemon, kept alive by a background thread.
+
+The engine must never wait on the daemon and must never crash because of it. So:
+
+* every unary call (registration, starting a pull) runs on the link's own thread; the step
+  path only queues commands and polls events;
+* when the daemon goes away (the stream ends, a call fails UNAVAILABLE) the link reports
+  :class:`Disconnected`, then reconnects with capped exponential backoff and *re-registers
+  the same memory by itself*, reporting :class:`Connected` with the new incarnation;
+* a pull asked for while there is no daemon fails at once (:class:`PullFailed`): the engine
+  recomputes instead of waiting.
+
+:class:`SchedulerLink` is the scheduler process's side: blocking ``hold_blocks`` calls with a
+short deadline and a circuit breaker, so a dead daemon costs one timeout, not one per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from kvd_client import errors
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Connected",
+    "DaemonLink",
+    "DaemonMessage",
+    "Disconnected",
+    "LinkEvent",
+    "PullFailed",
+    "PullStarted",
+    "SchedulerLink",
+]
+
+
+# --- events the step path polls ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Connected:
+    """Registered with a daemon (first time or again); ``incarnation`` names that daemon run.
+
+    ``epoch`` counts connections of this link: work started under an epoch belongs to it.
+    """
+
+    incarnation: str
+    epoch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Disconnected:
+    """The daemon of connection ``epoch`` went away: its leases and in-flight pulls are gone."""
+
+    reason: str
+    epoch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PullStarted:
+    request_id: str
+    transfer_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PullFailed:
+    request_id: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonMessage:
+    """A message the daemon sent down the engine stream (a ``kvd.v1.DaemonMessage``)."""
+
+    message: Any
+
+
+LinkEvent = Connected | Disconnected | PullStarted | PullFailed | DaemonMessage
+
+
+class _Stream(Protocol):
+    def send_commit(self, request_id: str, committed_tokens: int) -> bool: ...
+    def send_post_forward(self, step: int, finished_request_ids: Sequence[str] = ()) -> bool: ...
+    def poll(self, timeout_s: float = 0.0) -> list[Any]: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def error(self) -> errors.KvdError | None: ...
+    def close(self) -> None: ...
+
+
+ClientFactory = Callable[[str, float], Any]
+
+
+def _default_client(target: str, timeout_s: float) -> Any:
+    from kvd_client import KvdClient
+
+    return KvdClient(target, timeout_s=timeout_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StartPull:
+    request_id: str
+    local_block_ids: tuple[int, ...]
+    remote: Mapping[str, Any]
+    deadline_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cancel:
+    transfer_id: str
+
+
+_STOP = object()
+
+
+class DaemonLink:
+    """Registration, engine stream and pull starts of one engine rank. Thread-safe sends."""
+
+    def __init__(
+        self,
+        target: str,
+        engine_id: str,
+        tp_rank: int,
+        *,
+        rpc_timeout_s: float = 2.0,
+        reconnect_initial_s: float = 0.2,
+        reconnect_max_s: float = 5.0,
+        client_factory: ClientFactory | None = None,
+    ) -> None:
+        self.target = target
+        self.engine_id = engine_id
+        self.tp_rank = tp_rank
+        self._rpc_timeout_s = rpc_timeout_s
+        self._backoff0 = reconnect_initial_s
+        self._backoff_max = reconnect_max_s
+        self._client_factory = client_factory or _default_client
+        self._registration: Any = None
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._events: deque[LinkEvent] = deque()
+        self._client: Any = None
+        self._stream: _Stream | None = None
+        self._incarnation = ""
+        self._stop = threading.Event()
+        self._kick = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_refusal = ""
+        self.connects = 0
+
+    @property
+    def epoch(self) -> int:
+        """How many times this link has connected (0: never). Tag work with it."""
+        return self.connects
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, registration: Any) -> None:
+        """Register ``registration`` (a RegisterKvCacheRequest) now and after every reconnect."""
+        self._registration = registration
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"kvd-link-{self.engine_id}-{self.tp_rank}", daemon=True
+            )
+            self._thread.start()
+        self._kick.set()
+
+    @property
+    def connected(self) -> bool:
+        stream = self._stream
+        return stream is not None and not stream.closed
+
+    @property
+    def incarnation(self) -> str:
+        return self._incarnation
+
+    def close(self, unregister: bool = True) -> None:
+        """Stop the thread, close the stream, and unregister (best effort). Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._kick.set()
+        self._commands.put(_STOP)
+        if self._thread is not None:
+            self._thread.join(timeout=self._rpc_timeout_s + 2)
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+        client, self._client = self._client, None
+        if client is not None:
+            if unregister and self._registration is not None and self._incarnation:
+                try:
+                    client.unregister_kv_cache(
+                        engine_id=self.engine_id, tp_rank=self.tp_rank, timeout_s=self._rpc_timeout_s
+                    )
+                except errors.KvdError as err:
+                    logger.info("unregistering %s rank %d: %s", self.engine_id, self.tp_rank, err)
+            client.close()
+
+    # -- step path (non-blocking) -------------------------------------------------------------
+
+    def send_commit(self, request_id: str, tokens: int) -> bool:
+        stream = self._stream
+        return stream is not None and stream.send_commit(request_id, tokens)
+
+    def send_post_forward(self, step: int, finished: Sequence[str]) -> bool:
+        stream = self._stream
+        return stream is not None and stream.send_post_forward(step, finished)
+
+    def start_pull(
+        self, request_id: str, local_block_ids: Sequence[int], remote: Mapping[str, Any], deadline_ms: int = 0
+    ) -> None:
+        """Queue a pull; its outcome comes back as PullStarted/PullFailed, then daemon messages."""
+        if not self.connected:
+            self._events.append(PullFailed(request_id, f"kvd daemon at {self.target} is not connected"))
+            return
+        self._commands.put(_StartPull(request_id, tuple(local_block_ids), dict(remote), deadline_ms))
+
+    def cancel_pull(self, transfer_id: str) -> None:
+        self._commands.put(_Cancel(transfer_id))
+
+    def poll(self) -> list[LinkEvent]:
+        """Everything that happened since the last poll, in order. Never blocks."""
+        out: list[LinkEvent] = []
+        events = self._events
+        while events:
+            out.append(events.popleft())
+        stream = self._stream
+        if stream is not None:
+            out.extend(DaemonMessage(m) for m in stream.poll())
+        return out
+
+    # -- the link thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = self._backoff0
+        while not self._stop.is_set():
+            if not self.connected:
+                if self._stream is not None:
+                    self._lost(self._describe_stream_end())
+                if self._connect():
+                    backoff = self._backoff0
+                else:
+                    self._fail_queued_pulls()
+                    self._kick.wait(backoff)
+                    self._kick.clear()
+                    backoff = min(backoff * 2, self._backoff_max)
+                    continue
+            try:
+                command = self._commands.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if command is _STOP:
+                return
+            self._execute(command)
+
+    def _describe_stream_end(self) -> str:
+        stream = self._stream
+        err = stream.error if stream is not None else None
+        return f"engine stream ended: {err.message if err is not None else 'closed by the daemon'}"
+
+    def _lost(self, reason: str) -> None:
+        logger.warning("kvd daemon link of %s rank %d lost (%s); reconnecting", self.engine_id, self.tp_rank, reason)
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                stream.close()
+            except Exception:  # closing a dead stream must not kill the link thread
+                logger.debug("closing a dead engine stream failed", exc_info=True)
+        self._events.append(Disconnected(reason, self.connects))
+
+    def _connect(self) -> bool:
+        if self._registration is None:
+            return False
+        try:
+            if self._client is None:
+                self._client = self._client_factory(self.target, self._rpc_timeout_s)
+            response = self._register()
+            stream = self._client.open_engine_stream(self.engine_id, self.tp_rank)
+        except (errors.Unavailable, errors.DeadlineExceeded) as err:
+            logger.debug("kvd daemon at %s not reachable: %s", self.target, err)
+            return False
+        except errors.KvdError as err:
+            # The daemon answered and refused: an operator must see why (kept retrying, in
+            # case the daemon is fixed or upgraded). Logged once per distinct reason.
+            reason = f"{type(err).__name__}: {err.message}"
+            if reason != self._last_refusal:
+                self._last_refusal = reason
+                logger.warning(
+                    "kvd daemon at %s refused %s rank %d: %s", self.target, self.engine_id, self.tp_rank, reason
+                )
+            return False
+        except Exception:  # the link thread must survive anything a broken daemon does
+            logger.exception("connecting to the kvd daemon at %s failed", self.target)
+            return False
+        self._stream = stream
+        self._incarnation = str(getattr(response, "daemon_incarnation", ""))
+        self.connects += 1
+        logger.info(
+            "%s rank %d registered with kvd daemon %s (incarnation %s)",
+            self.engine_id,
+            self.tp_rank,
+            self.target,
+            self._incarnation,
+        )
+        self._events.append(Connected(self._incarnation, self.connects))
+        return True
+
+    def _register(self) -> Any:
+        try:
+            return self._client.register_kv_cache(request=self._registration, timeout_s=self._rpc_timeout_s)
+        except errors.AlreadyExists:
+            # A registration of ours from before the stream dropped is still there: replace it.
+            self._client.unregister_kv_cache(
+                engine_id=self.engine_id, tp_rank=self.tp_rank, timeout_s=self._rpc_timeout_s
+            )
+            return self._client.register_kv_cache(request=self._registration, timeout_s=self._rpc_timeout_s)
+
+    def _fail_queued_pulls(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is _STOP:
+                self._commands.put(_STOP)
+                return
+            if isinstance(command, _StartPull):
+                self._events.append(PullFailed(command.request_id, "kvd daemon not connected"))
+
+    def _execute(self, command: Any) -> None:
+        try:
+            if isinstance(command, _StartPull):
+                response = self._client.start_pull(
+                    engine_id=self.engine_id,
+                    tp_rank=self.tp_rank,
+                    request_id=command.request_id,
+                    local_block_ids=list(command.local_block_ids),
+                    remote=_transfer_params(command.remote),
+                    deadline_ms=command.deadline_ms,
+                    timeout_s=self._rpc_timeout_s,
+                )
+                self._events.append(PullStarted(command.request_id, str(response.transfer_id)))
+            elif isinstance(command, _Cancel):
+                self._client.cancel_transfer(command.transfer_id, timeout_s=self._rpc_timeout_s)
+        except errors.KvdError as err:
+            if isinstance(command, _StartPull):
+                self._events.append(PullFailed(command.request_id, f"{type(err).__name__}: {err.message}"))
+            else:
+                logger.info("cancelling transfer %s: %s", command.transfer_id, err)
+            if isinstance(err, errors.Unavailable) and not isinstance(err, errors.PeerUnavailable):
+                self._lost(f"{type(err).__name__}: {err.message}")
+        except Exception as exc:  # never let the link thread die
+            logger.exception("kvd link command %r failed", command)
+            if isinstance(command, _StartPull):
+                self._events.append(PullFailed(command.request_id, repr(exc)))
+
+
+def _transfer_params(fields: Mapping[str, Any]) -> Any:
+    from kvd.v1 import common_pb2
+
+    return common_pb2.KvTransferParams(**dict(fields))
+
+
+def held_fields(response: Any) -> dict[str, Any]:
+    """The KvTransferParams fields of a HoldBlocksResponse, as plain Python values."""
+    params = response.kv_transfer_params
+    return {
+        "daemon_address": params.daemon_address,
+        "daemon_incarnation": params.daemon_incarnation,
+        "engine_id": params.engine_id,
+        "tp_size": int(params.tp_size),
+        "lease_id": params.lease_id,
+        "block_ids": [int(b) for b in params.block_ids],
+        "num_tokens": int(params.num_tokens),
+        "request_id": params.request_id,
+        "lease_expires_unix_ms": int(params.lease_expires_unix_ms),
+    }
+
+
+class SchedulerLink:
+    """Holds blocks for the scheduler process; fails fast while the daemon is known down."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        rpc_timeout_s: float = 2.0,
+        retry_after_s: float = 2.0,
+        client_factory: ClientFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.target = target
+        self._rpc_timeout_s = rpc_timeout_s
+        self._retry_after_s = retry_after_s
+        self._client_factory = client_factory or _default_client
+        self._client: Any = None
+        self._clock = clock
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def available(self) -> bool:
+        """False while a recent failure says the daemon is down (no call is made)."""
+        return self._clock() >= self._down_until
+
+    def hold_blocks(
+        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl_ms: int = 0
+    ) -> dict[str, Any]:
+        """The KvTransferParams fields of a new lease; raises a KvdError when it cannot be had."""
+        if not self.available():
+            raise errors.Unavailable(f"kvd daemon at {self.target} is down (retrying later)")
+        with self._lock:
+            if self._client is None:
+                self._client = self._client_factory(self.target, self._rpc_timeout_s)
+            client = self._client
+        try:
+            response = client.hold_blocks(
+                engine_id=engine_id,
+                request_id=request_id,
+                block_ids=list(block_ids),
+                num_tokens=num_tokens,
+                ttl_ms=ttl_ms,
+                timeout_s=self._rpc_timeout_s,
+            )
+        except (errors.Unavailable, errors.DeadlineExceeded):
+            self._down_until = self._clock() + self._retry_after_s
+            raise
+        return held_fields(response)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()

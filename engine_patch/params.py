@@ -1,0 +1,105 @@
+"""The ``kv_transfer_params`` dict kvd's connector puts in request outputs and reads back.
+
+A router forwards it untouched from the engine that holds KV to the engine that needs it,
+as with vLLM's NIXL connector. Its shape::
+
+    {"do_remote_prefill": bool,   # the receiver must pull (P -> D): this was a remote prefill
+     "do_remote_decode": bool,    # the receiver will also hand its KV on (D -> P, next turn)
+     "kvd": {KvTransferParams fields: daemon_address, daemon_incarnation, engine_id, tp_size,
+             lease_id, block_ids, num_tokens, request_id, lease_expires_unix_ms},
+     "kvd_block_size": int}       # the holder's block size (to skip a local prefix hit)
+
+A request sent to a prefill engine with just ``{"do_remote_decode": true}`` asks it to hold
+its KV at the end; one sent to a decode engine with ``do_remote_prefill`` and ``kvd`` makes
+it pull. Everything here is plain data: no grpc, no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["KVD_KEY", "RemoteKv", "make_params", "remote_kv"]
+
+KVD_KEY = "kvd"
+BLOCK_SIZE_KEY = "kvd_block_size"
+
+_FIELDS = (
+    "daemon_address",
+    "daemon_incarnation",
+    "engine_id",
+    "tp_size",
+    "lease_id",
+    "block_ids",
+    "num_tokens",
+    "request_id",
+    "lease_expires_unix_ms",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteKv:
+    """KV held by another engine, as named in kv_transfer_params."""
+
+    fields: Mapping[str, Any]  # the KvTransferParams fields
+    block_size: int  # 0: unknown
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.fields.get("num_tokens", 0))
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [int(b) for b in self.fields.get("block_ids", ())]
+
+    def skipping(self, num_tokens: int) -> RemoteKv | None:
+        """The same KV without its first ``num_tokens`` tokens (already held locally).
+
+        Only whole remote blocks can be skipped; None when ``num_tokens`` does not fall on a
+        remote block boundary (the caller then recomputes rather than overwrite shared blocks).
+        """
+        if num_tokens == 0:
+            return self
+        if self.block_size <= 0 or num_tokens % self.block_size:
+            return None
+        skip = num_tokens // self.block_size
+        fields = dict(self.fields)
+        fields["block_ids"] = self.block_ids[skip:]
+        fields["num_tokens"] = self.num_tokens - num_tokens
+        return RemoteKv(fields, self.block_size)
+
+
+def remote_kv(params: Mapping[str, Any] | None) -> RemoteKv | None:
+    """The remote KV named by ``params``, or None when there is none (or it is malformed)."""
+    if not params:
+        return None
+    raw = params.get(KVD_KEY)
+    if not isinstance(raw, Mapping):
+        return None
+    if not raw.get("daemon_address") or not raw.get("lease_id") or not raw.get("block_ids"):
+        return None
+    try:
+        fields = {name: raw[name] for name in _FIELDS if name in raw}
+        fields["num_tokens"] = int(fields.get("num_tokens", 0))
+        fields["block_ids"] = [int(b) for b in fields["block_ids"]]
+        block_size = int(params.get(BLOCK_SIZE_KEY, 0) or 0)
+    except (TypeError, ValueError):
+        return None
+    if fields["num_tokens"] <= 0:
+        return None
+    return RemoteKv(fields, block_size)
+
+
+def make_params(held: Mapping[str, Any], *, block_size: int, receiver_pulls_prefill: bool) -> dict[str, Any]:
+    """kv_transfer_params for a hold: ``held`` are the daemon's KvTransferParams fields.
+
+    ``receiver_pulls_prefill``: True on a prefill engine (the decode engine pulls), False on a
+    decode engine (the next turn's prefill may pull).
+    """
+    return {
+        "do_remote_prefill": receiver_pulls_prefill,
+        "do_remote_decode": not receiver_pulls_prefill,
+        KVD_KEY: {name: held[name] for name in _FIELDS if name in held},
+        BLOCK_SIZE_KEY: block_size,
+    }
