@@ -69,13 +69,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    try:
-        from kvd_engine.demo import run_demo  # noqa: PLC0415
-    except ImportError as exc:
-        print(f"kvd demo: the engine patch is not installed ({exc})", file=sys.stderr)
-        return 2
+    from kvd.cli.demo import run_demo  # noqa: PLC0415
+
     _configure_logging("WARNING")
-    return int(run_demo(args))
+    return run_demo(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
