@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import os
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -82,16 +81,15 @@ class NworMode(enum.Enum):
 
     @classmethod
     def parse(cls, value: NworMode | str | None) -> NworMode:
-        """Parse a config value; ``None`` reads ``KVD_NWOR_MODE`` (default ``stage``).
+        """Parse a config value (``None``: the default, ``stage``).
 
-        ``KVD_DISABLE_NWOR=1`` forces ``OFF`` whatever else is configured, so an operator
-        can switch NWOR off without touching the engine's flags.
+        The switch to disable NWOR is the connector's ``nwor_mode: "off"`` in
+        ``kv_connector_extra_config``: configuration comes from there only, never from the
+        engine process's environment.
         """
-        if os.environ.get("KVD_DISABLE_NWOR", "").strip().lower() in ("1", "true", "yes"):
-            return cls.OFF
         if isinstance(value, NworMode):
             return value
-        raw = (value if value is not None else os.environ.get("KVD_NWOR_MODE", "stage")).strip().lower()
+        raw = (value if value is not None else "stage").strip().lower()
         aliases = {"disabled": "off", "none": "off", "false": "off", "0": "off", "": "off"}
         raw = aliases.get(raw, raw)
         try:

@@ -167,14 +167,14 @@ def test_undo_strategy_needs_a_snapshotter() -> None:
         DeferredWriteManager("stage", attention_reads_cache=True)
 
 
-def test_mode_parsing_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mode_parsing_ignores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert NworMode.parse("IMMEDIATE") is NworMode.IMMEDIATE
     assert NworMode.parse("disabled") is NworMode.OFF
+    assert NworMode.parse("off") is NworMode.OFF
     monkeypatch.setenv("KVD_NWOR_MODE", "immediate")
-    assert NworMode.parse(None) is NworMode.IMMEDIATE
     monkeypatch.setenv("KVD_DISABLE_NWOR", "1")
-    assert NworMode.parse("stage") is NworMode.OFF
-    monkeypatch.delenv("KVD_DISABLE_NWOR")
+    assert NworMode.parse(None) is NworMode.STAGE
+    assert NworMode.parse("stage") is NworMode.STAGE
     with pytest.raises(ValueError, match="unknown NWOR mode"):
         NworMode.parse("sometimes")
 
