@@ -8,18 +8,23 @@ A pull that arrives before the commit it needs waits for it, bounded.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 from kvd_client.errors import Aborted
 
 Key = tuple[str, int, str]  # (engine_id, tp_rank, request_id)
 
+# Watermarks of requests nobody holds are forgotten oldest-first beyond this many: an engine
+# commits every request it runs, most are never held, and a daemon runs for months.
+MAX_WATERMARKS = 1 << 18
+
 
 class CommitTracker:
     """Watermarks per (engine, rank, request), with waiters. Event-loop only."""
 
-    def __init__(self) -> None:
-        self._marks: dict[Key, int] = {}
+    def __init__(self, max_watermarks: int = MAX_WATERMARKS) -> None:
+        self._max = max_watermarks
+        self._marks: OrderedDict[Key, int] = OrderedDict()
         self._waiters: dict[Key, list[tuple[int, asyncio.Future[None]]]] = defaultdict(list)
 
     def watermark(self, engine_id: str, tp_rank: int, request_id: str) -> int:
@@ -30,6 +35,9 @@ class CommitTracker:
         key = (engine_id, tp_rank, request_id)
         mark = max(self._marks.get(key, 0), tokens)
         self._marks[key] = mark
+        self._marks.move_to_end(key)
+        while len(self._marks) > self._max:
+            self._marks.popitem(last=False)
         waiters = self._waiters.get(key)
         if not waiters:
             return

@@ -316,6 +316,7 @@ class Daemon:
         for rank in self.registry.ranks_of(lease.engine_id).values():
             rank.post(FinishedSending(lease.request_id, lease.lease_id, expired=reason == "expired"))
         self.commits.forget_request(lease.engine_id, lease.request_id)
+        self._reader_labels.pop(lease.lease_id, None)
         self.metrics.leases_ended.labels(reason).inc()
         self.metrics.leases_held.set(len(self.leases))
         logger.debug("lease %s on %s/%s ended: %s", lease.lease_id, lease.engine_id, lease.request_id, reason)
@@ -357,7 +358,6 @@ class Daemon:
         lease = self.leases.record_read(lease_id, reader, index, count)
         if lease is not None:
             self.metrics.transfers.labels(lease_label, "serve", "done").inc()
-            self._reader_labels.pop(lease_id, None)
             self._lease_ended(lease, "read")
 
     async def _liveness_loop(self) -> None:

@@ -137,3 +137,15 @@ def test_forget_request_drops_marks_of_every_rank() -> None:
     tracker.forget_request("e", "r")
     assert tracker.watermark("e", 0, "r") == 0 and tracker.watermark("e", 1, "r") == 0
     assert tracker.watermark("e", 0, "s") == 5
+
+
+def test_watermarks_are_bounded_oldest_first() -> None:
+    """A long-running daemon forgets the oldest watermarks beyond its bound; recent ones stay."""
+    tracker = CommitTracker(max_watermarks=3)
+    for i in range(5):
+        tracker.commit("e", 0, f"r{i}", 10 + i)
+    tracker.commit("e", 0, "r2", 20)  # refreshed: now the newest
+    tracker.commit("e", 0, "r5", 1)
+    assert len(tracker) == 3
+    assert tracker.watermark("e", 0, "r0") == 0 and tracker.watermark("e", 0, "r3") == 0
+    assert [tracker.watermark("e", 0, r) for r in ("r4", "r2", "r5")] == [14, 20, 1]
