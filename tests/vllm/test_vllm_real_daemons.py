@@ -1,0 +1,260 @@
+"""KvdConnector inside vLLM 0.33 against two real ``kvd serve`` daemons and real NIXL pulls.
+
+vLLM's real ``Scheduler`` (the connector's scheduler half) and the real worker connector, over
+vLLM's own ``allocate_kv_cache`` (LBHNC: one PACKED plane per layer, K|V per token and head),
+moved into shm and registered with the engine's *own* daemon: the prefill engine on daemon A,
+the decode engine on daemon B (two "nodes"). The flows of ``test_vllm_connector.py`` (which
+uses a fake daemon), here with the daemons doing the holds, the NIXL reads and the releases:
+
+* P -> D: kv_transfer_params round trip, decode's KV bit-identical to prefill's, the holder's
+  blocks freed (finished_sending) and decode told (finished_recving);
+* multi-turn D -> P above the pull threshold (pulled back, bytes equal) and below it
+  (recomputed: no transfer on either daemon);
+* a failed load (the holder's daemon killed before decode pulls): reported as failed with its
+  blocks, recomputed by vLLM, no engine crashes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kvtest import metric_value, scrape
+from vllm_harness import LAYERS, VllmEngine, blocks_for, expected_kv, tiny_model_dir
+
+from kvd.cli.spawn import DaemonProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+PROMPT = list(range(300, 340))  # 40 tokens: 2 full blocks of 16 and a partial one
+THRESHOLD = 32
+
+
+def _extra(daemon: DaemonProcess, **overrides: Any) -> dict[str, Any]:
+    extra: dict[str, Any] = {
+        "kvd_socket": daemon.unix_socket,
+        "pull_threshold_tokens": THRESHOLD,
+        "reconnect_initial_s": 0.05,
+        "reconnect_max_s": 0.5,
+        "rpc_timeout_s": 5.0,
+    }
+    extra.update(overrides)
+    return extra
+
+
+def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def nodes(spawn_daemon: Callable[..., DaemonProcess]) -> tuple[DaemonProcess, DaemonProcess]:
+    """Two daemons, two "nodes": A serves the prefill engine, B the decode engine."""
+    return spawn_daemon(name="node-a"), spawn_daemon(name="node-b")
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Iterator[Callable[..., VllmEngine]]:
+    made: list[tuple[VllmEngine, DaemonProcess]] = []
+    model = tiny_model_dir(tmp_path / "model")
+
+    def make(daemon: DaemonProcess, role: str, **extra: Any) -> VllmEngine:
+        engine_id = f"{role}-{uuid.uuid4().hex[:6]}"
+        engine = VllmEngine(model, engine_id, _extra(daemon, **extra))
+        made.append((engine, daemon))
+        link = engine.worker.worker.link
+        _wait(lambda: link.connected, f"{engine_id} did not register with {daemon.name}:\n{daemon.log_tail()}")
+        return engine
+
+    yield make
+    for engine, _daemon in made:
+        engine.close()
+
+
+def run(*engines: VllmEngine, timeout_s: float = 15.0) -> None:
+    """Step every engine (idle ones too: they poll their daemon) until all requests are done."""
+    deadline = time.monotonic() + timeout_s
+    while any(e.has_work() for e in engines):
+        assert time.monotonic() < deadline, "engines did not settle"
+        for engine in engines:
+            engine.step()
+        time.sleep(0.002)
+
+
+def release_holds(engine: VllmEngine, timeout_s: float = 10.0) -> None:
+    """Step the holder (no-forward steps) until vLLM freed every block it held for a reader."""
+    deadline = time.monotonic() + timeout_s
+    while engine.scheduler.requests and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.005)
+
+
+def sent(engine: VllmEngine) -> set[str]:
+    return {rid for out in engine.results for rid in (out.finished_sending or ())}
+
+
+def received(engine: VllmEngine) -> set[str]:
+    return {rid for out in engine.results for rid in (out.finished_recving or ())}
+
+
+def failed(engine: VllmEngine) -> set[str]:
+    return {rid for out in engine.results for rid in (out.failed_recving or ())}
+
+
+def invalid_blocks(engine: VllmEngine) -> set[int]:
+    return {b for out in engine.results for b in (out.invalid_block_ids or ())}
+
+
+def block_bytes(engine: VllmEngine, block_ids: list[int]) -> torch.Tensor:
+    """The raw bytes of whole blocks, every layer: ``[layers, blocks, heads, block_size, 2D]``."""
+    index = torch.as_tensor(block_ids)
+    return torch.stack([engine.kv_caches[name][index] for name in LAYERS]).view(torch.uint8)
+
+
+def spy_matches(engine: VllmEngine) -> list[tuple[str, int, tuple[int | None, bool]]]:
+    """Record what the connector's get_num_new_matched_tokens answers vLLM's scheduler."""
+    calls: list[tuple[str, int, tuple[int | None, bool]]] = []
+    connector = engine.connector
+    real = connector.get_num_new_matched_tokens
+
+    def spy(request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        answer = real(request, num_computed_tokens)
+        calls.append((request.request_id, num_computed_tokens, answer))
+        return answer
+
+    connector.get_num_new_matched_tokens = spy
+    return calls
+
+
+def transfers(daemon: DaemonProcess, **labels: str) -> float:
+    return metric_value(scrape(daemon.metrics), "kvd_transfers_total", **labels)
+
+
+def moved_bytes(daemon: DaemonProcess, direction: str) -> float:
+    return metric_value(scrape(daemon.metrics), "kvd_transfer_bytes_total", direction=direction)
+
+
+def _prefill(p: VllmEngine, request_id: str, prompt: list[int]) -> dict[str, Any]:
+    p.add_request(request_id, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    run(p)
+    params = p.outputs[request_id].kv_transfer_params
+    assert params is not None and params["do_remote_prefill"] is True, params
+    return params
+
+
+def test_prefill_to_decode_through_two_daemons(nodes: Any, engines: Any) -> None:
+    node_a, node_b = nodes
+    p, d = engines(node_a, "prefill"), engines(node_b, "decode")
+    n = len(PROMPT)
+    params = _prefill(p, "r", PROMPT)
+    held = params["kvd"]
+    p_blocks = p.block_tables["r"][: blocks_for(n, p.block_size)]
+    assert held["daemon_address"] == node_a.tcp and held["engine_id"] == p.engine_id
+    assert held["num_tokens"] == n and held["block_ids"] == p_blocks and held["lease_id"]
+    assert "r" in p.scheduler.requests, "the holder freed its blocks before anyone read them"
+    prefill_kv = p.kv_of("r", n).clone()
+    assert torch.equal(prefill_kv, expected_kv(PROMPT))
+
+    matched = spy_matches(d)
+    d.add_request("r", PROMPT, max_tokens=4, kv_transfer_params=params)
+    d.step()
+    request = d.scheduler.requests["r"]
+    assert matched == [("r", 0, (n, True))]  # every prompt token is remote, loaded asynchronously
+    assert request.status.name == "WAITING_FOR_REMOTE_KVS" and request.num_computed_tokens == n
+    run(d, p)
+
+    # Decode's KV: the prefill's bytes, pulled over NIXL (nothing was recomputed but the last token).
+    assert "r" in received(d) and not failed(d) and not invalid_blocks(d)
+    d_blocks = d.block_tables["r"][: len(p_blocks)]
+    full = n // p.block_size
+    assert torch.equal(block_bytes(d, d_blocks[:full]), block_bytes(p, p_blocks[:full]))  # whole blocks
+    assert torch.equal(d.kv_of("r", n).view(torch.uint8), prefill_kv.view(torch.uint8))  # every prompt token
+    assert d.tokens["r"][n] == p.tokens["r"][n]  # the first token came from prefill's sample
+    assert transfers(node_b, peer=node_a.tcp, direction="pull", outcome="done") == 1  # B read from A
+    assert moved_bytes(node_b, "pull") > 0
+
+    # The holder was told its lease ended: finished_sending, and vLLM freed the blocks.
+    release_holds(p)
+    assert "r" in sent(p) and not p.scheduler.requests
+    # Daemon A served exactly what daemon B pulled (counted as the reader's notice ended the lease).
+    assert transfers(node_a, direction="serve", outcome="done") == 1
+    assert moved_bytes(node_a, "serve") == moved_bytes(node_b, "pull")
+    # Decode holds its own KV for the next turn (bidirectional), through daemon B.
+    back = d.outputs["r"].kv_transfer_params
+    assert back["do_remote_decode"] is True and back["kvd"]["daemon_address"] == node_b.tcp
+
+
+@pytest.mark.parametrize("prompt_tokens,pulled", [(8, False), (60, True)], ids=["below-threshold", "above-threshold"])
+def test_multi_turn_pull_back_from_decode(nodes: Any, engines: Any, prompt_tokens: int, pulled: bool) -> None:
+    node_a, node_b = nodes
+    p, d = engines(node_a, "prefill"), engines(node_b, "decode")
+    prompt = list(range(500, 500 + prompt_tokens))
+    params = _prefill(p, "t1", prompt)
+    d.add_request("t1", prompt, max_tokens=3, kv_transfer_params=params)
+    run(d, p)
+    release_holds(p)
+    assert "t1" in sent(p) and "t1" in received(d)
+    held = d.outputs["t1"].kv_transfer_params
+    assert held["do_remote_decode"] is True and held["kvd"]["daemon_address"] == node_b.tcp
+    n = held["kvd"]["num_tokens"]
+    assert n == len(d.tokens["t1"]) - 1  # the last sampled token has no KV yet
+    decode_kv = d.kv_of("t1", n).clone()
+
+    before = (transfers(node_a), transfers(node_b))
+    turn2 = d.tokens["t1"] + [1, 2, 3]
+    matched = spy_matches(p)
+    p.add_request("t2", turn2, max_tokens=1, kv_transfer_params=held)
+    p.step()
+    assert matched[0] == ("t2", 0, (n, True) if pulled else (0, False))
+    waiting = p.scheduler.requests["t2"].status.name == "WAITING_FOR_REMOTE_KVS"
+    assert waiting is pulled
+    run(p, d)
+    assert torch.equal(p.kv_of("t2", len(turn2)), expected_kv(turn2))
+    if pulled:
+        # Prefill pulled the conversation back through daemon A from daemon B, bit for bit.
+        assert "t2" in received(p) and not failed(p)
+        assert torch.equal(p.kv_of("t2", n).view(torch.uint8), decode_kv.view(torch.uint8))
+        assert transfers(node_a, peer=node_b.tcp, direction="pull", outcome="done") == 1  # A read from B
+        release_holds(d)
+        assert "t1" in sent(d) and not d.scheduler.requests  # decode's lease ended on the read
+        assert transfers(node_b, direction="serve", outcome="done") == 1
+    else:
+        # Below the threshold: recomputed, no transfer on either daemon.
+        assert "t2" not in received(p)
+        assert (transfers(node_a), transfers(node_b)) == before
+        assert "t1" not in sent(d) and "t1" in d.scheduler.requests  # still held for a later turn
+
+
+def test_a_failed_load_is_reported_and_recomputed(nodes: Any, engines: Any) -> None:
+    node_a, node_b = nodes
+    p, d = engines(node_a, "prefill"), engines(node_b, "decode")
+    n = len(PROMPT)
+    params = _prefill(p, "r", PROMPT)
+    node_a.kill()  # the holder's daemon dies with its lease before decode pulls
+
+    d.add_request("r", PROMPT, max_tokens=3, kv_transfer_params=params)
+    d.step()
+    assert d.scheduler.requests["r"].status.name == "WAITING_FOR_REMOTE_KVS"
+    run(d)
+    # Reported as received *and* failed, with the blocks it was loading into; vLLM recomputed.
+    assert failed(d) == {"r"} and "r" in received(d)
+    assert invalid_blocks(d) and invalid_blocks(d) <= set(d.block_tables["r"])
+    assert torch.equal(d.kv_of("r", n), expected_kv(PROMPT))
+    assert len(d.tokens["r"]) == n + 3 and d.outputs["r"].finish_reason is not None
+    assert transfers(node_b, peer=node_a.tcp, direction="pull", outcome="failed") == 1
+    assert transfers(node_b, direction="pull", outcome="done") == 0
+
+    # The holder engine keeps running without its daemon: its hold died with the daemon and
+    # vLLM gets the blocks back.
+    release_holds(p)
+    assert "r" in sent(p) and not p.scheduler.requests
+    p.add_request("again", PROMPT, max_tokens=1)
+    run(p)
+    assert torch.equal(p.kv_of("again", n), expected_kv(PROMPT))
