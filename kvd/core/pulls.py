@@ -40,6 +40,8 @@ from kvd_client.errors import (
 logger = logging.getLogger(__name__)
 
 INLINE_PLAN_BLOCKS = 512  # pulls this small are planned on the event loop (well under 1 ms)
+OPTIMISTIC_BYTES_PER_S = 8e9  # faster than NIXL on host memory here: sleeping for 80% of it never oversleeps
+SPIN_S = 0.002  # then poll without sleeping for this long before polling every millisecond
 
 
 class Puller:
@@ -99,6 +101,14 @@ class Puller:
             self.metrics.transfers.labels(remote.daemon_address, direction, "done").inc()
             self.metrics.transfer_bytes.labels(remote.daemon_address, direction).inc(transfer.nbytes)
             self.metrics.transfer_seconds.labels(direction).observe(transfer.elapsed_s)
+            logger.debug(
+                "pull %s done: %d bytes, %d descriptors, %.2f ms, phases %s",
+                transfer.transfer_id,
+                transfer.nbytes,
+                transfer.descriptors,
+                transfer.elapsed_s * 1e3,
+                {k: round(v * 1e3, 3) for k, v in transfer.phases.items()},
+            )
             return
         if error is None:
             error = Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} unregistered during the pull")
@@ -154,6 +164,7 @@ class Puller:
         try:
             if not remote_ranks:
                 raise UnknownEngine(f"the daemon at {remote.daemon_address} serves no engine {remote.engine_id!r}")
+
             def plan() -> PullPlan:
                 return plan_pull(
                     {r: e.view for r, e in remote_ranks.items()},
@@ -167,13 +178,13 @@ class Puller:
 
             # Planning is vectorised numpy: small pulls plan inline, large ones off the event loop.
             if len(transfer.local_block_ids) <= INLINE_PLAN_BLOCKS:
-                plan_ = plan()
+                pull_plan = plan()
             else:
-                plan_ = await asyncio.get_running_loop().run_in_executor(self._executor, plan)
+                pull_plan = await asyncio.get_running_loop().run_in_executor(self._executor, plan)
         except KvdError as exc:
             raise _StaleHandshake("cached layout refused", exc) from exc
-        plan = plan_
-        holder_spec = remote_ranks[plan.remote_ranks[0]].view.spec
+        transfer.mark("planned")
+        holder_spec = remote_ranks[pull_plan.remote_ranks[0]].view.spec
         prepared = await self._transport.prepare_pull(
             remote.daemon_address,
             lease_id=remote.lease_id,
@@ -182,15 +193,16 @@ class Puller:
             num_tokens=remote.num_tokens,
             reader_tp_rank=rank.tp_rank,
             reader_tp_size=rank.spec.tp_size,
-            remote_tp_ranks=plan.remote_ranks,
+            remote_tp_ranks=pull_plan.remote_ranks,
             timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
         )
-        if prepared.registration_ids != tuple(remote_ranks[r].registration_id for r in plan.remote_ranks):
+        transfer.mark("prepared")
+        if prepared.registration_ids != tuple(remote_ranks[r].registration_id for r in pull_plan.remote_ranks):
             raise _StaleHandshake(
                 "stale engine registration",
                 FailedPrecondition(f"engine {remote.engine_id!r} at {remote.daemon_address} re-registered during the pull: retry"),
             )
-        return plan, remote_ranks, prepared
+        return pull_plan, remote_ranks, prepared
 
     async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams) -> None:
         session, plan, remote_ranks, prepared = await self._plan(transfer, rank, remote)
@@ -239,12 +251,15 @@ class Puller:
                 handles.append(
                     dataplane.read(local_table, local_indices, remote_table, group.remote_indices, notif, _peer_label(session))
                 )
-            await self._wait_reads(handles, session)
+            transfer.mark("posted")
+            await self._wait_reads(handles, session, plan.total_bytes)
+            transfer.mark("read")
             if plan.postprocess is not None:
                 assert staging is not None
                 transfer.advance(TransferState.POSTPROCESSING)
                 engine_regions = [region.tensor for region in rank.regions]
                 await loop.run_in_executor(self._executor, self._postprocess, plan, staging, engine_regions)
+                transfer.mark("converted")
         except PeerUnavailable:
             self.peers.drop(session.address, "disconnected")
             raise
@@ -268,10 +283,19 @@ class Puller:
             self._executor, self._dataplane.table, owner, agent, geometry, addresses, device, mem_type
         )
 
-    async def _wait_reads(self, handles: list[Any], session: PeerSession) -> None:
+    async def _wait_reads(self, handles: list[Any], session: PeerSession, nbytes: int) -> None:
+        """Wait for every read, without a busy thread and without oversleeping small reads.
+
+        asyncio cannot sleep less than a millisecond (epoll), so: sleep through most of the
+        time the bytes should take, then yield-and-poll (``sleep(0)``) for a short while, then
+        poll every millisecond.
+        """
         dataplane = self._dataplane
         pending = list(handles)
-        delay = 0.00002
+        expected_s = nbytes / OPTIMISTIC_BYTES_PER_S
+        if expected_s > 0.002:
+            await asyncio.sleep(expected_s * 0.8)
+        spin_until = time.monotonic() + SPIN_S
         while pending:
             still = []
             for handle in pending:
@@ -284,8 +308,7 @@ class Puller:
                     still.append(handle)
             pending = still
             if pending:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.002)
+                await asyncio.sleep(0 if time.monotonic() < spin_until else 0.001)
 
     def _postprocess(self, plan: PullPlan, staging: StagingChunk, engine_regions: list[Any]) -> None:
         """Run the plan's conversion (worker thread). On a GPU: on a daemon-owned stream, waited for

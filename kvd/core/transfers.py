@@ -54,11 +54,17 @@ class Transfer:
     started: float = dataclasses.field(default_factory=time.monotonic)
     finished: float = 0.0
     task: asyncio.Task[None] | None = None
+    # Seconds since start at which each phase ended (planned, prepared, posted, read, converted):
+    # logged at DEBUG when the transfer ends, to see where a slow pull spent its time.
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
     _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     @property
     def elapsed_s(self) -> float:
         return (self.finished or time.monotonic()) - self.started
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = time.monotonic() - self.started
 
     def advance(self, state: TransferState, error: KvdError | None = None) -> None:
         """Move to ``state``; a transfer that has ended never moves again."""
