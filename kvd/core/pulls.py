@@ -40,8 +40,8 @@ from kvd_client.errors import (
 logger = logging.getLogger(__name__)
 
 INLINE_PLAN_BLOCKS = 512  # pulls this small are planned on the event loop (well under 1 ms)
-OPTIMISTIC_BYTES_PER_S = 8e9  # faster than NIXL on host memory here: sleeping for 80% of it never oversleeps
-SPIN_S = 0.002  # then poll without sleeping for this long before polling every millisecond
+SPIN_S = 0.002  # poll without sleeping this long (plus the bytes' time at SPIN_BYTES_PER_S), then every ms
+SPIN_BYTES_PER_S = 2e9
 
 
 class Puller:
@@ -284,18 +284,15 @@ class Puller:
         )
 
     async def _wait_reads(self, handles: list[Any], session: PeerSession, nbytes: int) -> None:
-        """Wait for every read, without a busy thread and without oversleeping small reads.
+        """Wait for every read, polling NIXL (which is what moves the bytes: with no busy progress
+        thread, UCX copies inside these polls), without oversleeping small reads.
 
-        asyncio cannot sleep less than a millisecond (epoll), so: sleep through most of the
-        time the bytes should take, then yield-and-poll (``sleep(0)``) for a short while, then
-        poll every millisecond.
+        asyncio cannot sleep less than a millisecond (epoll), so: yield-and-poll (``sleep(0)``)
+        for about as long as the bytes should take, then poll every millisecond.
         """
         dataplane = self._dataplane
         pending = list(handles)
-        expected_s = nbytes / OPTIMISTIC_BYTES_PER_S
-        if expected_s > 0.002:
-            await asyncio.sleep(expected_s * 0.8)
-        spin_until = time.monotonic() + SPIN_S
+        spin_until = time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S
         while pending:
             still = []
             for handle in pending:
