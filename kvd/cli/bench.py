@@ -14,8 +14,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from kvd.cli.selftest import PatternMismatch, _start, measure_pull
 from kvd_client import KvdClient
+
+from kvd.cli.selftest import PatternMismatch, measure_pull
+from kvd.cli.spawn import start_owned
 
 SIZES_MB = (8, 32, 128, 512)
 
@@ -26,8 +28,8 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"{'MiB':>6} {'descs':>6} {'kvd ms':>9} {'kvd GB/s':>9} {'raw ms':>9} {'raw GB/s':>9} {'ratio':>6}")
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-")))
-        local = _start(stack, workdir, "local")
-        peer = _start(stack, workdir, "peer")
+        local = start_owned(stack, workdir, "local")
+        peer = start_owned(stack, workdir, "peer")
         local_client = stack.enter_context(KvdClient(local.unix_target, timeout_s=60))
         peer_client = stack.enter_context(KvdClient(peer.tcp, timeout_s=120))
         for size_mb in sizes:

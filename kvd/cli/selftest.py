@@ -25,14 +25,14 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from kvd_client import KvdClient, errors
 
-from kvd.cli.spawn import DaemonProcess, start_daemon
+from kvd.cli.spawn import start_owned
 from kvd.core import scratch
 from kvd.core.memory import create_shm_tensor, unlink_shm
 from kvd.layout.spec import contiguous_placements
 from kvd.server import convert
 from kvd.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from kvd_client import KvdClient, errors
 
 
 def _say(message: str) -> None:
@@ -46,12 +46,12 @@ def run_selftest(args: argparse.Namespace) -> int:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-selftest-")))
         local_target = args.target
         if not local_target:
-            local = _start(stack, workdir, "local")
+            local = start_owned(stack, workdir, "local")
             local_target = local.unix_target
             _say(f"started local daemon  {local.tcp} (unix {local.unix_socket})")
         peer_address = args.peer
         if not peer_address:
-            peer = _start(stack, workdir, "peer")
+            peer = start_owned(stack, workdir, "peer")
             peer_address = peer.tcp
             _say(f"started peer daemon   {peer.tcp}")
         local_client = stack.enter_context(KvdClient(local_target, timeout_s=30))
@@ -61,12 +61,6 @@ def run_selftest(args: argparse.Namespace) -> int:
         except errors.KvdError as exc:
             _say(f"FAIL: {type(exc).__name__} ({exc.code.name}): {exc.message}")
             return 1
-
-
-def _start(stack: contextlib.ExitStack, workdir: Path, name: str) -> DaemonProcess:
-    daemon = start_daemon(workdir, name, ["--log-level", "WARNING"])
-    stack.callback(daemon.terminate)
-    return daemon
 
 
 @dataclasses.dataclass

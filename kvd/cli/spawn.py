@@ -109,6 +109,13 @@ def running_daemon(workdir: Path, name: str, extra_flags: Sequence[str] = ()) ->
         daemon.terminate()
 
 
+def start_owned(stack: contextlib.ExitStack, workdir: Path, name: str) -> DaemonProcess:
+    """Start a daemon that ``stack`` stops (SIGTERM) on exit: for selftest, bench and demo."""
+    daemon = start_daemon(workdir, name, ["--log-level", "WARNING"])
+    stack.callback(daemon.terminate)
+    return daemon
+
+
 def child_env(**overrides: str) -> dict[str, str]:
     """The current environment plus overrides (for children with e.g. UCX_TLS set)."""
     env = dict(os.environ)

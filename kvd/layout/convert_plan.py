@@ -283,7 +283,7 @@ def _piece_table(
     else:
         num_units, stride = spec.num_blocks, spec.block_stride
     runs = stride == unit_bytes
-    max_log2 = max_run_log2_for(num_units, max_run_blocks * chunks) if runs else 0
+    max_log2 = max_run_log2_for(num_units, max_run_blocks * chunks, len(planes)) if runs else 0
     geometry = DescGeometry(
         planes=planes, num_units=num_units, unit_stride=stride, unit_bytes=unit_bytes, max_run_log2=max_log2
     )

@@ -92,10 +92,18 @@ class DescGeometry:
         return int(((np.int64(1) << log2_len.astype(np.int64)) * self.unit_bytes).sum())
 
 
-def max_run_log2_for(num_units: int, max_run_units: int) -> int:
-    """Largest k with 2**k <= min(num_units, max_run_units)."""
+# A run table holds planes * (k + 1) * units descriptors; NIXL keeps each one in memory per
+# backend, so long runs are given up (smaller k) before a table outgrows this.
+TABLE_DESCRIPTOR_BUDGET = 1 << 22
+
+
+def max_run_log2_for(num_units: int, max_run_units: int, planes: int = 1) -> int:
+    """Largest k with 2**k <= min(num_units, max_run_units), within the table budget."""
     limit = max(1, min(num_units, max_run_units))
-    return int(limit).bit_length() - 1
+    k = int(limit).bit_length() - 1
+    while k and planes * (k + 1) * num_units > TABLE_DESCRIPTOR_BUDGET:
+        k -= 1
+    return k
 
 
 def split_runs(

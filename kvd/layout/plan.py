@@ -109,7 +109,7 @@ def block_geometry(view: EngineView, max_run_blocks: int) -> DescGeometry:
         num_units=spec.num_blocks,
         unit_stride=unit,
         unit_bytes=unit,
-        max_run_log2=max_run_log2_for(spec.num_blocks, max_run_blocks),
+        max_run_log2=max_run_log2_for(spec.num_blocks, max_run_blocks, len(planes)),
     )
 
 

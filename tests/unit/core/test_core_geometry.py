@@ -203,3 +203,13 @@ def test_geometry_is_hashable_and_sized() -> None:
     assert a.run_classes == 4
     assert a.table_size == 2 * 4 * 16
     assert a.nbytes_of(np.array([3, 0, 1])) == (8 + 1 + 2) * 256
+
+
+def test_run_tables_give_up_long_runs_before_outgrowing_the_budget() -> None:
+    """A huge engine gets shorter runs (smaller k) rather than a table of tens of millions of rows."""
+    from kvd.layout.geometry import TABLE_DESCRIPTOR_BUDGET, max_run_log2_for
+
+    assert max_run_log2_for(1000, 64, planes=64) == 6  # 64 * 7 * 1000 rows: within the budget
+    k = max_run_log2_for(50_000, 64, planes=64)
+    assert k < 6 and 64 * (k + 1) * 50_000 <= TABLE_DESCRIPTOR_BUDGET
+    assert max_run_log2_for(10**7, 64, planes=64) == 0  # nothing smaller than one row per block
