@@ -20,35 +20,22 @@ from kvd.v1 import common_pb2
 from kvd_client import KvdClient
 
 
+LLAMA_8B_SHAPE: dict[str, object] = dict(
+    num_layers=32, kv_format=KvFormat.SPLIT, layout=KvLayout.NHD, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16"
+)
+SMALL_SHAPE: dict[str, object] = dict(
+    num_layers=4, kv_format=KvFormat.SPLIT, layout=KvLayout.NHD, block_size=16, num_kv_heads=4, head_dim=64, dtype="float16"
+)
+
+
 def llama_spec(num_blocks: int = 128, **overrides: object) -> LayoutSpec:
     """A Llama-3-8B-shaped layout (32 layers, 8 KV heads x 128, bf16, block 16) unless overridden."""
-    fields: dict[str, object] = dict(
-        num_layers=32,
-        kv_format=KvFormat.SPLIT,
-        layout=KvLayout.NHD,
-        block_size=16,
-        num_kv_heads=8,
-        head_dim=128,
-        dtype="bfloat16",
-        num_blocks=num_blocks,
-    )
-    fields.update(overrides)
-    return LayoutSpec(**fields)  # type: ignore[arg-type]
+    return LayoutSpec(**{**LLAMA_8B_SHAPE, "num_blocks": num_blocks, **overrides})  # type: ignore[arg-type]
 
 
 def small_spec(num_blocks: int = 32, **overrides: object) -> LayoutSpec:
-    fields: dict[str, object] = dict(
-        num_layers=4,
-        kv_format=KvFormat.SPLIT,
-        layout=KvLayout.NHD,
-        block_size=16,
-        num_kv_heads=4,
-        head_dim=64,
-        dtype="float16",
-        num_blocks=num_blocks,
-    )
-    fields.update(overrides)
-    return LayoutSpec(**fields)  # type: ignore[arg-type]
+    """A small layout (4 layers, 4 heads x 64, fp16, block 16) for fast tests, unless overridden."""
+    return LayoutSpec(**{**SMALL_SHAPE, "num_blocks": num_blocks, **overrides})  # type: ignore[arg-type]
 
 
 class ShmEngine:
