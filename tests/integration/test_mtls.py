@@ -1,0 +1,71 @@
+"""Peer and router traffic over mutual TLS: daemons pull from each other; strangers are refused."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from kvtest import ShmEngine, small_spec
+
+from kvd.v1 import common_pb2
+from kvd_client import KvdClient, TlsConfig, errors
+
+pytestmark = pytest.mark.integration
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A throwaway CA and one certificate per node (server and client use) for 127.0.0.1."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvd-ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name in ("node-a", "node-b", "router"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "1", "-extfile", "san.ext", "-out", f"{name}.pem", cwd=d)
+    return d
+
+
+def _tls_flags(pki: Path, node: str) -> list[str]:
+    return ["--tls-cert", str(pki / f"{node}.pem"), "--tls-key", str(pki / f"{node}.key"), "--tls-ca", str(pki / "ca.pem")]
+
+
+def test_daemons_pull_over_mtls_and_refuse_clients_without_a_certificate(spawn_daemon, pki: Path) -> None:
+    a = spawn_daemon(*_tls_flags(pki, "node-a"), name="a")
+    b = spawn_daemon(*_tls_flags(pki, "node-b"), name="b")
+    holder = ShmEngine(a.unix_target, "holder", small_spec())
+    reader = ShmEngine(b.unix_target, "reader", small_spec())
+    try:
+        holder.register()
+        reader.register()
+        holder.fill_random(4)
+        params = holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[2, 3], num_tokens=30).kv_transfer_params
+        started = reader.client.start_pull(engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[5, 6], remote=params)
+        assert reader.client.wait_transfer(started.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+        assert reader.token_bytes([5, 6], 30).equal(holder.token_bytes([2, 3], 30))
+
+        router_tls = TlsConfig.from_files(
+            root_cert=pki / "ca.pem", client_cert=pki / "router.pem", client_key=pki / "router.key"
+        )
+        with KvdClient(a.tcp, tls=router_tls, timeout_s=10) as router:
+            assert router.get_status().incarnation == a.incarnation
+        with KvdClient(a.tcp, timeout_s=3) as stranger:  # plaintext against a TLS port
+            with pytest.raises(errors.Unavailable):
+                stranger.get_status()
+        no_cert = TlsConfig.from_files(root_cert=pki / "ca.pem")
+        with KvdClient(a.tcp, tls=no_cert, timeout_s=3) as anonymous:  # TLS but no client certificate
+            with pytest.raises(errors.Unavailable):
+                anonymous.get_status()
+    finally:
+        holder.close()
+        reader.close()
