@@ -3,7 +3,7 @@
     kvd serve      run the daemon (config: defaults < --config TOML < KVD_* env < flags)
     kvd selftest   move a checksummed pattern between two daemons through NIXL and verify it
     kvd status     print a daemon's status
-    kvd bench      benchmarks (pull vs raw NIXL; layout conversion)
+    kvd bench      kvd pull vs a raw NIXL read of the same bytes, side by side
     kvd demo       prefill -> decode -> next turn with two daemons and two reference engines
 """
 
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0)
     status.set_defaults(func=_cmd_status)
 
-    bench = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
+    bench = sub.add_parser("bench", help="kvd pull vs a raw NIXL read of the same bytes, side by side in one run")
     bench.add_argument("--size-mb", type=int, default=128)
     bench.add_argument("--iterations", type=int, default=10)
     bench.set_defaults(func=_cmd_bench)
