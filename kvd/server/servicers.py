@@ -11,6 +11,7 @@ import grpc
 from kvd.core.daemon import Daemon
 from kvd.core.events import EngineEvent, FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.leases import Lease
+from kvd.core.registry import EngineRank
 from kvd.server import convert
 from kvd.server.edge import rpc
 from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
@@ -119,14 +120,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             reader.cancel()
             self.daemon.detach_stream(rank)
 
-    async def _read_engine(self, rank: object, request_iterator: AsyncIterator[engine_pb2.EngineMessage]) -> None:
+    async def _read_engine(self, rank: EngineRank, request_iterator: AsyncIterator[engine_pb2.EngineMessage]) -> None:
         async for message in request_iterator:
             kind = message.WhichOneof("kind")
             if kind == "commit":
-                self.daemon.commit(rank, message.commit.request_id, message.commit.committed_tokens)  # type: ignore[arg-type]
+                self.daemon.commit(rank, message.commit.request_id, message.commit.committed_tokens)
             elif kind == "post_forward":
                 pf = message.post_forward
-                self.daemon.post_forward(rank, pf.step, list(pf.finished_request_ids))  # type: ignore[arg-type]
+                self.daemon.post_forward(rank, pf.step, list(pf.finished_request_ids))
             else:
                 raise InvalidArgument(f"unexpected {kind!r} message on an open engine stream")
 
