@@ -246,19 +246,28 @@ class Daemon:
 
     # --- engine stream ---------------------------------------------------------------------------
 
-    def attach_stream(self, engine_id: str, tp_rank: int) -> EngineRank:
+    def attach_stream(self, engine_id: str, tp_rank: int) -> tuple[EngineRank, int]:
+        """Make a new stream the rank's current one; returns the rank and the stream's generation.
+
+        A stream that is still open is superseded, not refused: an engine that reconnects after
+        losing its connection must not wait for the daemon to notice the old one is dead.
+        """
         rank = self.registry.get(engine_id, tp_rank)
-        if rank.stream_connected:
-            raise FailedPrecondition(f"engine {engine_id!r} rank {tp_rank} already has a stream open")
+        previous = rank.wakeup
+        rank.stream_generation += 1
         rank.stream_connected = True
         rank.wakeup = asyncio.Event()
+        if previous is not None:
+            previous.set()  # the superseded stream wakes, sees it is no longer current, and ends
+            logger.info("engine %s rank %d: a new stream supersedes the open one", engine_id, tp_rank)
         if rank.pending:
             rank.wakeup.set()
-        return rank
+        return rank, rank.stream_generation
 
-    def detach_stream(self, rank: EngineRank) -> None:
-        rank.stream_connected = False
-        rank.wakeup = None
+    def detach_stream(self, rank: EngineRank, generation: int) -> None:
+        if rank.stream_generation == generation:
+            rank.stream_connected = False
+            rank.wakeup = None
 
     def commit(self, rank: EngineRank, request_id: str, committed_tokens: int) -> None:
         self.commits.commit(rank.engine_id, rank.tp_rank, request_id, committed_tokens)

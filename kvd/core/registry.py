@@ -40,6 +40,7 @@ class EngineRank:
     require_commits: bool
     engine_pid: int
     stream_connected: bool = False
+    stream_generation: int = 0  # bumped by every attach: a newer stream supersedes an older one
     pending: collections.deque[EngineEvent] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=MAX_PENDING_EVENTS)
     )

@@ -97,10 +97,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "hello":
             raise InvalidArgument("the first message of an engine stream must be hello(engine_id, tp_rank)")
-        rank = self.daemon.attach_stream(first.hello.engine_id, first.hello.tp_rank)
+        rank, generation = self.daemon.attach_stream(first.hello.engine_id, first.hello.tp_rank)
         reader = asyncio.get_running_loop().create_task(self._read_engine(rank, request_iterator))
         try:
-            while not reader.done():
+            while not reader.done() and rank.stream_generation == generation:
                 wakeup = rank.wakeup
                 if wakeup is None:
                     break
@@ -112,13 +112,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 waiter = asyncio.ensure_future(wakeup.wait())
                 await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
-            for event in rank.drain():
-                yield _event_to_pb(event)
+            if rank.stream_generation == generation:  # a superseded stream leaves events to its successor
+                for event in rank.drain():
+                    yield _event_to_pb(event)
             if reader.done() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
         finally:
             reader.cancel()
-            self.daemon.detach_stream(rank)
+            self.daemon.detach_stream(rank, generation)
 
     async def _read_engine(self, rank: EngineRank, request_iterator: AsyncIterator[engine_pb2.EngineMessage]) -> None:
         async for message in request_iterator:

@@ -196,3 +196,24 @@ def test_concurrent_pulls_from_one_holder(spawn_daemon) -> None:
     finally:
         holder.close()
         reader.close()
+
+
+def test_a_new_engine_stream_supersedes_an_open_one(spawn_daemon) -> None:
+    """An engine that reconnects is not refused: its new stream takes over, the old one ends."""
+    daemon = spawn_daemon()
+    engine = ShmEngine(daemon.unix_target, "e", small_spec())
+    try:
+        engine.register()
+        old = engine.client.open_engine_stream("e", 0)
+        time.sleep(0.3)
+        new = engine.client.open_engine_stream("e", 0)
+        _wait_for(lambda: old.closed, what="the superseded stream to end")
+        hold = engine.client.hold_blocks(engine_id="e", request_id="r", block_ids=[1], num_tokens=3)
+        engine.client.release_lease(hold.lease.lease_id)
+        messages: list = []
+        _wait_for(lambda: messages.extend(new.poll()) or bool(messages), what="finished_sending on the new stream")
+        assert messages[0].finished_sending.lease_id == hold.lease.lease_id
+        assert engine.client.get_status().engines[0].stream_connected
+        new.close()
+    finally:
+        engine.close()
