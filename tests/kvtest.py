@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import urllib.request
 import uuid
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -141,3 +144,21 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(f'{key}="{value}"' in label_text for key, value in labels.items()):
             total += float(match.group(2))
     return total
+
+
+def make_pki(directory: Path, names: Sequence[str]) -> Path:
+    """A throwaway CA (ca.pem) and a certificate per name (<name>.pem/.key) for localhost and
+    127.0.0.1, usable as server and client certificates; made with the openssl command."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvd-ca",
+            "-keyout", "ca.key", "-out", "ca.pem")
+    (directory / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name in names:
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+                "-out", f"{name}.csr")
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-days", "1", "-extfile", "san.ext", "-out", f"{name}.pem")
+    return directory

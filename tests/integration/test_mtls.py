@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from kvtest import ShmEngine, small_spec
+from kvtest import ShmEngine, make_pki, small_spec
 
 from kvd.v1 import common_pb2
 from kvd_client import KvdClient, TlsConfig, errors
@@ -15,25 +14,12 @@ from kvd_client import KvdClient, TlsConfig, errors
 pytestmark = pytest.mark.integration
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A throwaway CA and one certificate per node (server and client use) for 127.0.0.1."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvd-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("node-a", "node-b", "router"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "1", "-extfile", "san.ext", "-out", f"{name}.pem", cwd=d)
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"), ("node-a", "node-b", "router"))
 
 
 def _tls_flags(pki: Path, node: str) -> list[str]:

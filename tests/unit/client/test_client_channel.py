@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 from client_fakes import FakeDaemon, FakeRouterService
+from kvtest import make_pki
 
 from kvd.v1 import router_pb2_grpc
 from kvd_client import KvdClient, TlsConfig, errors
@@ -76,26 +76,12 @@ def test_tls_needs_both_halves_of_a_client_identity() -> None:
         TlsConfig(private_key=b"key")
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A throwaway CA, a server certificate for localhost and a client certificate."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
-    d = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvd-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-days", "1", "-extfile", "san.ext", "-out", f"{name}.pem",
-                 cwd=d)
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"), ("server", "client"))
 
 
 @pytest.fixture
