@@ -7,15 +7,14 @@ it with a real daemon over the daemon's Unix socket, and reads the bytes back to
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import urllib.request
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from kvd.core import metrics_text
 from kvd.core.memory import create_shm_tensor, unlink_shm
 from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec, contiguous_placements
 from kvd.server import convert
@@ -128,22 +127,17 @@ class ShmEngine:
 
 
 def scrape(metrics_address: str) -> str:
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
-        return response.read().decode()
+    """The daemon's /metrics page (parse it with :func:`metric_value`)."""
+    return metrics_text.fetch(metrics_address)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (0.0 if none)."""
-    total = 0.0
-    pattern = re.compile(r"^" + re.escape(name) + r"(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
-    for line in text.splitlines():
-        match = pattern.match(line)
-        if not match:
-            continue
-        label_text = match.group(1) or ""
-        if all(f'{key}="{value}"' in label_text for key, value in labels.items()):
-            total += float(match.group(2))
-    return total
+    return sum(
+        value
+        for sample, sample_labels, value in metrics_text.samples(text)
+        if sample == name and all(sample_labels.get(key) == want for key, want in labels.items())
+    )
 
 
 def make_pki(directory: Path, names: Sequence[str]) -> Path:

@@ -7,18 +7,29 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def fetch(metrics_address: str, timeout_s: float = 10.0) -> str:
+    """The text of ``http://<address>/metrics``."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=timeout_s) as response:
+        return response.read().decode()
+
+
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a metrics page as ``(name, labels, value)`` (``*_created`` left out)."""
+    return [
+        (sample.name, dict(sample.labels), float(sample.value))
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    ]
+
+
 def scrape(metrics_address: str, timeout_s: float = 10.0) -> dict[str, float]:
     """Every sample on ``http://<address>/metrics`` as ``{'name{labels}': value}``."""
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=timeout_s) as response:
-        text = response.read().decode()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
-    return samples
+    out: dict[str, float] = {}
+    for name, labels, value in samples(fetch(metrics_address, timeout_s)):
+        label_text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        out[f"{name}{{{label_text}}}" if label_text else name] = value
+    return out
 
 
 def counters_that_moved(metrics_address: str, before: dict[str, float]) -> dict[str, float]:
