@@ -57,6 +57,23 @@ class KvdConfig:
         default=5.0,
         metadata={"help": "How long a pull waits for the holder's tokens to be committed before failing."},
     )
+    fence_timeout_s: float = dataclasses.field(
+        default=2.0,
+        metadata={
+            "help": "How long a failed pull waits (within its deadline) for NIXL to finish its reads before "
+            "re-mapping the engine's memory, so no late byte can land in blocks the engine recomputes."
+        },
+    )
+    read_admission_margin_s: float = dataclasses.field(
+        default=5.0,
+        metadata={
+            "help": "After an admitted read's deadline, how long the holder still treats the blocks as being read "
+            "(a draining lease ends, and unregistered memory is retired, only after it)."
+        },
+    )
+    peer_idle_s: float = dataclasses.field(
+        default=600.0, metadata={"help": "Forget a peer (its handshake, NIXL agent and channel) unused this long."}
+    )
     shutdown_grace_s: float = dataclasses.field(
         default=10.0, metadata={"help": "On SIGTERM, how long in-flight transfers may finish before they are aborted."}
     )
@@ -84,7 +101,7 @@ class KvdConfig:
         default=False,
         metadata={
             "help": "Run NIXL's own progress thread. It busy-polls (a whole core per daemon, idle or not); "
-            "without it the daemon drives progress from its event loop every millisecond."
+            "without it kvd's own NIXL thread drives progress (fast only while reads are in flight)."
         },
     )
     agent_name_prefix: str = dataclasses.field(
@@ -114,9 +131,13 @@ class KvdConfig:
             "handshake_timeout_s",
             "commit_wait_s",
             "staging_wait_s",
+            "fence_timeout_s",
+            "peer_idle_s",
         ):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0 (and finite), got {getattr(self, name)}")
+        if not math.isfinite(self.read_admission_margin_s) or self.read_admission_margin_s < 0:
+            problems.append(f"read_admission_margin_s must be >= 0, got {self.read_admission_margin_s}")
         if not math.isfinite(self.shutdown_grace_s) or self.shutdown_grace_s < 0:
             problems.append(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.lease_ttl_s > self.max_lease_ttl_s:

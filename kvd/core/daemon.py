@@ -8,25 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
-
 from kvd.config import KvdConfig
+from kvd.core import notif
 from kvd.core.commits import CommitTracker
-from kvd.core.dataplane import LOCAL, DataPlane
+from kvd.core.dataplane import DataPlane
 from kvd.core.events import FinishedSending
-from kvd.core.leases import Lease, LeaseTable
+from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseEnd, LeaseTable
+from kvd.core.local_memory import LocalMemory, Memories
 from kvd.core.memory import RegionRequest, open_region
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import HandshakeInfo, Peers, PeerTransport, PrepareResult, RemoteEngine
+from kvd.core.peers import HandshakeInfo, PeerSession, Peers, PeerTransport, PrepareResult, RemoteEngine
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.transfers import Transfer, TransferTable
@@ -38,19 +39,33 @@ from kvd_client.errors import (
     InvalidArgument,
     Unavailable,
     UnknownEngine,
+    UnknownLease,
 )
 
 logger = logging.getLogger(__name__)
 
-NOTIF_PREFIX = "kvd1"
-# NIXL's own progress thread busy-polls a whole core, so kvd runs a light one of its own: it
-# polls every millisecond when idle and every ~50 us while a reader it admitted may be
-# reading, because a READ that carries a notification completes only once the holder has
-# made progress (a 64 KiB read: 10 us with a prompt holder, ~1 ms with a 1 ms poll).
-NOTIF_POLL_S = 0.001
-NOTIF_POLL_BUSY_S = 0.00005
-LEASE_SWEEP_S = 0.05
+SWEEP_S = 0.05  # leases, admissions, quarantine, stale pulls
 LIVENESS_S = 1.0
+IDLE_PEER_SWEEP_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonStatus:
+    """What GetStatus and ``kvd status`` show (a snapshot, built on the event loop)."""
+
+    incarnation: str
+    agent_name: str
+    peer_address: str
+    engines: tuple[EngineRank, ...]
+    peers: tuple[PeerSession, ...]
+    transfers_in_flight: int
+    leases_held: int
+    leases_draining: int
+    admitted_reads: int
+    quarantined_bytes: int
+    remote_agents: int
+    serving: bool
+    uptime_s: float
 
 
 class Daemon:
@@ -64,22 +79,25 @@ class Daemon:
         self.agent_name = f"{config.agent_name_prefix}-{host}-{self.incarnation}"
         self.advertise_address = config.advertise_address
         self.registry = Registry()
-        self.leases = LeaseTable()
+        self.leases = LeaseTable(
+            on_admission_over=self._admission_over,
+            on_lease_over=self._lease_over,
+            admission_margin_s=config.read_admission_margin_s,
+        )
         self.commits = CommitTracker()
         self.transfers = TransferTable()
         self._transport = transport
         self.dataplane: DataPlane | None = None
+        self.memories: Memories | None = None
         self.peers: Peers | None = None
         self._puller: Puller | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvd-work")
         self._background: list[asyncio.Task[None]] = []
-        self._reader_labels: dict[str, str] = {}  # lease id -> reader's address (metrics label)
-        # Leases a reader was admitted to (lease id -> until when): the progress thread polls
-        # fast until ``_fast_poll_until`` (read by that thread; written on the event loop).
-        self._admitted_reads: dict[str, float] = {}
-        self._fast_poll_until = 0.0
-        self._stopping = threading.Event()
-        self._progress: threading.Thread | None = None
+        self._followups: set[asyncio.Task[None]] = set()  # unpins scheduled by lease callbacks
+        self._reader_labels: dict[str, str] = {}  # admission id -> reader's address (metrics label)
+        # Open admissions (id -> deadline): NIXL's thread polls fast until the latest of them,
+        # because a READ that carries a notification completes only once the holder progresses.
+        self._admitted: dict[str, float] = {}
         self._selftest_seed = -1
         self.serving = False
         self.started_at = time.monotonic()
@@ -89,26 +107,32 @@ class Daemon:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.dataplane = await loop.run_in_executor(
-            self._executor, DataPlane, self.agent_name, self.config.nixl_backends, self.config.nixl_progress_thread
-        )
+        dataplane = DataPlane(self.agent_name, self.config.nixl_backends, self.config.nixl_progress_thread)
+        await dataplane.start(self._on_notifications)
+        self.dataplane = dataplane
+        self.memories = Memories(dataplane, self.metrics)
         self.peers = Peers(
-            self._transport, self.dataplane, self.metrics, lambda: self.incarnation, self.config.handshake_timeout_s
+            self._transport,
+            dataplane,
+            self.metrics,
+            lambda: self.incarnation,
+            self.config.handshake_timeout_s,
+            self.config.peer_idle_s,
         )
         self._puller = Puller(
             self.config,
             self.metrics,
-            self.dataplane,
+            dataplane,
             self.peers,
             self._transport,
+            self.memories,
             self._executor,
-            is_registered=lambda rank: self.registry.ranks_of(rank.engine_id).get(rank.tp_rank) is rank,
+            current_rank=lambda rank: self.registry.current(rank),
+            next_registration_id=next_registration_id,
             serving=lambda: self.serving,
         )
-        self._progress = threading.Thread(target=self._progress_loop, args=(loop,), name="kvd-progress", daemon=True)
-        self._progress.start()
         self._background = [
-            loop.create_task(self._lease_sweeper(), name="kvd-leases"),
+            loop.create_task(self._sweeper(), name="kvd-sweeper"),
             loop.create_task(self._liveness_loop(), name="kvd-liveness"),
         ]
         self.serving = True
@@ -122,39 +146,47 @@ class Daemon:
             logger.info("shutdown: waiting up to %.1fs for %d in-flight pulls", grace_s, len(pending))
             _, still = await asyncio.wait(pending, timeout=grace_s)
             for task in still:
-                task.cancel()
-            if still:
-                await asyncio.wait(still, timeout=5.0)
-        for lease in self.leases.all():
-            self.leases.release(lease.lease_id)
-            self._lease_ended(lease, "shutdown")
+                task.cancel("daemon shutting down")
+            if still:  # an aborted pull fences its reads first (bounded by fence_timeout_s)
+                await asyncio.wait(still, timeout=self.config.fence_timeout_s + 5.0)
+        # Leases end now; a read still admitted cannot be proven over: its memory is retired.
+        self.leases.end_all(LeaseEnd.SHUTDOWN)
+        self.leases.force_end_admissions()
         for rank in list(self.registry):
-            self._unregister(rank, "daemon shutting down")
+            await self._unregister(rank, "daemon shutting down")
+        await self._settle_followups()
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        self._stopping.set()
-        if self._progress is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._progress.join, 5.0)
         if self.peers is not None:
-            self.peers.drop_all()
+            await self.peers.drop_all()
         await self._transport.close()
         if self._puller is not None:
-            self._puller.close()
+            await self._puller.close()
         if self.dataplane is not None:
-            self.dataplane.close()
+            await self.dataplane.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         logger.info("daemon %s stopped", self.incarnation)
+
+    async def _settle_followups(self) -> None:
+        while self._followups:
+            await asyncio.gather(*list(self._followups), return_exceptions=True)
+
+    def _follow_up(self, coro: Any) -> None:
+        """Run an async consequence of a synchronous callback (an unpin) as its own task."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._followups.add(task)
+        task.add_done_callback(self._followups.discard)
 
     def require_serving(self) -> None:
         if not self.serving:
             raise Unavailable("the daemon is shutting down: retry against its replacement")
 
     @property
-    def _dp(self) -> DataPlane:
-        if self.dataplane is None:
+    def _mem(self) -> Memories:
+        if self.memories is None:
             raise Unavailable("the daemon is still starting")
-        return self.dataplane
+        return self.memories
 
     # --- engines -----------------------------------------------------------------------------
 
@@ -176,32 +208,31 @@ class Daemon:
         self.registry.check_can_add(engine_id, spec)
         spec.validate_placements(placements, [region.size_bytes for region in regions])
         opened = [open_region(region) for region in regions]
-        dataplane = self._dp
-        registrations: list[Any] = []
         try:
-            for region in opened:
-                registrations.append(
-                    dataplane.register(region.address, region.size_bytes, region.device_index, region.mem_type)
-                )
+            memory = await self._mem.register(opened, next_registration_id())
         except Exception as exc:
-            for registration in registrations:
-                dataplane.deregister(registration)
             raise Internal(f"NIXL could not register engine {engine_id!r} memory: {exc}") from exc
         rank = EngineRank(
             engine_id=engine_id,
             spec=spec,
             placements=tuple(placements),
-            regions=opened,
-            nixl_registrations=registrations,
-            registration_id=next_registration_id(),
+            memory=memory,
             require_commits=require_commits,
             engine_pid=engine_pid,
         )
-        self.registry.add(rank)
+        try:
+            self.registry.add(rank)  # a racing registration of the same rank loses here
+        except Exception:
+            await self._mem.fence(memory)
+            raise
         self.metrics.engines.set(len(self.registry))
         self.metrics.registered_bytes.labels(engine_id, str(spec.tp_rank)).set(rank.registered_bytes)
         # Prepare the engine's whole-block table now, so the first pull does not pay for it.
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._local_block_table, rank)
+        self._mem.pin(memory)
+        try:
+            await memory.table(block_geometry(rank.view, self.config.max_run_blocks), self._executor)
+        finally:
+            await self._mem.unpin(memory)
         logger.info(
             "registered engine %s rank %d: %s, %d bytes in %d %s regions",
             engine_id,
@@ -213,36 +244,31 @@ class Daemon:
         )
         return rank
 
-    def _local_block_table(self, rank: EngineRank) -> Any:
-        geometry = block_geometry(rank.view, self.config.max_run_blocks)
-        return self._dp.table(
-            ("local", rank.registration_id), LOCAL, geometry, rank.region_addresses, rank.device_index, rank.mem_type
-        )
+    async def unregister_engine(self, engine_id: str, tp_rank: int) -> None:
+        await self._unregister(self.registry.get(engine_id, tp_rank), "unregistered by the engine")
 
-    def unregister_engine(self, engine_id: str, tp_rank: int) -> None:
-        self._unregister(self.registry.get(engine_id, tp_rank), "unregistered by the engine")
+    async def _unregister(self, rank: EngineRank, reason: str) -> None:
+        """Fence the rank at once; its memory is released when nothing can touch it any more.
 
-    def _unregister(self, rank: EngineRank, reason: str) -> None:
-        """Abort pulls into the rank, release its engine's leases if it was the last rank, unmap."""
+        Fenced: no new pull, hold or admitted read finds it. In-flight pulls into it are
+        cancelled (each fences its own reads). Its engine's leases end once their admitted reads
+        are over. The mapping and its NIXL registration go when the last pin does.
+        """
+        if self.registry.current(rank) is not rank:
+            return
         self.registry.remove(rank.engine_id, rank.tp_rank)
         for transfer in self.transfers.in_flight():
             if transfer.engine_id == rank.engine_id and transfer.tp_rank == rank.tp_rank and transfer.task:
                 transfer.task.cancel(f"engine {rank.engine_id} rank {rank.tp_rank}: {reason}")
         if not self.registry.ranks_of(rank.engine_id):
-            for lease in self.leases.of_engine(rank.engine_id):
-                self.leases.release(lease.lease_id)
-                self._lease_ended(lease, "engine_gone")
+            self.leases.end_all(LeaseEnd.ENGINE_GONE, rank.engine_id)
         self.commits.forget_engine(rank.engine_id, rank.tp_rank)
-        dataplane = self._dp
-        dataplane.drop_tables(("local", rank.registration_id))
-        for registration in rank.nixl_registrations:
-            dataplane.deregister(registration)
-        rank.regions.clear()
         if rank.wakeup is not None:
             rank.wakeup.set()
         self.metrics.engines.set(len(self.registry))
         self.metrics.registered_bytes.remove(rank.engine_id, str(rank.tp_rank))
         logger.info("unregistered engine %s rank %d: %s", rank.engine_id, rank.tp_rank, reason)
+        await self._mem.fence(rank.memory)
 
     # --- engine stream ---------------------------------------------------------------------------
 
@@ -325,8 +351,9 @@ class Daemon:
         return self.leases.renew(lease_id, ttl)
 
     def release_lease(self, lease_id: str) -> None:
-        lease = self.leases.release(lease_id)
-        self._lease_ended(lease, "released")
+        """End the lease (it drains first if a read is admitted on it)."""
+        self.leases.end(lease_id, LeaseEnd.RELEASED)
+        self._lease_gauges()
 
     def lookup_held(self, engine_id: str = "", request_id: str = "") -> list[TransferParams]:
         return [
@@ -336,68 +363,72 @@ class Daemon:
             and self.leases.remaining_s(lease) > 0
         ]
 
-    def _lease_ended(self, lease: Lease, reason: str) -> None:
-        """Tell every rank of the owning engine, once, that it may reuse the blocks."""
+    def _lease_over(self, lease: Lease, how: LeaseEnd) -> None:
+        """LeaseTable callback: no reader can read the blocks any more; tell every rank, once."""
         for rank in self.registry.ranks_of(lease.engine_id).values():
-            rank.post(FinishedSending(lease.request_id, lease.lease_id, expired=reason == "expired"))
+            rank.post(FinishedSending(lease.request_id, lease.lease_id, expired=how is LeaseEnd.EXPIRED))
         self.commits.forget_request(lease.engine_id, lease.request_id)
-        self._reader_labels.pop(lease.lease_id, None)
-        self._read_over(lease.lease_id)
-        self.metrics.leases_ended.labels(reason).inc()
+        self.metrics.leases_ended.labels(how.value).inc()
+        self._lease_gauges()
+        logger.debug("lease %s on %s/%s ended: %s", lease.lease_id, lease.engine_id, lease.request_id, how.value)
+
+    def _admission_over(self, admission: Admission) -> None:
+        """LeaseTable callback: an admitted read is over; unpin the holder memory it pinned."""
+        assert admission.ended is not None
+        self._admitted.pop(admission.admission_id, None)
+        if self.dataplane is not None:
+            self.dataplane.fast_poll_until = max(self._admitted.values(), default=0.0)
+        label = self._reader_labels.pop(admission.admission_id, "")
+        if admission.ended is AdmissionEnd.READ:
+            self.metrics.transfers.labels(label, "serve", "done").inc()
+        elif admission.ended is AdmissionEnd.TIMED_OUT:
+            logger.warning(
+                "read of lease %s by %s (rank %d) was not proven over by its deadline: its memory will be retired",
+                admission.lease_id,
+                admission.reader,
+                admission.reader_rank,
+            )
+        self.metrics.admissions_ended.labels(admission.ended.value).inc()
+        pinned, admission.pinned = list(admission.pinned), []
+        clean = admission.ended.clean
+        for memory in pinned:
+            assert isinstance(memory, LocalMemory)
+            self._follow_up(self._mem.unpin(memory, holder=True, clean=clean))
+        self._lease_gauges()
+
+    def _lease_gauges(self) -> None:
         self.metrics.leases_held.set(len(self.leases))
-        logger.debug("lease %s on %s/%s ended: %s", lease.lease_id, lease.engine_id, lease.request_id, reason)
-
-    async def _lease_sweeper(self) -> None:
-        while True:
-            await asyncio.sleep(LEASE_SWEEP_S)
-            for lease in self.leases.expire_due():
-                logger.info("lease on %s/%s expired unread", lease.engine_id, lease.request_id)
-                self._lease_ended(lease, "expired")
-
-    def _progress_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Holder side (own thread): drive NIXL and hand READ notifications to the event loop."""
-        dataplane = self._dp
-        while not self._stopping.is_set():
-            try:
-                notifications = dataplane.notifications()
-            except Exception:  # the thread must survive a NIXL hiccup; log and go on
-                logger.exception("reading NIXL notifications failed")
-                notifications = {}
-            if notifications:
-                loop.call_soon_threadsafe(self._on_notifications, notifications)
-            busy = time.monotonic() < self._fast_poll_until
-            time.sleep(NOTIF_POLL_BUSY_S if busy else NOTIF_POLL_S)
+        self.metrics.leases_draining.set(self.leases.draining)
+        self.metrics.admitted_reads.set(self.leases.open_admissions)
 
     def _on_notifications(self, notifications: dict[str, list[bytes]]) -> None:
+        """READ notifications from readers (delivered by the data plane's thread, on the loop)."""
         for agent, messages in notifications.items():
             for message in messages:
-                self._on_notification(agent, message)
+                read = notif.decode(message)
+                if read is None:
+                    logger.debug("ignoring NIXL notification from %s: %r", agent, message[:64])
+                    continue
+                label = self._reader_labels.get(read.admission_id, agent)
+                self.metrics.transfer_bytes.labels(label, "serve").inc(read.nbytes)
+                self.leases.record_read(read.lease_id, read.admission_id, read.part, read.parts)
 
-    def _admit_read(self, lease_id: str) -> None:
-        self._admitted_reads[lease_id] = time.monotonic() + self.config.transfer_deadline_s
-        self._fast_poll_until = max(self._admitted_reads.values())
-
-    def _read_over(self, lease_id: str) -> None:
-        if self._admitted_reads.pop(lease_id, None) is not None:
-            self._fast_poll_until = max(self._admitted_reads.values(), default=0.0)
-
-    def _on_notification(self, agent: str, message: bytes) -> None:
-        fields = message.decode(errors="replace").split("|")
-        if len(fields) != 6 or fields[0] != NOTIF_PREFIX:
-            logger.debug("ignoring NIXL notification from %s: %r", agent, message[:64])
-            return
-        _, lease_id, reader_rank, part, parts, nbytes = fields
-        try:
-            reader, index, count, size = int(reader_rank), int(part), int(parts), int(nbytes)
-        except ValueError:
-            logger.debug("malformed kvd notification from %s: %r", agent, message[:64])
-            return
-        lease_label = self._reader_labels.get(lease_id, agent)
-        self.metrics.transfer_bytes.labels(lease_label, "serve").inc(size)
-        lease = self.leases.record_read(lease_id, reader, index, count)
-        if lease is not None:
-            self.metrics.transfers.labels(lease_label, "serve", "done").inc()
-            self._lease_ended(lease, "read")
+    async def _sweeper(self) -> None:
+        """Expire leases, end overdue admissions, free quarantined memory, forget idle peers."""
+        last_idle_sweep = time.monotonic()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                self.leases.sweep()
+                self._lease_gauges()
+                await self._mem.sweep_quarantine()
+                if self._puller is not None:
+                    await self._puller.sweep()
+                if self.peers is not None and time.monotonic() - last_idle_sweep > IDLE_PEER_SWEEP_S:
+                    last_idle_sweep = time.monotonic()
+                    await self.peers.forget_idle()
+            except Exception:  # the sweeper must survive a bug in one round: log and go on
+                logger.exception("sweep failed")
 
     async def _liveness_loop(self) -> None:
         """An engine process that exited without unregistering is unregistered here."""
@@ -406,7 +437,7 @@ class Daemon:
             for rank in list(self.registry):
                 if rank.engine_pid and not _process_alive(rank.engine_pid):
                     logger.warning("engine %s rank %d (pid %d) exited", rank.engine_id, rank.tp_rank, rank.engine_pid)
-                    self._unregister(rank, f"engine process {rank.engine_pid} exited")
+                    await self._unregister(rank, f"engine process {rank.engine_pid} exited")
 
     # --- peer-facing ----------------------------------------------------------------------------
 
@@ -423,7 +454,9 @@ class Daemon:
             )
             for rank in self.registry
         )
-        return HandshakeInfo(self.incarnation, self.agent_name, self._dp.metadata(), engines)
+        if self.dataplane is None:
+            raise Unavailable("the daemon is still starting")
+        return HandshakeInfo(self.incarnation, self.agent_name, self.dataplane.metadata(), engines)
 
     async def prepare_pull(
         self,
@@ -436,8 +469,13 @@ class Daemon:
         reader_tp_size: int,
         remote_tp_ranks: Sequence[int],
         reader_address: str = "",
+        reader_incarnation: str = "",
+        reader_transfer_id: str = "",
     ) -> PrepareResult:
-        """Check a reader's request against the lease and wait (bounded) for committed tokens."""
+        """Admit a reader's read of a lease, after waiting (bounded) for committed tokens.
+
+        The admission pins the holder ranks' memory until the read is over (see kvd.core.leases).
+        """
         self.require_serving()
         lease = self.leases.get(lease_id)
         if lease.engine_id != engine_id:
@@ -452,13 +490,9 @@ class Daemon:
             raise InvalidArgument(
                 f"lease {lease_id!r} is being read by a TP-{lease.reader_tp_size} engine, not TP-{reader_tp_size}"
             )
-        ranks = self.registry.ranks_of(engine_id)
-        missing = [r for r in remote_tp_ranks if r not in ranks]
-        if missing or not remote_tp_ranks:
-            raise UnknownEngine(f"engine {engine_id!r} has no ranks {missing or '[]'} registered here")
+        ranks = self._holder_ranks(engine_id, remote_tp_ranks)
         for r in remote_tp_ranks:
-            rank = ranks[r]
-            if not rank.require_commits:
+            if not ranks[r].require_commits:
                 continue
             if not await self.commits.wait_for(engine_id, r, lease.request_id, num_tokens, self.config.commit_wait_s):
                 have = self.commits.watermark(engine_id, r, lease.request_id)
@@ -466,19 +500,44 @@ class Daemon:
                     f"request {lease.request_id!r} on engine {engine_id!r} rank {r}: only {have} of {num_tokens} "
                     f"tokens committed after {self.config.commit_wait_s}s (no post-forward signal yet?)"
                 )
-        lease = self.leases.extend_to(lease_id, self.config.transfer_deadline_s)
-        lease.reader_tp_size = reader_tp_size
-        self._admit_read(lease_id)
+        # The wait yielded: the lease and the ranks may have changed meanwhile. From here to the
+        # return nothing awaits, so what is checked is what is pinned.
+        self.require_serving()
+        ranks = self._holder_ranks(engine_id, remote_tp_ranks)
+        reader = f"{reader_incarnation or reader_address or 'unknown'}/{reader_transfer_id}"
+        admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, self.config.transfer_deadline_s)
+        memories = self._mem
+        for r in remote_tp_ranks:
+            memories.pin(ranks[r].memory, holder=True)
+            admission.pinned.append(ranks[r].memory)
+        self._admitted[admission.admission_id] = admission.deadline
+        if self.dataplane is not None:
+            self.dataplane.fast_poll_until = max(self._admitted.values())
         if reader_address:
-            self._reader_labels[lease_id] = reader_address
+            self._reader_labels[admission.admission_id] = reader_address
+        self._lease_gauges()
         return PrepareResult(
             registration_ids=tuple(ranks[r].registration_id for r in remote_tp_ranks),
-            notif_tag=f"{NOTIF_PREFIX}|{lease_id}|{reader_tp_rank}",
+            notif_tag=notif.tag(lease_id, admission.admission_id),
         )
 
-    def abandon_pull(self, lease_id: str, reader_tp_rank: int, reason: str) -> None:
+    def _holder_ranks(self, engine_id: str, remote_tp_ranks: Sequence[int]) -> dict[int, EngineRank]:
+        ranks = self.registry.ranks_of(engine_id)
+        missing = [r for r in remote_tp_ranks if r not in ranks]
+        if missing or not remote_tp_ranks:
+            raise UnknownEngine(f"engine {engine_id!r} has no ranks {missing or '[]'} registered here")
+        return ranks
+
+    def abandon_pull(
+        self, lease_id: str, reader_tp_rank: int, reason: str, reader_incarnation: str = "", reader_transfer_id: str = ""
+    ) -> None:
+        """The reader's READs of the lease are final and it gave up: its admission ends cleanly."""
+        reader = f"{reader_incarnation or 'unknown'}/{reader_transfer_id}"
+        if self.leases.abandon(lease_id, reader, reader_tp_rank):
+            logger.info("reader rank %d abandoned its read of lease %s: %s", reader_tp_rank, lease_id, reason)
+            return
         self.leases.get(lease_id)  # NOT_FOUND / DEADLINE_EXCEEDED for a gone lease
-        logger.info("reader rank %d abandoned its read of lease %s: %s", reader_tp_rank, lease_id, reason)
+        raise UnknownLease(f"lease {lease_id!r} has no read admitted for rank {reader_tp_rank} of that reader")
 
     # --- pulls -----------------------------------------------------------------------------------
 
@@ -548,7 +607,7 @@ class Daemon:
         ranks = self.registry.ranks_of(self.selftest_engine_id)
         current = ranks.get(0)
         if current is not None and (current.spec != spec or self._selftest_seed != seed):
-            self._unregister(current, "selftest scratch replaced")
+            await self._unregister(current, "selftest scratch replaced")
             current = None
         if current is None:
             name = f"{self.selftest_engine_id}-{seed}"
@@ -574,18 +633,22 @@ class Daemon:
 
     # --- status ------------------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "incarnation": self.incarnation,
-            "agent_name": self.agent_name,
-            "peer_address": self.advertise_address,
-            "engines": list(self.registry),
-            "peers": self.peers.sessions() if self.peers else [],
-            "transfers_in_flight": len(self.transfers.in_flight()),
-            "leases_held": len(self.leases),
-            "serving": self.serving,
-            "uptime_s": time.monotonic() - self.started_at,
-        }
+    def status(self) -> DaemonStatus:
+        return DaemonStatus(
+            incarnation=self.incarnation,
+            agent_name=self.agent_name,
+            peer_address=self.advertise_address,
+            engines=tuple(self.registry),
+            peers=tuple(self.peers.sessions()) if self.peers else (),
+            transfers_in_flight=len(self.transfers.in_flight()),
+            leases_held=len(self.leases),
+            leases_draining=self.leases.draining,
+            admitted_reads=self.leases.open_admissions,
+            quarantined_bytes=self.memories.quarantined_bytes if self.memories else 0,
+            remote_agents=len(self.peers.agents()) if self.peers else 0,
+            serving=self.serving,
+            uptime_s=time.monotonic() - self.started_at,
+        )
 
 
 def _process_alive(pid: int) -> bool:

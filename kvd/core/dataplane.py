@@ -1,27 +1,53 @@
-"""The NIXL data plane: one agent per daemon incarnation, prepared tables, reads, notifications.
+"""The NIXL data plane: one agent per daemon incarnation, driven by one thread that owns it.
 
 This is the only module that talks to NIXL. It turns NIXL's string states and exceptions into
-:class:`XferState` and kvd errors, and caches prepared descriptor tables (``prep_xfer_dlist``)
-per (owner, geometry): once per local engine registration and once per (peer agent, remote
-engine registration), so a pull is only ``make_prepped_xfer`` over numpy index arrays.
+:class:`XferState` and kvd errors.
+
+**Threads.** Every call on the agent runs on the data plane's own thread (``kvd-nixl``), fed
+by a queue, except ``prep_xfer_dlist``: preparing a large table takes long, touches no UCX
+worker and runs under NIXL's agent lock, so it runs in the caller's thread pool. The owner
+thread also polls every posted transfer and NIXL's notifications, so UCX makes progress (it
+copies inside those polls) and no two threads ever drive the UCX worker at once.
+
+**Transfers.** A posted READ is an :class:`Xfer`. NIXL 1.5 cannot cancel a READ in flight
+(``release`` leaves the UCX request running and its bytes still land), so the data plane
+never releases a handle that is not final: it polls it until NIXL reports DONE or ERR, then
+releases it. ``Xfer.final`` is therefore the proof that no byte of the read can land any
+more; callers that give up on a read keep its destination pinned until then (see
+docs/lifetimes.md).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
 import enum
 import logging
 import threading
-from collections.abc import Hashable, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
-from kvd.layout.geometry import DescGeometry
-from kvd_client.errors import Internal, InvalidArgument, PeerUnavailable
+from kvd_client.errors import Internal, InvalidArgument, KvdError, PeerUnavailable, Unavailable
 
 logger = logging.getLogger(__name__)
 
 LOCAL = "NIXL_INIT_AGENT"
+T = TypeVar("T")
+
+# The owner thread polls posted reads without sleeping (sleep(0): it still yields the GIL) for
+# SPIN_S plus the bytes' time at SPIN_BYTES_PER_S, then every POLL_SLOW_S; with no read in flight
+# it polls notifications every POLL_IDLE_S, or POLL_FAST_S while a reader may be reading from us
+# (a READ that carries a notification completes only once the holder has made progress).
+SPIN_S = 0.002
+SPIN_BYTES_PER_S = 2e9
+POLL_SLOW_S = 0.001
+POLL_IDLE_S = 0.001
+POLL_FAST_S = 0.00005
 
 
 class XferState(enum.Enum):
@@ -37,117 +63,218 @@ def _nixl() -> Any:
     return _api
 
 
-def _bindings() -> Any:
-    import nixl._api as api  # noqa: PLC0415
+@dataclasses.dataclass(eq=False)
+class Xfer:
+    """One posted READ. Owned by the data plane's thread until final; see the module docstring."""
 
-    return api.nixlBind
+    handle: Any
+    peer: str
+    nbytes: int
+    spin_until: float
+    settled: asyncio.Future[None]
+    state: XferState = XferState.IN_PROGRESS
+    error: KvdError | None = None
+
+    @property
+    def final(self) -> bool:
+        """True once NIXL said DONE or ERR: no byte of this read can land any more."""
+        return self.state is not XferState.IN_PROGRESS
 
 
 class DataPlane:
-    """A NIXL agent plus the tables and transfers kvd keeps on it."""
+    """A NIXL agent and the one thread that calls it."""
 
     def __init__(self, agent_name: str, backends: Sequence[str] = ("UCX",), progress_thread: bool = False) -> None:
+        self.name = agent_name
+        self._backends = list(backends)
+        self._nixl_progress_thread = progress_thread
+        self.agent: Any = None
+        self._metadata = b""
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._xfers: list[Xfer] = []  # owner thread only
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_notifications: Callable[[dict[str, list[bytes]]], None] = lambda _: None
+        self.fast_poll_until = 0.0  # written on the event loop, read by the owner thread
+
+    # --- the owner thread ---------------------------------------------------------------------
+
+    async def start(self, on_notifications: Callable[[dict[str, list[bytes]]], None]) -> None:
+        """Create the agent on the owner thread; ``on_notifications`` runs on the event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._on_notifications = on_notifications
+        self._thread = threading.Thread(target=self._run, name="kvd-nixl", daemon=True)
+        self._thread.start()
+        await self.call(self._create_agent)
+
+    def _create_agent(self) -> None:
         api = _nixl()
         config = api.nixl_agent_config(
-            enable_prog_thread=progress_thread,
-            backends=list(backends),
+            enable_prog_thread=self._nixl_progress_thread,
+            backends=self._backends,
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self.agent = api.nixl_agent(agent_name, config)
-        self.name = agent_name
-        missing = [b for b in backends if b not in self.agent.backends]
+        self.agent = api.nixl_agent(self.name, config)
+        missing = [b for b in self._backends if b not in self.agent.backends]
         if missing:
             raise Internal(f"NIXL backends {missing} could not be created (available plugins: {self.agent.plugin_list})")
-        self._tables: dict[tuple[tuple[Hashable, ...], DescGeometry], Any] = {}
-        self._lock = threading.Lock()
+        self._metadata = bytes(self.agent.get_agent_metadata())
 
-    # --- identity -----------------------------------------------------------------------
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the owner thread (any thread may call this)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._stopping or self._thread is None:
+            future.set_exception(Unavailable("the NIXL data plane is stopped"))
+            return future
+        self._commands.append((fn, future))
+        self._wake.set()
+        return future
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the owner thread and wait for it (the call itself is not cancelled)."""
+        return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
+
+    def _run(self) -> None:
+        while True:
+            while self._commands:
+                fn, future = self._commands.popleft()
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(exc)
+            if self._stopping and not self._commands:
+                return
+            if self.agent is not None:
+                try:
+                    self._poll()
+                except Exception:  # the owner thread must survive a NIXL hiccup: log and go on
+                    logger.exception("polling NIXL failed")
+            self._wake.wait(self._poll_interval())
+            self._wake.clear()
+
+    def _poll_interval(self) -> float:
+        now = time.monotonic()
+        if self._xfers:
+            return 0.0 if any(now < x.spin_until for x in self._xfers) else POLL_SLOW_S
+        return POLL_FAST_S if now < self.fast_poll_until else POLL_IDLE_S
+
+    def _poll(self) -> None:
+        if self._xfers:
+            still = []
+            for xfer in self._xfers:
+                self._check(xfer)
+                if xfer.final:
+                    self._settle(xfer)
+                else:
+                    still.append(xfer)
+            self._xfers = still
+            if still:
+                time.sleep(0)  # let the event loop run between spins
+        notifications = self.agent.get_new_notifs()
+        if notifications and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_notifications, dict(notifications))
+
+    def _check(self, xfer: Xfer) -> None:
+        try:
+            state = XferState(self.agent.check_xfer_state(xfer.handle))
+        except Exception as exc:  # NIXL reports a failed request by raising: it is final
+            xfer.state, xfer.error = XferState.ERROR, self._map(exc, xfer.peer)
+            return
+        if state is XferState.ERROR:
+            xfer.error = PeerUnavailable(f"NIXL read from peer {xfer.peer} failed: peer gone?")
+        xfer.state = state
+
+    def _settle(self, xfer: Xfer) -> None:
+        """A final transfer: release its handle here (safe now) and wake its waiter."""
+        try:
+            self.agent.release_xfer_handle(xfer.handle)
+        except Exception as exc:  # a final handle that NIXL will not release: it holds no bytes
+            logger.warning("NIXL could not release a finished transfer from %s: %s", xfer.peer, exc)
+        xfer.handle = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(_resolve, xfer.settled)
+
+    async def stop(self) -> None:
+        """Stop the owner thread after the queued calls (reads still in flight stay unreleased)."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+        if self._xfers:
+            logger.warning("%d NIXL reads were still in flight at shutdown", len(self._xfers))
+
+    # --- identity -----------------------------------------------------------------------------
 
     def metadata(self) -> bytes:
-        return bytes(self.agent.get_agent_metadata())
+        """The agent's metadata as of the last (de)registration (no NIXL call: loop-safe)."""
+        return self._metadata
 
-    # --- memory -------------------------------------------------------------------------
+    # --- memory -------------------------------------------------------------------------------
 
-    def register(self, address: int, size: int, device_index: int, mem_type: str) -> Any:
+    async def register(self, address: int, size: int, device_index: int, mem_type: str) -> Any:
         """Register one region with every backend that takes its memory type."""
-        return self.agent.register_memory([(address, size, device_index, "")], mem_type)
 
-    def deregister(self, registration: Any) -> None:
-        self.agent.deregister_memory(registration)
+        def register() -> Any:
+            registration = self.agent.register_memory([(address, size, device_index, "")], mem_type)
+            self._metadata = bytes(self.agent.get_agent_metadata())
+            return registration
 
-    # --- peers --------------------------------------------------------------------------
+        return await self.call(register)
 
-    def add_remote(self, metadata: bytes) -> str:
-        try:
-            name = self.agent.add_remote_agent(metadata)
-        except Exception as exc:  # NIXL raises its own exception types here
-            raise InvalidArgument(f"peer agent metadata rejected by NIXL: {exc}") from exc
-        return name.decode() if isinstance(name, bytes) else str(name)
+    async def deregister(self, registration: Any) -> None:
+        def deregister() -> None:
+            self.agent.deregister_memory(registration)
+            self._metadata = bytes(self.agent.get_agent_metadata())
 
-    def remove_remote(self, agent_name: str) -> None:
-        """Forget a peer agent and every table prepared against it."""
-        self.drop_tables(("remote", agent_name))
-        try:
-            self.agent.remove_remote_agent(agent_name)
-        except Exception as exc:  # already gone: nothing to release
-            logger.debug("remove_remote_agent(%s): %s", agent_name, exc)
+        await self.call(deregister)
 
-    # --- tables -------------------------------------------------------------------------
+    # --- peers --------------------------------------------------------------------------------
 
-    def table(
-        self,
-        owner: tuple[Hashable, ...],
-        agent_name: str,
-        geometry: DescGeometry,
-        region_addresses: Sequence[int],
-        device_index: int,
-        mem_type: str,
-    ) -> Any:
-        """The prepared table of ``geometry`` over ``owner``'s regions (prepared on first use).
+    async def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata. Loading a known agent again adds its new memory (NIXL merges
+        the sections: prepared lists stay valid), so a re-handshake never removes the agent."""
 
-        ``owner`` names whose memory it is, for release by prefix: ``("local", registration_id)``
-        or ``("remote", agent_name, registration_id)``; ``agent_name`` is LOCAL for local memory.
-        """
-        key = (owner, geometry)
-        with self._lock:
-            handle = self._tables.get(key)
-        if handle is not None:
-            return handle
-        rows = geometry.descriptors(region_addresses, device_index)
-        handle = self.agent.prep_xfer_dlist(agent_name, rows, mem_type)
-        with self._lock:
-            existing = self._tables.get(key)
-            if existing is not None:
-                handle.release()
-                return existing
-            self._tables[key] = handle
-        logger.debug("prepared %d descriptors for %s", geometry.table_size, owner)
-        return handle
-
-    def cached_table(self, owner: tuple[Hashable, ...], geometry: DescGeometry) -> Any | None:
-        """The prepared table if it exists already (no NIXL call: safe on the event loop)."""
-        with self._lock:
-            return self._tables.get((owner, geometry))
-
-    def one_off_table(self, rows: np.ndarray, mem_type: str) -> Any:
-        """A local list prepared for one transfer (staging chunks); release after use."""
-        return self.agent.prep_xfer_dlist(LOCAL, rows, mem_type)
-
-    def drop_tables(self, owner_prefix: tuple[Hashable, ...]) -> None:
-        """Release every table whose owner starts with ``owner_prefix`` (engine gone, peer died)."""
-        n = len(owner_prefix)
-        with self._lock:
-            keys = [key for key in self._tables if key[0][:n] == owner_prefix]
-            handles = [self._tables.pop(key) for key in keys]
-        for handle in handles:
+        def add() -> str:
             try:
-                handle.release()
-            except Exception as exc:  # releasing a dead peer's list may fail; nothing else to do
-                logger.debug("releasing a prepared list of %s: %s", owner_prefix, exc)
+                name = self.agent.add_remote_agent(metadata)
+            except Exception as exc:  # NIXL raises its own exception types here
+                raise InvalidArgument(f"peer agent metadata rejected by NIXL: {exc}") from exc
+            return name.decode() if isinstance(name, bytes) else str(name)
 
-    # --- transfers ----------------------------------------------------------------------
+        return await self.call(add)
 
-    def read(
+    async def remove_remote(self, agent_name: str, tables: Sequence[Any]) -> None:
+        """Release a peer's prepared lists, then forget its agent (only once nothing uses them)."""
+
+        def remove() -> None:
+            for table in tables:
+                _release_table(self.agent, table)
+            try:
+                self.agent.remove_remote_agent(agent_name)
+            except Exception as exc:  # already gone: nothing to release
+                logger.debug("remove_remote_agent(%s): %s", agent_name, exc)
+
+        await self.call(remove)
+
+    # --- tables -------------------------------------------------------------------------------
+
+    def prepare_table(self, agent_name: str, rows: np.ndarray, mem_type: str) -> Any:
+        """Prepare a descriptor list (blocking; run in a worker thread, see the module docstring)."""
+        if self.agent is None:
+            raise Unavailable("the NIXL data plane is not started")
+        return self.agent.prep_xfer_dlist(agent_name, rows, mem_type)
+
+    async def release_tables(self, tables: Sequence[Any]) -> None:
+        if tables:
+            await self.call(lambda: [_release_table(self.agent, table) for table in tables])
+
+    # --- transfers ----------------------------------------------------------------------------
+
+    async def read(
         self,
         local_table: Any,
         local_indices: np.ndarray,
@@ -155,45 +282,50 @@ class DataPlane:
         remote_indices: np.ndarray,
         notif: bytes,
         peer: str,
-    ) -> Any:
-        """Post a READ; returns the transfer handle. Raises PeerUnavailable if the peer is gone."""
-        try:
-            handle = self.agent.make_prepped_xfer(
-                "READ",
-                local_table,
-                np.ascontiguousarray(local_indices, dtype=np.int32),
-                remote_table,
-                np.ascontiguousarray(remote_indices, dtype=np.int32),
-                notif,
-            )
-            state = self.agent.transfer(handle)
-        except Exception as exc:
-            raise self._map(exc, peer) from exc
-        if state == "ERR":
-            self.release(handle)
-            raise PeerUnavailable(f"NIXL could not post a read from peer {peer}")
-        return handle
+        nbytes: int,
+    ) -> Xfer:
+        """Post a READ. Raises PeerUnavailable if NIXL refused it (then nothing was posted)."""
+        assert self._loop is not None
+        settled: asyncio.Future[None] = self._loop.create_future()
+        local_indices = np.ascontiguousarray(local_indices, dtype=np.int32)
+        remote_indices = np.ascontiguousarray(remote_indices, dtype=np.int32)
 
-    def state(self, handle: Any, peer: str) -> XferState:
-        try:
-            return XferState(self.agent.check_xfer_state(handle))
-        except Exception as exc:
-            raise self._map(exc, peer) from exc
+        def post() -> Xfer:
+            try:
+                handle = self.agent.make_prepped_xfer("READ", local_table, local_indices, remote_table, remote_indices, notif)
+            except Exception as exc:
+                raise self._map(exc, peer) from exc
+            xfer = Xfer(handle, peer, nbytes, time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S, settled)
+            try:
+                state = self.agent.transfer(handle)
+            except Exception as exc:
+                # Some of the read may be posted already: poll it to a final state like any other.
+                xfer.error = self._map(exc, peer)
+                state = "PROC"
+            self._xfers.append(xfer)
+            if state == "ERR" and xfer.error is None:
+                xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
+            return xfer
 
-    def release(self, handle: Any) -> bool:
-        """Release (and if still active, cancel) a transfer; False if NIXL could not cancel it."""
-        try:
-            handle.release()
-            return True
-        except Exception as exc:
-            logger.warning("NIXL could not release transfer %r: %s", handle, exc)
-            return False
+        xfer = await self.call(post)
+        if xfer.error is not None:
+            raise xfer.error
+        return xfer
 
-    def notifications(self) -> dict[str, list[bytes]]:
-        return dict(self.agent.get_new_notifs())
+    async def wait(self, xfers: Sequence[Xfer]) -> None:
+        """Wait until every read is final; raise the first error. Cancelling the wait leaves the
+        reads running: check ``Xfer.final`` before letting anything reuse their destination."""
+        for xfer in xfers:
+            await asyncio.shield(xfer.settled)
+            if xfer.error is not None:
+                raise xfer.error
 
-    def _map(self, exc: Exception, peer: str) -> Exception:
-        bindings = _bindings()
+    def in_flight(self) -> int:
+        """Reads posted and not yet final (approximate: read from another thread)."""
+        return len(self._xfers)
+
+    def _map(self, exc: Exception, peer: str) -> KvdError:
+        bindings = _nixl().nixlBind
         if isinstance(exc, (bindings.nixlRemoteDisconnectError, bindings.nixlBackendError)):
             return PeerUnavailable(f"peer {peer} disconnected: {exc}")
         if isinstance(exc, bindings.nixlNotFoundError):
@@ -202,13 +334,14 @@ class DataPlane:
             return Internal(f"NIXL rejected a transfer built by kvd: {exc}")
         return Internal(f"NIXL error reading from {peer}: {type(exc).__name__}: {exc}")
 
-    def close(self) -> None:
-        """Release every prepared table (the agent itself goes with the process)."""
-        with self._lock:
-            handles = list(self._tables.values())
-            self._tables.clear()
-        for handle in handles:
-            try:
-                handle.release()
-            except Exception as exc:
-                logger.debug("releasing a prepared list at shutdown: %s", exc)
+
+def _release_table(agent: Any, table: Any) -> None:
+    try:
+        agent.release_dlist_handle(table)
+    except Exception as exc:  # releasing a dead peer's list may fail; nothing else to do
+        logger.debug("releasing a prepared list: %s", exc)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

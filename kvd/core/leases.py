@@ -1,18 +1,66 @@
-"""Leases: blocks held for a remote reader, with an unguessable id and a deadline.
+"""Leases: blocks held for a remote reader, and the reads admitted on them.
 
-A lease ends in exactly one of three ways: every reader rank finished reading (the NIXL
-notifications say so), someone released it, or it expired. Whoever ends it gets the
-:class:`Lease` back exactly once, so the owning engine is told exactly once.
+A lease names blocks of a holder engine under an unguessable id and a deadline. A reader that
+wants to read them asks PreparePull, which *admits* its read: an :class:`Admission` records who
+reads (reader daemon incarnation and transfer), which reader rank, and until when. The holder's
+memory stays pinned while an admission is open (kvd.core.local_memory).
+
+**When a lease ends** (the engine is told ``finished_sending`` and may reuse the blocks): only
+when no admitted reader can still read them:
+
+* every reader rank has read every part (the NIXL notifications say so): ``read``;
+* or it was released, expired, or its engine went away, *and* every open admission is over:
+  completed, abandoned by a reader that fenced its READ, or past its deadline plus a margin.
+  Until then the lease is **draining**: no new admission, visible in status and metrics.
+
+**One reader per reader rank.** While an admission of reader rank r is open, a different reader
+asking for rank r gets FAILED_PRECONDITION; the same reader asking again (a re-handshake before
+it posted anything) replaces its admission. A rank that has read the lease cannot read it again.
+Every reader rank is counted, so a TP-2 reader ends the lease only once both ranks read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import secrets
 import time
 from collections.abc import Callable
 
-from kvd_client.errors import InvalidArgument, LeaseExpired, UnknownLease
+from kvd_client.errors import FailedPrecondition, InvalidArgument, LeaseExpired, UnknownLease
+
+
+class LeaseEnd(enum.Enum):
+    READ = "read"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    ENGINE_GONE = "engine_gone"
+    SHUTDOWN = "shutdown"
+
+
+class AdmissionEnd(enum.Enum):
+    READ = "read"  # every part arrived: the reader's READs are complete
+    ABANDONED = "abandoned"  # the reader fenced its READs and gave up
+    REPLACED = "replaced"  # the same reader asked again before posting anything
+    TIMED_OUT = "timed_out"  # past its deadline plus the margin: not proven over
+
+    @property
+    def clean(self) -> bool:
+        """True when no byte of the read can still move (the holder's memory may be unmapped)."""
+        return self is not AdmissionEnd.TIMED_OUT
+
+
+@dataclasses.dataclass(eq=False)
+class Admission:
+    admission_id: str
+    lease_id: str
+    reader: str  # "<reader incarnation>/<reader transfer id>"
+    reader_rank: int
+    deadline: float  # monotonic
+    parts_seen: set[int] = dataclasses.field(default_factory=set)
+    # Holder memory pinned for this read (kvd.core.local_memory.LocalMemory), owned by the daemon.
+    pinned: list[object] = dataclasses.field(default_factory=list)
+    ended: AdmissionEnd | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -24,19 +72,47 @@ class Lease:
     num_tokens: int
     expires_at: float  # monotonic clock
     reader_tp_size: int = 0  # learned from the first reader
-    parts_seen: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # reader rank -> parts read
     done_readers: set[int] = dataclasses.field(default_factory=set)
+    admissions: dict[str, Admission] = dataclasses.field(default_factory=dict)  # open ones
+    ending: LeaseEnd | None = None  # set while draining
+
+    @property
+    def draining(self) -> bool:
+        return self.ending is not None
+
+
+AdmissionOver = Callable[[Admission], None]
+LeaseOver = Callable[[Lease, LeaseEnd], None]
 
 
 class LeaseTable:
-    """All leases of one daemon. Not thread-safe: used from the event loop only."""
+    """All leases of one daemon. Event-loop only. Ends are reported through the callbacks, each
+    exactly once: ``on_admission_over`` (unpin the holder memory), then ``on_lease_over``."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        on_admission_over: AdmissionOver = lambda _: None,
+        on_lease_over: LeaseOver = lambda _lease, _end: None,
+        admission_margin_s: float = 5.0,
+    ) -> None:
         self._clock = clock
         self._leases: dict[str, Lease] = {}
+        self.on_admission_over = on_admission_over
+        self.on_lease_over = on_lease_over
+        self.admission_margin_s = admission_margin_s
 
     def __len__(self) -> int:
-        return len(self._leases)
+        """Leases held and not draining."""
+        return sum(1 for lease in self._leases.values() if not lease.draining)
+
+    @property
+    def draining(self) -> int:
+        return sum(1 for lease in self._leases.values() if lease.draining)
+
+    @property
+    def open_admissions(self) -> int:
+        return sum(len(lease.admissions) for lease in self._leases.values())
 
     def create(self, engine_id: str, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float) -> Lease:
         if ttl_s <= 0:
@@ -55,16 +131,10 @@ class LeaseTable:
     def get(self, lease_id: str) -> Lease:
         """The live lease; LeaseExpired if its deadline passed (even before the sweeper ran)."""
         lease = self._leases.get(lease_id)
-        if lease is None:
+        if lease is None or lease.draining:
             raise UnknownLease(f"no lease {lease_id!r} is held here (released, expired and swept, or never granted)")
         if lease.expires_at <= self._clock():
             raise LeaseExpired(f"lease {lease_id!r} on request {lease.request_id!r} expired")
-        return lease
-
-    def extend_to(self, lease_id: str, at_least_s: float) -> Lease:
-        """Keep the lease alive at least ``at_least_s`` from now (a read is starting)."""
-        lease = self.get(lease_id)
-        lease.expires_at = max(lease.expires_at, self._clock() + at_least_s)
         return lease
 
     def renew(self, lease_id: str, ttl_s: float) -> Lease:
@@ -74,43 +144,117 @@ class LeaseTable:
         lease.expires_at = self._clock() + ttl_s
         return lease
 
-    def release(self, lease_id: str) -> Lease:
-        lease = self._leases.pop(lease_id, None)
+    # --- admitted reads -------------------------------------------------------------------------
+
+    def admit(self, lease_id: str, reader: str, reader_rank: int, reader_tp_size: int, hold_s: float) -> Admission:
+        """Admit a read of the lease (one reader per reader rank, see the module docstring)."""
+        lease = self.get(lease_id)
+        if lease.reader_tp_size and lease.reader_tp_size != reader_tp_size:
+            raise InvalidArgument(
+                f"lease {lease_id!r} is being read by a TP-{lease.reader_tp_size} engine, not TP-{reader_tp_size}"
+            )
+        if reader_rank in lease.done_readers:
+            raise FailedPrecondition(f"reader rank {reader_rank} has already read lease {lease_id!r}")
+        for admission in list(lease.admissions.values()):
+            if admission.reader_rank != reader_rank:
+                continue
+            if admission.reader != reader:
+                raise FailedPrecondition(
+                    f"lease {lease_id!r} is being read by another reader of rank {reader_rank}: one reader per rank"
+                )
+            self._end_admission(lease, admission, AdmissionEnd.REPLACED)
+        now = self._clock()
+        admission = Admission(secrets.token_urlsafe(9), lease_id, reader, reader_rank, now + hold_s)
+        lease.admissions[admission.admission_id] = admission
+        lease.reader_tp_size = reader_tp_size
+        lease.expires_at = max(lease.expires_at, admission.deadline)
+        return admission
+
+    def record_read(self, lease_id: str, admission_id: str, part: int, parts: int) -> None:
+        """Part ``part`` of ``parts`` of an admitted read arrived (a NIXL notification)."""
+        lease = self._leases.get(lease_id)
+        admission = lease.admissions.get(admission_id) if lease is not None else None
+        if lease is None or admission is None or not 0 <= part < parts:
+            return
+        admission.parts_seen.add(part)
+        if len(admission.parts_seen) < parts:
+            return
+        lease.done_readers.add(admission.reader_rank)
+        self._end_admission(lease, admission, AdmissionEnd.READ)
+        if lease.lease_id in self._leases and len(lease.done_readers) >= lease.reader_tp_size and not lease.draining:
+            self._finish(lease, LeaseEnd.READ)
+
+    def abandon(self, lease_id: str, reader: str, reader_rank: int) -> bool:
+        """The reader fenced its READ and gave up; False if it had no open admission."""
+        lease = self._leases.get(lease_id)
         if lease is None:
+            return False
+        for admission in list(lease.admissions.values()):
+            if admission.reader == reader and admission.reader_rank == reader_rank:
+                self._end_admission(lease, admission, AdmissionEnd.ABANDONED)
+                return True
+        return False
+
+    def _end_admission(self, lease: Lease, admission: Admission, how: AdmissionEnd) -> None:
+        if lease.admissions.pop(admission.admission_id, None) is None:
+            return
+        admission.ended = how
+        self.on_admission_over(admission)
+        if lease.draining and not lease.admissions and lease.ending is not None:
+            self._finish(lease, lease.ending)
+
+    # --- ending ---------------------------------------------------------------------------------
+
+    def end(self, lease_id: str, how: LeaseEnd) -> Lease:
+        """End the lease now, or once its open admissions are over (it drains meanwhile)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.draining:
             raise UnknownLease(f"no lease {lease_id!r} is held here")
+        self._request_end(lease, how)
         return lease
 
-    def record_read(self, lease_id: str, reader_rank: int, part: int, parts: int) -> Lease | None:
-        """Note that part ``part`` of ``parts`` of a reader rank's read arrived.
+    def _request_end(self, lease: Lease, how: LeaseEnd) -> None:
+        lease.ending = how
+        if not lease.admissions:
+            self._finish(lease, how)
 
-        Returns the lease, removed, once every reader rank has read every part; else None.
-        """
-        lease = self._leases.get(lease_id)
-        if lease is None or parts < 1 or not 0 <= part < parts:
-            return None
-        if lease.reader_tp_size and not 0 <= reader_rank < lease.reader_tp_size:
-            return None  # not a rank of the reader engine: it must not count toward completion
-        seen = lease.parts_seen.setdefault(reader_rank, set())
-        seen.add(part)
-        if len(seen) == parts:
-            lease.done_readers.add(reader_rank)
-        if lease.reader_tp_size and len(lease.done_readers) >= lease.reader_tp_size:
-            return self._leases.pop(lease_id)
-        return None
+    def _finish(self, lease: Lease, how: LeaseEnd) -> None:
+        if self._leases.pop(lease.lease_id, None) is None:
+            return
+        for admission in list(lease.admissions.values()):  # a completed lease: nothing else reads
+            self._end_admission(lease, admission, AdmissionEnd.READ)
+        self.on_lease_over(lease, how)
 
-    def expire_due(self) -> list[Lease]:
-        """Remove and return every lease past its deadline."""
+    def sweep(self) -> None:
+        """Expire due leases and end admissions past their deadline plus the margin."""
         now = self._clock()
-        due = [lease for lease in self._leases.values() if lease.expires_at <= now]
-        for lease in due:
-            del self._leases[lease.lease_id]
-        return due
+        for lease in list(self._leases.values()):
+            for admission in list(lease.admissions.values()):
+                if admission.deadline + self.admission_margin_s <= now:
+                    self._end_admission(lease, admission, AdmissionEnd.TIMED_OUT)
+            if lease.lease_id in self._leases and not lease.draining and lease.expires_at <= now:
+                self._request_end(lease, LeaseEnd.EXPIRED)
+
+    def end_all(self, how: LeaseEnd, engine_id: str | None = None) -> None:
+        """End every lease (of one engine): they drain while reads are admitted."""
+        for lease in list(self._leases.values()):
+            if not lease.draining and (engine_id is None or lease.engine_id == engine_id):
+                self._request_end(lease, how)
+
+    def force_end_admissions(self) -> None:
+        """Shutdown: end every open admission as not proven over (their memory is retired)."""
+        for lease in list(self._leases.values()):
+            for admission in list(lease.admissions.values()):
+                self._end_admission(lease, admission, AdmissionEnd.TIMED_OUT)
+
+    # --- queries --------------------------------------------------------------------------------
 
     def of_engine(self, engine_id: str) -> list[Lease]:
-        return [lease for lease in self._leases.values() if lease.engine_id == engine_id]
+        return [lease for lease in self._leases.values() if lease.engine_id == engine_id and not lease.draining]
 
     def all(self) -> list[Lease]:
-        return list(self._leases.values())
+        """Leases held (not draining)."""
+        return [lease for lease in self._leases.values() if not lease.draining]
 
     def remaining_s(self, lease: Lease) -> float:
         return lease.expires_at - self._clock()

@@ -45,3 +45,28 @@ class Metrics:
         self.commits = Counter("kvd_commits", "Commit watermarks received from engines", registry=r)
         self.post_forward = Counter("kvd_post_forward_signals", "Post-forward signals received", registry=r)
         self.staging_bytes_in_use = Gauge("kvd_staging_bytes_in_use", "Staging memory held by pulls", registry=r)
+        # Resource lifetimes (docs/lifetimes.md).
+        self.quarantined_bytes = Gauge(
+            "kvd_quarantined_bytes",
+            "Engine memory kept mapped (retired or VRAM) because a read into or out of it was not proven over",
+            registry=r,
+        )
+        self.leases_draining = Gauge(
+            "kvd_leases_draining", "Leases that were ended but still wait for admitted reads to finish", registry=r
+        )
+        self.admitted_reads = Gauge("kvd_admitted_reads", "Reads of this daemon's leases admitted and not over", registry=r)
+        self.admissions_ended = Counter(
+            "kvd_admissions_ended",
+            "Admitted reads ended, by how (read, abandoned, timed_out, replaced)",
+            ["reason"],
+            registry=r,
+        )
+        self.pull_fences = Counter(
+            "kvd_pull_fences",
+            "Failed pulls by how their reads were fenced before the failure was reported "
+            "(final: NIXL finished them; remapped: the engine memory was re-mapped; quarantined: kept mapped)",
+            ["outcome"],
+            registry=r,
+        )
+        self.peers = Gauge("kvd_peers", "Peer daemons with a live handshake", registry=r)
+        self.remote_agents = Gauge("kvd_remote_agents", "Peer NIXL agents loaded (live or still in use)", registry=r)

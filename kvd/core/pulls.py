@@ -1,28 +1,46 @@
-"""The reader side of a pull: handshake, plan, holder's consent, NIXL reads, conversion.
+"""The reader side of a pull: handshake, plan, holder's consent, NIXL reads, conversion, fence.
 
 One :class:`Puller` per daemon runs every pull as an asyncio task through the transfer state
-machine (planned -> reading -> postprocessing -> done | failed | aborted) under its deadline.
-A failed pull never reports blocks loaded: the engine is told LoadFailed with the blocks to
-recompute.
+machine (planned -> reading -> postprocessing -> done | fencing -> failed | aborted) under its
+deadline.
+
+**Fence before failing.** A failed pull's blocks are recomputed by the engine, so the failure
+is reported only once no byte of the pull can still land in them (docs/lifetimes.md):
+
+1. every READ the pull posted is final (NIXL said DONE or ERR): reported at once;
+2. otherwise, after waiting up to ``fence_timeout_s`` (within the pull's deadline), host memory
+   is *re-mapped*: the engine's pages get new addresses in the daemon (new NIXL registration),
+   and the old addresses are retired once no admitted remote read uses them, so a late copy
+   lands in throw-away pages. Other pulls that were reading into the old mapping then fail too
+   (their blocks are recomputed), never DONE;
+3. VRAM cannot be re-mapped: the failure waits until NIXL finishes the reads.
+
+The pull pins the engine's mapping and the peer's NIXL agent from first use until its reads
+are final or fenced. It tells the holder AbandonPull only when its READs are final: that is the
+holder's proof that nothing reads its blocks any more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from kvd.config import KvdConfig
-from kvd.core.dataplane import LOCAL, DataPlane, XferState
+from kvd.core import notif
+from kvd.core.dataplane import DataPlane, Xfer
 from kvd.core.events import FinishedRecving, LoadFailed
+from kvd.core.local_memory import LocalMemory, Memories
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import PeerSession, Peers, PeerTransport, PrepareResult, RemoteEngine
+from kvd.core.peers import PeerSession, Peers, PeerTransport, PrepareResult, RemoteAgent, RemoteEngine, unreachable
 from kvd.core.registry import EngineRank
 from kvd.core.staging import StagingChunk, StagingPool
 from kvd.core.transfers import Transfer, TransferState
@@ -40,8 +58,23 @@ from kvd_client.errors import (
 logger = logging.getLogger(__name__)
 
 INLINE_PLAN_BLOCKS = 512  # pulls this small are planned on the event loop (well under 1 ms)
-SPIN_S = 0.002  # poll without sleeping this long (plus the bytes' time at SPIN_BYTES_PER_S), then every ms
-SPIN_BYTES_PER_S = 2e9
+HOLDER_PIN_POLL_S = 0.01
+
+
+@dataclasses.dataclass(eq=False)
+class _PullResources:
+    """What one pull holds and must hand back, at the latest, when its reads are final."""
+
+    memory: LocalMemory
+    agent: RemoteAgent | None = None
+    session: PeerSession | None = None
+    xfers: list[Xfer] = dataclasses.field(default_factory=list)
+    staging: StagingChunk | None = None
+    one_off_tables: list[Any] = dataclasses.field(default_factory=list)
+
+    @property
+    def reads_final(self) -> bool:
+        return all(x.final for x in self.xfers)
 
 
 class Puller:
@@ -54,8 +87,10 @@ class Puller:
         dataplane: DataPlane,
         peers: Peers,
         transport: PeerTransport,
+        memories: Memories,
         executor: concurrent.futures.Executor,
-        is_registered: Callable[[EngineRank], bool],
+        current_rank: Callable[[EngineRank], EngineRank | None],
+        next_registration_id: Callable[[], int],
         serving: Callable[[], bool],
     ) -> None:
         self.config = config
@@ -63,22 +98,38 @@ class Puller:
         self.peers = peers
         self._dataplane = dataplane
         self._transport = transport
+        self._memories = memories
         self._executor = executor
-        self._is_registered = is_registered
+        self._current_rank = current_rank
+        self._next_registration_id = next_registration_id
         self._serving = serving
         self._staging: dict[str, StagingPool] = {}
+        self._staging_lock = asyncio.Lock()
         self._cuda_streams: dict[int, Any] = {}  # device index -> the daemon's conversion stream
+        # Pull resources whose reads were given up before NIXL finished them: handed back by
+        # sweep() once final (a staging chunk or a one-off list must not be reused before).
+        self._stale: list[_PullResources] = []
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for pool in self._staging.values():
-            pool.close()
+            await pool.close()
         self._staging.clear()
 
+    # --- one pull ---------------------------------------------------------------------------------
+
     async def run(self, transfer: Transfer, rank: EngineRank, remote: TransferParams) -> None:
+        """The pull task: never raises; ends the transfer and tells the engine exactly once."""
+        memory = rank.memory
+        if not memory.usable:
+            self._report(transfer, rank, remote, Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} is unregistering"))
+            return
+        self._memories.pin(memory)
+        held = _PullResources(memory)
+        fence_s = min(self.config.fence_timeout_s, transfer.deadline_s / 4)
         error: KvdError | None = None
         try:
-            async with asyncio.timeout(transfer.deadline_s):
-                await self._pull(transfer, rank, remote)
+            async with asyncio.timeout(transfer.deadline_s - fence_s):
+                await self._pull(transfer, rank, remote, held)
         except TimeoutError:
             error = DeadlineExceeded(
                 f"pull of request {transfer.request_id!r} from {remote.daemon_address} did not finish within "
@@ -92,10 +143,82 @@ class Puller:
         except Exception:  # a bug: the engine must still learn its blocks are not loaded
             logger.exception("pull %s failed unexpectedly", transfer.transfer_id)
             error = Internal("the pull failed on an internal error; see the daemon's log")
-        finally:
-            self.metrics.in_flight.dec()
+        # From here on the pull only finishes: shield it from a second cancel (shutdown).
+        await asyncio.shield(self._finish(transfer, rank, remote, held, error, fence_s))
+
+    async def _finish(
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        held: _PullResources,
+        error: KvdError | None,
+        fence_s: float,
+    ) -> None:
+        if error is None and held.memory.retired:
+            error = Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} memory was re-mapped during the pull: recompute")
+        if error is None and self._current_rank(rank) is not rank:
+            error = Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} unregistered during the pull")
+        if error is not None and not held.reads_final:
+            transfer.advance(TransferState.FENCING)
+            await self._fence(transfer, rank, held, fence_s)
+        self._report(transfer, rank, remote, error)
+        await self._hand_back(held)
+        session = held.session
+        if error is not None and session is not None and held.reads_final and self.peers.cached(session.address) is session:
+            # The holder may stop counting this read: nothing of it can touch its blocks now.
+            asyncio.get_running_loop().create_task(self._abandon(remote, rank.tp_rank, transfer.transfer_id, error.message))
+
+    async def _fence(self, transfer: Transfer, rank: EngineRank, held: _PullResources, fence_s: float) -> None:
+        """Make sure no byte of the pull can still land in the engine's blocks (module docstring)."""
+        remaining = max(0.0, transfer.started + transfer.deadline_s - time.monotonic())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(min(fence_s, remaining), 0.001)):
+                await asyncio.gather(*(asyncio.shield(x.settled) for x in held.xfers))
+        if held.reads_final:
+            self.metrics.pull_fences.labels("final").inc()
+            return
+        memory = held.memory
+        if memory.retired:  # another pull re-mapped it already
+            self.metrics.pull_fences.labels("remapped").inc()
+            return
+        current = self._current_rank(rank)
+        if current is None or current.memory is not memory:
+            # The rank is gone (or re-mapped): releasing its memory retires it (stale reads).
+            self.metrics.pull_fences.labels("quarantined").inc()
+            return
+        if self._memories.can_remap(memory):
+            await self._remap(current, memory)
+            self.metrics.pull_fences.labels("remapped").inc()
+            return
+        logger.warning(
+            "pull %s: %d NIXL reads into VRAM are not finished; the failure waits for them",
+            transfer.transfer_id,
+            sum(not x.final for x in held.xfers),
+        )
+        await asyncio.gather(*(asyncio.shield(x.settled) for x in held.xfers))
+        self.metrics.pull_fences.labels("final").inc()
+
+    async def _remap(self, rank: EngineRank, old: LocalMemory) -> None:
+        """Give the rank a new mapping of its pages and retire the old one (module docstring)."""
+        fresh = await self._memories.remap(old, self._next_registration_id())
+        rank.memory = fresh
+        logger.warning(
+            "engine %s rank %d: re-mapped its memory (registration %d -> %d) to fence a read NIXL did not finish",
+            rank.engine_id,
+            rank.tp_rank,
+            old.registration_id,
+            fresh.registration_id,
+        )
+        await self._memories.fence(old)
+        while old.holder_pins:  # remote readers admitted on the old mapping: let them finish
+            await asyncio.sleep(HOLDER_PIN_POLL_S)
+        await self._memories.retire(old)
+
+    def _report(self, transfer: Transfer, rank: EngineRank, remote: TransferParams, error: KvdError | None) -> None:
+        self.metrics.in_flight.dec()
         direction = "pull"
-        if error is None and self._is_registered(rank):
+        if error is None:
             transfer.advance(TransferState.DONE)
             rank.post(FinishedRecving(transfer.request_id, transfer.transfer_id))
             self.metrics.transfers.labels(remote.daemon_address, direction, "done").inc()
@@ -110,8 +233,6 @@ class Puller:
                 {k: round(v * 1e3, 3) for k, v in transfer.phases.items()},
             )
             return
-        if error is None:
-            error = Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} unregistered during the pull")
         state = TransferState.ABORTED if isinstance(error, Aborted) else TransferState.FAILED
         transfer.advance(state, error)
         self.metrics.transfers.labels(remote.daemon_address, direction, state.value.lower()).inc()
@@ -120,21 +241,55 @@ class Puller:
             LoadFailed(transfer.request_id, transfer.transfer_id, error.code.name, error.message, transfer.local_block_ids)
         )
         logger.warning("pull %s of %s failed: %s", transfer.transfer_id, transfer.request_id, error.message)
-        if self.peers is not None and self.peers.cached(remote.daemon_address) is not None:
-            asyncio.get_running_loop().create_task(self._abandon(remote, rank.tp_rank, error.message))
 
-    async def _abandon(self, remote: TransferParams, reader_rank: int, reason: str) -> None:
+    async def _hand_back(self, held: _PullResources) -> None:
+        final = held.reads_final
+        await self._memories.unpin(held.memory, stale=held.xfers)
+        if held.agent is not None:
+            if final:
+                await self.peers.unpin(held.agent)
+                held.agent = None
+        if final:
+            await self._release_buffers(held)
+        else:
+            self._stale.append(held)
+
+    async def _release_buffers(self, held: _PullResources) -> None:
+        await self._dataplane.release_tables(held.one_off_tables)
+        held.one_off_tables.clear()
+        if held.staging is not None:
+            self.metrics.staging_bytes_in_use.dec(held.staging.size)
+            held.staging.release()
+            held.staging = None
+
+    async def sweep(self) -> None:
+        """Hand back what stale pulls held once NIXL finished their reads."""
+        for held in list(self._stale):
+            if held.reads_final:
+                self._stale.remove(held)
+                if held.agent is not None:
+                    await self.peers.unpin(held.agent)
+                    held.agent = None
+                await self._release_buffers(held)
+
+    @property
+    def stale_pulls(self) -> int:
+        return len(self._stale)
+
+    async def _abandon(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
         try:
             await self._transport.abandon_pull(
-                remote.daemon_address, remote.lease_id, reader_rank, reason, self.config.handshake_timeout_s
+                remote.daemon_address, remote.lease_id, reader_rank, transfer_id, reason, self.config.handshake_timeout_s
             )
-        except KvdError as exc:  # best effort: the lease expires on its own
+        except KvdError as exc:  # best effort: the holder ends the admission at its deadline
             logger.debug("abandon of lease %s at %s: %s", remote.lease_id, remote.daemon_address, exc.message)
+
+    # --- planning -----------------------------------------------------------------------------
 
     async def _plan(
         self, transfer: Transfer, rank: EngineRank, remote: TransferParams
     ) -> tuple[PeerSession, PullPlan, dict[int, RemoteEngine], PrepareResult]:
-        """Handshake (cached), plan, and have the holder validate the lease; re-handshake once if stale."""
+        """Handshake (cached), plan, and have the holder admit the read; re-handshake once if stale."""
         address = remote.daemon_address
         asked_at = time.monotonic()
         session = await self.peers.session(address, remote.daemon_incarnation)
@@ -149,17 +304,16 @@ class Puller:
                 return session, *await self._plan_with(session, transfer, rank, remote)
             except _StaleHandshake as exc:
                 # A cached handshake may describe an engine that has since re-registered (other
-                # blocks, other memory): handshake again once before believing the error.
+                # ranks, other blocks, other memory): handshake again once before believing it.
                 if fresh:
                     raise exc.error from None
-                reason = exc.reason
                 asked_at = time.monotonic()
-                session = await self.peers.refresh(address, reason)
+                session = await self.peers.refresh(address, exc.reason)
 
     async def _plan_with(
         self, session: PeerSession, transfer: Transfer, rank: EngineRank, remote: TransferParams
     ) -> tuple[PullPlan, dict[int, RemoteEngine], PrepareResult]:
-        """Plan against one handshake and have the holder validate the lease for it."""
+        """Plan against one handshake and have the holder admit the read for it."""
         remote_ranks = session.engine_ranks(remote.engine_id)
         try:
             if not remote_ranks:
@@ -185,17 +339,25 @@ class Puller:
             raise _StaleHandshake("cached layout refused", exc) from exc
         transfer.mark("planned")
         holder_spec = remote_ranks[pull_plan.remote_ranks[0]].view.spec
-        prepared = await self._transport.prepare_pull(
-            remote.daemon_address,
-            lease_id=remote.lease_id,
-            engine_id=remote.engine_id,
-            block_ids=tuple(remote.block_ids[: holder_spec.blocks_for(remote.num_tokens)]),
-            num_tokens=remote.num_tokens,
-            reader_tp_rank=rank.tp_rank,
-            reader_tp_size=rank.spec.tp_size,
-            remote_tp_ranks=pull_plan.remote_ranks,
-            timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
-        )
+        try:
+            prepared = await self._transport.prepare_pull(
+                remote.daemon_address,
+                lease_id=remote.lease_id,
+                engine_id=remote.engine_id,
+                block_ids=tuple(remote.block_ids[: holder_spec.blocks_for(remote.num_tokens)]),
+                num_tokens=remote.num_tokens,
+                reader_tp_rank=rank.tp_rank,
+                reader_tp_size=rank.spec.tp_size,
+                remote_tp_ranks=pull_plan.remote_ranks,
+                reader_transfer_id=transfer.transfer_id,
+                timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
+            )
+        except UnknownEngine as exc:  # the holder's ranks changed (re-registered with another TP)
+            raise _StaleHandshake("holder ranks changed", exc) from exc
+        except KvdError as exc:
+            if unreachable(exc):
+                await self.peers.drop_if(session, "prepare failed")
+            raise
         transfer.mark("prepared")
         if prepared.registration_ids != tuple(remote_ranks[r].registration_id for r in pull_plan.remote_ranks):
             raise _StaleHandshake(
@@ -204,108 +366,60 @@ class Puller:
             )
         return pull_plan, remote_ranks, prepared
 
-    async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams) -> None:
+    # --- reading ------------------------------------------------------------------------------
+
+    async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams, held: _PullResources) -> None:
         session, plan, remote_ranks, prepared = await self._plan(transfer, rank, remote)
+        held.session = session
+        held.agent = self.peers.pin(session)
         transfer.descriptors = plan.num_descriptors
         transfer.nbytes = plan.total_bytes
         transfer.direct = plan.direct
         self.metrics.descriptors.observe(plan.num_descriptors)
         transfer.advance(TransferState.READING)
         dataplane = self._dataplane
-        loop = asyncio.get_running_loop()
-        staging: StagingChunk | None = None
-        handles: list[Any] = []
-        one_off: list[Any] = []
+        memory = held.memory
+        label = f"{session.address} (agent {session.agent_name})"
+        if plan.staging_bytes:
+            held.staging = await (await self._staging_pool(memory)).acquire(plan.staging_bytes, self.config.staging_wait_s)
+            self.metrics.staging_bytes_in_use.inc(held.staging.size)
+        parts = len(plan.reads)
         try:
-            if plan.staging_bytes:
-                staging = await self._staging_pool(rank).acquire(plan.staging_bytes, self.config.staging_wait_s)
-                self.metrics.staging_bytes_in_use.inc(staging.size)
-            parts = len(plan.reads)
             for index, group in enumerate(plan.reads):
                 holder = remote_ranks[group.remote_rank]
-                remote_table = await self._table(
-                    ("remote", session.agent_name, holder.registration_id),
-                    session.agent_name,
-                    group.remote_geometry,
-                    holder.region_addresses,
-                    holder.device_index,
-                    holder.mem_type,
-                )
+                remote_table = await held.agent.table(holder, group.remote_geometry, self._executor)
                 if group.local_target is Target.ENGINE:
-                    local_table = await self._table(
-                        ("local", rank.registration_id),
-                        LOCAL,
-                        group.local_geometry,
-                        rank.region_addresses,
-                        rank.device_index,
-                        rank.mem_type,
-                    )
+                    local_table = await memory.table(group.local_geometry, self._executor)
                     local_indices = group.local_indices
                 else:
+                    staging = held.staging
                     assert staging is not None
                     rows = group.local_geometry.rows_for(group.local_indices, [staging.address], staging.device_index)
-                    local_table = dataplane.one_off_table(rows, staging.mem_type)
-                    one_off.append(local_table)
+                    local_table = await asyncio.get_running_loop().run_in_executor(
+                        self._executor, dataplane.prepare_table, "NIXL_INIT_AGENT", rows, staging.mem_type
+                    )
+                    held.one_off_tables.append(local_table)
                     local_indices = np.arange(rows.shape[0], dtype=np.int32)
-                notif = f"{prepared.notif_tag}|{index}|{parts}|{group.nbytes}".encode()
-                handles.append(
-                    dataplane.read(local_table, local_indices, remote_table, group.remote_indices, notif, _peer_label(session))
+                message = notif.encode(prepared.notif_tag, index, parts, group.nbytes)
+                held.xfers.append(
+                    await dataplane.read(
+                        local_table, local_indices, remote_table, group.remote_indices, message, label, group.nbytes
+                    )
                 )
             transfer.mark("posted")
-            await self._wait_reads(handles, session, plan.total_bytes)
+            await dataplane.wait(held.xfers)
             transfer.mark("read")
-            if plan.postprocess is not None:
-                assert staging is not None
-                transfer.advance(TransferState.POSTPROCESSING)
-                engine_regions = [region.tensor for region in rank.regions]
-                await loop.run_in_executor(self._executor, self._postprocess, plan, staging, engine_regions)
-                transfer.mark("converted")
         except PeerUnavailable:
-            self.peers.drop(session.address, "disconnected")
+            await self.peers.drop_if(session, "disconnected")
             raise
-        finally:
-            for handle in handles:
-                dataplane.release(handle)
-            for table in one_off:
-                table.release()
-            if staging is not None:
-                self.metrics.staging_bytes_in_use.dec(staging.size)
-                staging.release()
-
-    async def _table(
-        self, owner: tuple[Any, ...], agent: str, geometry: Any, addresses: Sequence[int], device: int, mem_type: str
-    ) -> Any:
-        """A prepared table: from the cache, or prepared in the thread pool (large tables take time)."""
-        cached = self._dataplane.cached_table(owner, geometry)
-        if cached is not None:
-            return cached
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._dataplane.table, owner, agent, geometry, addresses, device, mem_type
-        )
-
-    async def _wait_reads(self, handles: list[Any], session: PeerSession, nbytes: int) -> None:
-        """Wait for every read, polling NIXL (which is what moves the bytes: with no busy progress
-        thread, UCX copies inside these polls), without oversleeping small reads.
-
-        asyncio cannot sleep less than a millisecond (epoll), so: yield-and-poll (``sleep(0)``)
-        for about as long as the bytes should take, then poll every millisecond.
-        """
-        dataplane = self._dataplane
-        pending = list(handles)
-        spin_until = time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S
-        while pending:
-            still = []
-            for handle in pending:
-                state = dataplane.state(handle, _peer_label(session))
-                if state is XferState.ERROR:
-                    raise PeerUnavailable(
-                        f"NIXL read from peer {session.address} (agent {session.agent_name}) failed: peer gone?"
-                    )
-                if state is XferState.IN_PROGRESS:
-                    still.append(handle)
-            pending = still
-            if pending:
-                await asyncio.sleep(0 if time.monotonic() < spin_until else 0.001)
+        if plan.postprocess is not None:
+            assert held.staging is not None
+            transfer.advance(TransferState.POSTPROCESSING)
+            engine_regions = [region.tensor for region in memory.regions]
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._postprocess, plan, held.staging, engine_regions
+            )
+            transfer.mark("converted")
 
     def _postprocess(self, plan: PullPlan, staging: StagingChunk, engine_regions: list[Any]) -> None:
         """Run the plan's conversion (worker thread). On a GPU: on a daemon-owned stream, waited for
@@ -324,17 +438,18 @@ class Puller:
             plan.postprocess.run(staging.tensor, engine_regions)
         stream.synchronize()
 
-    def _staging_pool(self, rank: EngineRank) -> StagingPool:
+    async def _staging_pool(self, memory: LocalMemory) -> StagingPool:
         import torch  # noqa: PLC0415
 
-        device = rank.regions[0].tensor.device
+        device = memory.regions[0].tensor.device
         key = str(device)
-        pool = self._staging.get(key)
-        if pool is None:
-            if self.config.staging_pool_bytes <= 0:
-                raise FailedPrecondition("this pull needs a layout conversion but staging_pool_bytes is 0")
-            pool = StagingPool(self._dataplane, self.config.staging_pool_bytes, torch.device(device))
-            self._staging[key] = pool
+        async with self._staging_lock:
+            pool = self._staging.get(key)
+            if pool is None:
+                if self.config.staging_pool_bytes <= 0:
+                    raise FailedPrecondition("this pull needs a layout conversion but staging_pool_bytes is 0")
+                pool = await StagingPool.open(self._dataplane, self.config.staging_pool_bytes, torch.device(device))
+                self._staging[key] = pool
         return pool
 
 
@@ -345,7 +460,3 @@ class _StaleHandshake(Exception):
         super().__init__(reason)
         self.reason = reason
         self.error = error
-
-
-def _peer_label(session: PeerSession) -> str:
-    return f"{session.address} (agent {session.agent_name})"

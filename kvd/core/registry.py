@@ -8,8 +8,8 @@ import itertools
 import logging
 from collections.abc import Iterator
 from typing import Any
-
 from kvd.core.events import EngineEvent
+from kvd.core.local_memory import LocalMemory
 from kvd.core.memory import OpenedRegion
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import LayerPlacement, LayoutSpec
@@ -34,9 +34,9 @@ class EngineRank:
     engine_id: str
     spec: LayoutSpec
     placements: tuple[LayerPlacement, ...]
-    regions: list[OpenedRegion]
-    nixl_registrations: list[Any]
-    registration_id: int
+    # The rank's current mapping; a re-map (see Puller) replaces it, so read it where it is used
+    # and pin it (kvd.core.local_memory) for as long as a NIXL call may touch it.
+    memory: LocalMemory
     require_commits: bool
     engine_pid: int
     stream_connected: bool = False
@@ -60,20 +60,28 @@ class EngineRank:
         return EngineView(self.spec, self.placements)
 
     @property
+    def registration_id(self) -> int:
+        return self.memory.registration_id
+
+    @property
+    def regions(self) -> list[OpenedRegion]:
+        return self.memory.regions
+
+    @property
     def region_addresses(self) -> list[int]:
-        return [region.address for region in self.regions]
+        return self.memory.addresses
 
     @property
     def device_index(self) -> int:
-        return self.regions[0].device_index
+        return self.memory.device_index
 
     @property
     def mem_type(self) -> str:
-        return self.regions[0].mem_type
+        return self.memory.mem_type
 
     @property
     def registered_bytes(self) -> int:
-        return sum(region.size_bytes for region in self.regions)
+        return self.memory.size_bytes
 
     def post(self, event: EngineEvent) -> None:
         """Queue an event for the engine's stream (kept until a stream takes it)."""
@@ -129,6 +137,10 @@ class Registry:
                 f"engine {engine_id!r} rank {tp_rank} is not registered here (registered: {known[:8]})"
             )
         return rank
+
+    def current(self, rank: EngineRank) -> EngineRank | None:
+        """``rank`` if it is still the registered one for its key (not unregistered or replaced)."""
+        return rank if self._ranks.get(rank.key) is rank else None
 
     def ranks_of(self, engine_id: str) -> dict[int, EngineRank]:
         return {rank.tp_rank: rank for key, rank in self._ranks.items() if key[0] == engine_id}

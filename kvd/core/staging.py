@@ -52,16 +52,23 @@ class StagingPool:
     """First-fit allocator over one registered buffer. Event-loop only."""
 
     def __init__(self, dataplane: DataPlane, size: int, device: torch.device) -> None:
+        """Allocate the buffer; :meth:`open` registers it with NIXL."""
         self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
         self.address = int(self.buffer.data_ptr())
         self.device_index = int(device.index or 0) if device.type == "cuda" else 0
         self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
         self.size = size
-        self._registration = dataplane.register(self.address, size, self.device_index, self.mem_type)
+        self._registration: object = None
         self._dataplane = dataplane
         self._free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, size)
         self._changed = asyncio.Condition()
         self.in_use = 0
+
+    @classmethod
+    async def open(cls, dataplane: DataPlane, size: int, device: torch.device) -> StagingPool:
+        pool = cls(dataplane, size, device)
+        pool._registration = await dataplane.register(pool.address, size, pool.device_index, pool.mem_type)
+        return pool
 
     def _take(self, size: int) -> StagingChunk | None:
         for i, (offset, free) in enumerate(self._free):
@@ -111,5 +118,8 @@ class StagingPool:
         async with self._changed:
             self._changed.notify_all()
 
-    def close(self) -> None:
-        self._dataplane.deregister(self._registration)
+    async def close(self) -> None:
+        """Deregister the buffer (shutdown; chunks still held by stale reads keep it mapped)."""
+        if self._registration is not None:
+            await self._dataplane.deregister(self._registration)
+            self._registration = None

@@ -1,4 +1,4 @@
-"""Transfers (pulls) and their state machine: planned -> reading -> postprocessing -> done | failed | aborted."""
+"""Transfers (pulls) and their state machine: planned -> reading -> postprocessing -> done | [fencing ->] failed | aborted."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class TransferState(enum.Enum):
     PLANNED = "PLANNED"
     READING = "READING"
     POSTPROCESSING = "POSTPROCESSING"
+    FENCING = "FENCING"  # failed; waiting until no byte of it can land (then FAILED or ABORTED)
     DONE = "DONE"
     FAILED = "FAILED"
     ABORTED = "ABORTED"
@@ -28,10 +29,12 @@ class TransferState(enum.Enum):
         return self in (TransferState.DONE, TransferState.FAILED, TransferState.ABORTED)
 
 
+_ENDS = {TransferState.FENCING, TransferState.FAILED, TransferState.ABORTED}
 _NEXT = {
-    TransferState.PLANNED: {TransferState.READING, TransferState.FAILED, TransferState.ABORTED},
-    TransferState.READING: {TransferState.POSTPROCESSING, TransferState.DONE, TransferState.FAILED, TransferState.ABORTED},
-    TransferState.POSTPROCESSING: {TransferState.DONE, TransferState.FAILED, TransferState.ABORTED},
+    TransferState.PLANNED: {TransferState.READING} | _ENDS,
+    TransferState.READING: {TransferState.POSTPROCESSING, TransferState.DONE} | _ENDS,
+    TransferState.POSTPROCESSING: {TransferState.DONE} | _ENDS,
+    TransferState.FENCING: {TransferState.FAILED, TransferState.ABORTED},
 }
 
 

@@ -37,6 +37,7 @@ _STATE = {
     TransferState.DONE: common_pb2.TRANSFER_STATE_DONE,
     TransferState.FAILED: common_pb2.TRANSFER_STATE_FAILED,
     TransferState.ABORTED: common_pb2.TRANSFER_STATE_ABORTED,
+    TransferState.FENCING: common_pb2.TRANSFER_STATE_FENCING,
 }
 
 

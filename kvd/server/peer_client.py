@@ -84,6 +84,7 @@ class GrpcPeerTransport:
         reader_tp_rank: int,
         reader_tp_size: int,
         remote_tp_ranks: tuple[int, ...],
+        reader_transfer_id: str,
         timeout_s: float,
     ) -> PrepareResult:
         request = peer_pb2.PreparePullRequest(
@@ -96,13 +97,28 @@ class GrpcPeerTransport:
             reader_tp_size=reader_tp_size,
             remote_tp_ranks=list(remote_tp_ranks),
             reader_address=self._own_address(),
+            reader_transfer_id=reader_transfer_id,
         )
         response = await self._call(address, "prepare pull", lambda stub: stub.PreparePull(request, timeout=timeout_s))
         return PrepareResult(tuple(response.registration_ids), response.notif_tag)
 
-    async def abandon_pull(self, address: str, lease_id: str, reader_tp_rank: int, reason: str, timeout_s: float) -> None:
-        request = peer_pb2.AbandonPullRequest(lease_id=lease_id, reader_tp_rank=reader_tp_rank, reason=reason[:500])
+    async def abandon_pull(
+        self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float
+    ) -> None:
+        request = peer_pb2.AbandonPullRequest(
+            lease_id=lease_id,
+            reader_tp_rank=reader_tp_rank,
+            reason=reason[:500],
+            reader_incarnation=self._own_incarnation(),
+            reader_transfer_id=reader_transfer_id,
+        )
         await self._call(address, "abandon pull", lambda stub: stub.AbandonPull(request, timeout=timeout_s))
+
+    async def forget(self, address: str) -> None:
+        """Close the channel to a dropped peer (a later call opens a new one)."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}

@@ -78,7 +78,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     @rpc
     async def UnregisterKvCache(self, request: engine_pb2.UnregisterKvCacheRequest, context: grpc.aio.ServicerContext) -> engine_pb2.UnregisterKvCacheResponse:
-        self.daemon.unregister_engine(request.engine_id, request.tp_rank)
+        await self.daemon.unregister_engine(request.engine_id, request.tp_rank)
         return engine_pb2.UnregisterKvCacheResponse()
 
     @rpc
@@ -154,12 +154,20 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             reader_tp_size=request.reader_tp_size,
             remote_tp_ranks=list(request.remote_tp_ranks),
             reader_address=request.reader_address,
+            reader_incarnation=request.reader_incarnation,
+            reader_transfer_id=request.reader_transfer_id,
         )
         return peer_pb2.PreparePullResponse(registration_ids=list(result.registration_ids), notif_tag=result.notif_tag)
 
     @rpc
     async def AbandonPull(self, request: peer_pb2.AbandonPullRequest, context: grpc.aio.ServicerContext) -> peer_pb2.AbandonPullResponse:
-        self.daemon.abandon_pull(request.lease_id, request.reader_tp_rank, request.reason)
+        self.daemon.abandon_pull(
+            request.lease_id,
+            request.reader_tp_rank,
+            request.reason,
+            reader_incarnation=request.reader_incarnation,
+            reader_transfer_id=request.reader_transfer_id,
+        )
         return peer_pb2.AbandonPullResponse()
 
 
@@ -218,9 +226,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def GetStatus(self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext) -> router_pb2.GetStatusResponse:
         s = self.daemon.status()
         return router_pb2.GetStatusResponse(
-            incarnation=s["incarnation"],
-            agent_name=s["agent_name"],
-            peer_address=s["peer_address"],
+            incarnation=s.incarnation,
+            agent_name=s.agent_name,
+            peer_address=s.peer_address,
             engines=[
                 router_pb2.EngineSummary(
                     engine_id=r.engine_id,
@@ -230,16 +238,20 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     stream_connected=r.stream_connected,
                     layout=convert.layout_to_pb(r.spec),
                 )
-                for r in s["engines"]
+                for r in s.engines
             ],
             peers=[
                 router_pb2.PeerSummary(address=p.address, incarnation=p.incarnation, agent_name=p.agent_name)
-                for p in s["peers"]
+                for p in s.peers
             ],
-            transfers_in_flight=s["transfers_in_flight"],
-            leases_held=s["leases_held"],
-            serving=s["serving"],
-            uptime_s=s["uptime_s"],
+            transfers_in_flight=s.transfers_in_flight,
+            leases_held=s.leases_held,
+            serving=s.serving,
+            uptime_s=s.uptime_s,
+            leases_draining=s.leases_draining,
+            admitted_reads=s.admitted_reads,
+            quarantined_bytes=s.quarantined_bytes,
+            remote_agents=s.remote_agents,
         )
 
     @rpc

@@ -46,6 +46,7 @@ class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_STATE_DONE: _ClassVar[TransferState]
     TRANSFER_STATE_FAILED: _ClassVar[TransferState]
     TRANSFER_STATE_ABORTED: _ClassVar[TransferState]
+    TRANSFER_STATE_FENCING: _ClassVar[TransferState]
 KV_LAYOUT_UNSPECIFIED: KvLayout
 KV_LAYOUT_NHD: KvLayout
 KV_LAYOUT_HND: KvLayout
@@ -71,6 +72,7 @@ TRANSFER_STATE_POSTPROCESSING: TransferState
 TRANSFER_STATE_DONE: TransferState
 TRANSFER_STATE_FAILED: TransferState
 TRANSFER_STATE_ABORTED: TransferState
+TRANSFER_STATE_FENCING: TransferState
 
 class KvLayoutSpec(_message.Message):
     __slots__ = ("num_layers", "kv_format", "layout", "block_size", "num_kv_heads", "total_num_kv_heads", "head_dim", "dtype", "num_blocks", "tp_rank", "tp_size")

@@ -54,7 +54,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ...) -> None: ...
 
 class PreparePullRequest(_message.Message):
-    __slots__ = ("lease_id", "engine_id", "block_ids", "num_tokens", "reader_incarnation", "reader_tp_rank", "reader_tp_size", "remote_tp_ranks", "reader_address")
+    __slots__ = ("lease_id", "engine_id", "block_ids", "num_tokens", "reader_incarnation", "reader_tp_rank", "reader_tp_size", "remote_tp_ranks", "reader_address", "reader_transfer_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class PreparePullRequest(_message.Message):
     READER_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TP_RANKS_FIELD_NUMBER: _ClassVar[int]
     READER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    READER_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     engine_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -73,7 +74,8 @@ class PreparePullRequest(_message.Message):
     reader_tp_size: int
     remote_tp_ranks: _containers.RepeatedScalarFieldContainer[int]
     reader_address: str
-    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_tp_size: _Optional[int] = ..., remote_tp_ranks: _Optional[_Iterable[int]] = ..., reader_address: _Optional[str] = ...) -> None: ...
+    reader_transfer_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_tp_size: _Optional[int] = ..., remote_tp_ranks: _Optional[_Iterable[int]] = ..., reader_address: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ...) -> None: ...
 
 class PreparePullResponse(_message.Message):
     __slots__ = ("registration_ids", "notif_tag")
@@ -84,14 +86,18 @@ class PreparePullResponse(_message.Message):
     def __init__(self, registration_ids: _Optional[_Iterable[int]] = ..., notif_tag: _Optional[str] = ...) -> None: ...
 
 class AbandonPullRequest(_message.Message):
-    __slots__ = ("lease_id", "reader_tp_rank", "reason")
+    __slots__ = ("lease_id", "reader_tp_rank", "reason", "reader_incarnation", "reader_transfer_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    READER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    READER_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     reader_tp_rank: int
     reason: str
-    def __init__(self, lease_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    reader_incarnation: str
+    reader_transfer_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reason: _Optional[str] = ..., reader_incarnation: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ...) -> None: ...
 
 class AbandonPullResponse(_message.Message):
     __slots__ = ()

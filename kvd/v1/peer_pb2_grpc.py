@@ -69,7 +69,8 @@ class PeerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbandonPull(self, request, context):
-        """The reader gives up (failure, abort): the lease stays until it expires or is read.
+        """The reader gives up after a failure or abort, once its READs are final (nothing of them
+        can touch the holder's blocks any more): the holder ends that admitted read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -120,7 +120,7 @@ class PeerSummary(_message.Message):
     def __init__(self, address: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s")
+    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "admitted_reads", "quarantined_bytes", "remote_agents")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,10 @@ class GetStatusResponse(_message.Message):
     LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    LEASES_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_READS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_AGENTS_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_name: str
     peer_address: str
@@ -139,4 +143,8 @@ class GetStatusResponse(_message.Message):
     leases_held: int
     serving: bool
     uptime_s: float
-    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    leases_draining: int
+    admitted_reads: int
+    quarantined_bytes: int
+    remote_agents: int
+    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ...) -> None: ...

@@ -19,11 +19,11 @@ class FakeDataPlane:
         self.registered: list[tuple[int, int, int, str]] = []
         self.deregistered: list[Any] = []
 
-    def register(self, address: int, size: int, device_index: int, mem_type: str) -> object:
+    async def register(self, address: int, size: int, device_index: int, mem_type: str) -> object:
         self.registered.append((address, size, device_index, mem_type))
         return ("registration", address)
 
-    def deregister(self, registration: object) -> None:
+    async def deregister(self, registration: object) -> None:
         self.deregistered.append(registration)
 
 
@@ -36,11 +36,14 @@ def test_pool_registers_its_buffer_once_and_deregisters_on_close() -> None:
     """The buffer is registered as DRAM once at creation, and deregistered by close()."""
 
     async def main() -> None:
-        pool, dp = _pool(4096)
+        dp = FakeDataPlane()
+        pool = await StagingPool.open(dp, 4096, torch.device("cpu"))  # type: ignore[arg-type]
         assert dp.registered == [(pool.address, 4096, 0, "DRAM")]
         assert pool.buffer.numel() == 4096 and pool.buffer.dtype == torch.uint8
-        pool.close()
+        await pool.close()
         assert dp.deregistered == [("registration", pool.address)]
+        await pool.close()
+        assert len(dp.deregistered) == 1, "a second close deregistered again"
 
     asyncio.run(main())
 

@@ -22,10 +22,12 @@ P, R, PP, D, F, A = (
 )
 
 # The documented machine, written out independently of the module's table.
+FE = TransferState.FENCING
 LEGAL = {
-    P: {R, F, A},
-    R: {PP, D, F, A},
-    PP: {D, F, A},
+    P: {R, FE, F, A},
+    R: {PP, D, FE, F, A},
+    PP: {D, FE, F, A},
+    FE: {F, A},
 }
 FINAL = {D, F, A}
 

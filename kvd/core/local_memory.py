@@ -1,0 +1,240 @@
+"""Engine memory mapped into the daemon and registered with NIXL, and when it may be let go.
+
+A :class:`LocalMemory` is one mapping of an engine rank's regions: the opened regions, their
+NIXL registrations and the descriptor lists prepared over them. Its life (docs/lifetimes.md):
+
+* **pinned** by every pull reading into it (reader side) and every read admitted on a lease of
+  its engine (holder side): a pin is taken before a NIXL call can touch the memory and dropped
+  only once no byte can still move;
+* **fenced** when its rank unregisters (or is re-mapped): no new pin is taken;
+* **released** once fenced and unpinned: lists released, NIXL registration dropped, mapping
+  unmapped;
+* **retired** instead, when a read into it could not be proven over (a READ NIXL would not
+  finish, an admitted read that ran past its deadline): host pages are replaced by private
+  anonymous ones (:func:`kvd.core.vm.retire_range`) so a late copy cannot reach the engine, and
+  the mapping stays reserved in the quarantine (metric ``kvd_quarantined_bytes``) until every
+  such read is final. VRAM cannot be retired: it stays mapped, quarantined, until then.
+
+Everything here runs on the event loop; NIXL calls go through the data plane's thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import enum
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvd.core import vm
+from kvd.core.dataplane import DataPlane, Xfer
+from kvd.core.memory import MemoryKind, OpenedRegion
+from kvd.core.metrics import Metrics
+from kvd.core.tables import TableCache
+from kvd.layout.geometry import DescGeometry
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryState(enum.Enum):
+    ACTIVE = "active"
+    FENCED = "fenced"  # no new pins; released when the last pin goes
+    QUARANTINED = "quarantined"  # retired (host) or kept mapped (VRAM) until its stale reads are final
+    RELEASED = "released"
+
+
+@dataclasses.dataclass(eq=False)
+class LocalMemory:
+    """One mapping of an engine rank's regions; see the module docstring for its life."""
+
+    registration_id: int
+    regions: list[OpenedRegion]
+    nixl_registrations: list[Any]
+    tables: TableCache
+    state: MemoryState = MemoryState.ACTIVE
+    pins: int = 0  # every pin, reader and holder side
+    holder_pins: int = 0  # pins of reads admitted on this mapping (peers read out of it)
+    # Set when a pin ended without proof that nothing can still move (the mapping is retired).
+    tainted: bool = False
+    # Set once the pages were replaced: a pull that read into this mapping must not report DONE.
+    retired: bool = False
+    # Reads into this mapping that were given up before NIXL finished them.
+    stale: list[Xfer] = dataclasses.field(default_factory=list)
+    # kvd-owned duplicate mappings (re-mapped memory), unmapped on release.
+    owned_mappings: list[vm.HostMapping] = dataclasses.field(default_factory=list)
+
+    @property
+    def addresses(self) -> list[int]:
+        return [region.address for region in self.regions]
+
+    @property
+    def device_index(self) -> int:
+        return self.regions[0].device_index
+
+    @property
+    def mem_type(self) -> str:
+        return self.regions[0].mem_type
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(region.size_bytes for region in self.regions)
+
+    @property
+    def host(self) -> bool:
+        return not any(region.vram for region in self.regions)
+
+    @property
+    def usable(self) -> bool:
+        return self.state is MemoryState.ACTIVE
+
+    async def table(self, geometry: DescGeometry, executor: concurrent.futures.Executor) -> Any:
+        return await self.tables.get(
+            self.registration_id, geometry, self.addresses, self.device_index, self.mem_type, executor
+        )
+
+
+class Memories:
+    """Creates, pins, fences, re-maps, releases and quarantines LocalMemory. Event-loop only."""
+
+    def __init__(self, dataplane: DataPlane, metrics: Metrics) -> None:
+        self._dataplane = dataplane
+        self._metrics = metrics
+        self.quarantine: list[LocalMemory] = []
+        self._releasing: set[LocalMemory] = set()
+
+    async def register(self, regions: Sequence[OpenedRegion], registration_id: int) -> LocalMemory:
+        """Register every region with NIXL; all or nothing."""
+        registrations: list[Any] = []
+        try:
+            for region in regions:
+                registrations.append(
+                    await self._dataplane.register(region.address, region.size_bytes, region.device_index, region.mem_type)
+                )
+        except BaseException:
+            for registration in registrations:
+                await self._dataplane.deregister(registration)
+            raise
+        return LocalMemory(registration_id, list(regions), registrations, TableCache(self._dataplane, "NIXL_INIT_AGENT"))
+
+    # --- pins -------------------------------------------------------------------------------
+
+    def pin(self, memory: LocalMemory, *, holder: bool = False) -> None:
+        """Take a pin (the caller checked ``usable``); ``holder``: a peer's admitted read."""
+        memory.pins += 1
+        memory.holder_pins += holder
+
+    async def unpin(
+        self, memory: LocalMemory, *, holder: bool = False, clean: bool = True, stale: Sequence[Xfer] = ()
+    ) -> None:
+        """Drop a pin. ``clean=False``: the pin's reads were not proven over (the mapping is
+        tainted); ``stale``: reads into this mapping still in flight that nobody waits for."""
+        memory.pins -= 1
+        memory.holder_pins -= holder
+        assert memory.pins >= 0 and memory.holder_pins >= 0, "unbalanced unpin"
+        if not clean:
+            memory.tainted = True
+        memory.stale.extend(x for x in stale if not x.final)
+        if memory.state is MemoryState.FENCED and memory.pins == 0:
+            await self._release(memory)
+
+    async def fence(self, memory: LocalMemory) -> None:
+        """No new pins; released now if nothing pins it, else when the last pin goes."""
+        if memory.state is MemoryState.ACTIVE:
+            memory.state = MemoryState.FENCED
+        if memory.state is MemoryState.FENCED and memory.pins == 0:
+            await self._release(memory)
+
+    # --- re-mapping ---------------------------------------------------------------------------
+
+    def can_remap(self, memory: LocalMemory) -> bool:
+        """Host memory from a shared mapping can be mapped again at new addresses."""
+        return memory.host and all(r.request.kind is MemoryKind.SHM and r.address % vm.PAGE == 0 for r in memory.regions)
+
+    async def remap(self, memory: LocalMemory, registration_id: int) -> LocalMemory:
+        """A new mapping of the same engine pages at new addresses, registered with NIXL.
+
+        The old mapping can then be retired without the engine losing its memory: this is how a
+        pull whose READ NIXL will not finish is failed safely (see Puller._fence).
+        """
+        mappings: list[vm.HostMapping] = []
+        regions: list[OpenedRegion] = []
+        try:
+            for region in memory.regions:
+                mapping = vm.duplicate_mapping(region.address, region.size_bytes)
+                mappings.append(mapping)
+                buffer = (ctypes.c_uint8 * region.size_bytes).from_address(mapping.address)
+                regions.append(OpenedRegion(region.request, torch.frombuffer(buffer, dtype=torch.uint8)))
+            fresh = await self.register(regions, registration_id)
+        except BaseException:
+            regions.clear()
+            for mapping in mappings:
+                mapping.close()
+            raise
+        fresh.owned_mappings = mappings
+        return fresh
+
+    # --- release ------------------------------------------------------------------------------
+
+    async def retire(self, memory: LocalMemory) -> None:
+        """Cut the mapping off the engine's pages now (host memory); a no-op for VRAM."""
+        if memory.retired or not memory.host:
+            return
+        for region in memory.regions:
+            vm.retire_range(region.address, region.size_bytes)
+        memory.retired = True
+        logger.warning(
+            "retired a mapping of %d bytes (registration %d): a read into it could not be proven over",
+            memory.size_bytes,
+            memory.registration_id,
+        )
+
+    async def _release(self, memory: LocalMemory) -> None:
+        if memory in self._releasing or memory.state in (MemoryState.RELEASED, MemoryState.QUARANTINED):
+            return
+        self._releasing.add(memory)
+        try:
+            memory.stale = [x for x in memory.stale if not x.final]
+            if memory.stale or memory.tainted:
+                await self.retire(memory)
+                memory.state = MemoryState.QUARANTINED
+                self.quarantine.append(memory)
+                self._metrics.quarantined_bytes.inc(memory.size_bytes)
+                await memory.tables.release()
+                return
+            await self._free(memory)
+        finally:
+            self._releasing.discard(memory)
+
+    async def _free(self, memory: LocalMemory) -> None:
+        memory.state = MemoryState.RELEASED
+        await memory.tables.release()
+        for registration in memory.nixl_registrations:
+            await self._dataplane.deregister(registration)
+        memory.nixl_registrations.clear()
+        memory.regions.clear()  # drops the tensors: torch unmaps what it mapped
+        for mapping in memory.owned_mappings:
+            mapping.close()
+        memory.owned_mappings.clear()
+
+    async def sweep_quarantine(self) -> None:
+        """Free quarantined mappings whose stale reads have all finished.
+
+        A tainted mapping (a holder-side read that was never proven over) stays retired for the
+        daemon's life: no NIXL handle on this side can say when a peer stops reading it.
+        """
+        for memory in list(self.quarantine):
+            memory.stale = [x for x in memory.stale if not x.final]
+            if memory.stale or memory.tainted:
+                continue
+            self.quarantine.remove(memory)
+            self._metrics.quarantined_bytes.dec(memory.size_bytes)
+            await self._free(memory)
+            logger.info("freed quarantined mapping (registration %d): its stale reads finished", memory.registration_id)
+
+    @property
+    def quarantined_bytes(self) -> int:
+        return sum(m.size_bytes for m in self.quarantine)

@@ -1,0 +1,84 @@
+"""Prepared NIXL descriptor lists, cached by (registration, geometry) for one owner.
+
+A local engine mapping (:class:`kvd.core.local_memory.LocalMemory`) and a peer's agent
+(:class:`kvd.core.peers.RemoteAgent`) each own one cache. A list is prepared once, on first
+use, in the worker pool (large lists take long), and released only on the data plane's thread
+when its owner is released: never while a transfer built on it may be in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from kvd.core.dataplane import DataPlane
+from kvd.layout.geometry import DescGeometry
+from kvd_client.errors import Unavailable
+
+logger = logging.getLogger(__name__)
+
+
+class TableCache:
+    """Prepared lists of one owner. Event-loop only (preparation itself runs in the pool)."""
+
+    def __init__(self, dataplane: DataPlane, agent_name: str) -> None:
+        self._dataplane = dataplane
+        self._agent_name = agent_name
+        self._tables: dict[tuple[Hashable, DescGeometry], Any] = {}
+        self._preparing: dict[tuple[Hashable, DescGeometry], asyncio.Future[Any]] = {}
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def cached(self, key: Hashable, geometry: DescGeometry) -> Any | None:
+        return self._tables.get((key, geometry))
+
+    async def get(
+        self,
+        key: Hashable,
+        geometry: DescGeometry,
+        region_addresses: Sequence[int],
+        device_index: int,
+        mem_type: str,
+        executor: concurrent.futures.Executor,
+    ) -> Any:
+        """The list of ``geometry`` over the regions named by ``key``, prepared on first use."""
+        full_key = (key, geometry)
+        table = self._tables.get(full_key)
+        if table is not None:
+            return table
+        pending = self._preparing.get(full_key)
+        if pending is None:
+            loop = asyncio.get_running_loop()
+            pending = loop.run_in_executor(executor, self._prepare, geometry, list(region_addresses), device_index, mem_type)
+            self._preparing[full_key] = pending
+            try:
+                table = await asyncio.shield(pending)
+            finally:
+                self._preparing.pop(full_key, None)
+            if self._closed:  # the owner was released while this list was being prepared
+                await self._dataplane.release_tables([table])
+                raise Unavailable(f"the memory of {key} was released during the pull")
+            self._tables[full_key] = table
+            logger.debug("prepared %d descriptors for %s/%s", geometry.table_size, self._agent_name, key)
+            return table
+        return await asyncio.shield(pending)
+
+    def _prepare(self, geometry: DescGeometry, addresses: list[int], device_index: int, mem_type: str) -> Any:
+        rows = geometry.descriptors(addresses, device_index)
+        return self._dataplane.prepare_table(self._agent_name, rows, mem_type)
+
+    def take(self, keep: set[Hashable] | None = None) -> list[Any]:
+        """Remove and return every list (or those whose key is not in ``keep``) for release."""
+        doomed = [k for k in self._tables if keep is None or k[0] not in keep]
+        return [self._tables.pop(k) for k in doomed]
+
+    async def release(self, keep: set[Hashable] | None = None) -> None:
+        """Release the lists (all of them, for good, when ``keep`` is None)."""
+        if keep is None:
+            self._closed = True
+        await self._dataplane.release_tables(self.take(keep))
