@@ -19,8 +19,10 @@ def spawn_daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cal
     started: list[DaemonProcess] = []
     counter = iter(range(1000))
 
-    def spawn(*flags: str, name: str = "", env: dict[str, str] | None = None) -> DaemonProcess:
-        daemon = start_daemon(tmp_path, name or f"d{next(counter)}", list(flags), env=env)
+    def spawn(
+        *flags: str, name: str = "", env: dict[str, str] | None = None, command_prefix: tuple[str, ...] = ()
+    ) -> DaemonProcess:
+        daemon = start_daemon(tmp_path, name or f"d{next(counter)}", list(flags), env=env, command_prefix=command_prefix)
         started.append(daemon)
         return daemon
 

@@ -60,14 +60,19 @@ def start_daemon(
     extra_flags: Sequence[str] = (),
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 60.0,
+    command_prefix: Sequence[str] = (),
 ) -> DaemonProcess:
-    """Start a daemon on a free TCP port, a private Unix socket and a free metrics port."""
+    """Start a daemon on a free TCP port, a private Unix socket and a free metrics port.
+
+    ``command_prefix`` runs it under another command (``ip netns exec NS`` in partition tests).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
     sock = workdir / f"{name}.sock"
     cmd = [
+        *command_prefix,
         sys.executable,
         "-m",
         "kvd.cli.main",

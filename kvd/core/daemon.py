@@ -107,7 +107,12 @@ class Daemon:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        dataplane = DataPlane(self.agent_name, self.config.nixl_backends, self.config.nixl_progress_thread)
+        dataplane = DataPlane(
+            self.agent_name,
+            self.config.nixl_backends,
+            self.config.nixl_progress_thread,
+            on_reads_in_flight=self.metrics.nixl_reads_in_flight.set,
+        )
         await dataplane.start(self._on_notifications)
         self.dataplane = dataplane
         self.memories = Memories(dataplane, self.metrics)

@@ -84,8 +84,15 @@ class Xfer:
 class DataPlane:
     """A NIXL agent and the one thread that calls it."""
 
-    def __init__(self, agent_name: str, backends: Sequence[str] = ("UCX",), progress_thread: bool = False) -> None:
+    def __init__(
+        self,
+        agent_name: str,
+        backends: Sequence[str] = ("UCX",),
+        progress_thread: bool = False,
+        on_reads_in_flight: Callable[[int], None] = lambda _: None,
+    ) -> None:
         self.name = agent_name
+        self._on_reads_in_flight = on_reads_in_flight  # called on the owner thread when the count changes
         self._backends = list(backends)
         self._nixl_progress_thread = progress_thread
         self.agent: Any = None
@@ -170,6 +177,8 @@ class DataPlane:
                     self._settle(xfer)
                 else:
                     still.append(xfer)
+            if len(still) != len(self._xfers):
+                self._on_reads_in_flight(len(still))
             self._xfers = still
             if still:
                 time.sleep(0)  # let the event loop run between spins
@@ -303,6 +312,7 @@ class DataPlane:
                 xfer.error = self._map(exc, peer)
                 state = "PROC"
             self._xfers.append(xfer)
+            self._on_reads_in_flight(len(self._xfers))
             if state == "ERR" and xfer.error is None:
                 xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
             return xfer

@@ -68,5 +68,8 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.nixl_reads_in_flight = Gauge(
+            "kvd_nixl_reads_in_flight", "NIXL READs posted and not final (a given-up read stays until NIXL ends it)", registry=r
+        )
         self.peers = Gauge("kvd_peers", "Peer daemons with a live handshake", registry=r)
         self.remote_agents = Gauge("kvd_remote_agents", "Peer NIXL agents loaded (live or still in use)", registry=r)
