@@ -45,7 +45,7 @@ from kvd_client.errors import (
 logger = logging.getLogger(__name__)
 
 SWEEP_S = 0.05  # leases, admissions, quarantine, stale pulls
-LIVENESS_S = 1.0
+LIVENESS_S = 0.25  # how often engine pids are checked (a kill is noticed within this)
 IDLE_PEER_SWEEP_S = 5.0
 
 

@@ -303,6 +303,13 @@ def _fds_and_threads(pid: int) -> tuple[int, int]:
     return fds, threads
 
 
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 @pytest.mark.parametrize("transport", ["tcp", "default"])
 def test_pulls_stay_correct_while_engines_and_leases_churn(spawn_daemon, transport: str) -> None:
     env = child_env(UCX_TLS="tcp") if transport == "tcp" else None
@@ -327,6 +334,7 @@ def test_pulls_stay_correct_while_engines_and_leases_churn(spawn_daemon, transpo
         for _ in range(12):  # every pair handshaken before the baseline is taken
             _one_pull(world, tally, warm)
         baseline = {d.name: _fds_and_threads(d.process.pid) for d in daemons}
+        rss0 = {d.name: _rss_mib(d.process.pid) for d in daemons}
 
         def worker(seed: int) -> None:
             rng = random.Random(seed)
@@ -380,7 +388,7 @@ def test_pulls_stay_correct_while_engines_and_leases_churn(spawn_daemon, transpo
         for d in daemons:
             fds, threads = _fds_and_threads(d.process.pid)
             fds0, threads0 = baseline[d.name]
-            print(f"{d.name}: fds {fds0} -> {fds}, threads {threads0} -> {threads}")
+            print(f"{d.name}: fds {fds0} -> {fds}, threads {threads0} -> {threads}, RSS {rss0[d.name]:.0f} -> {_rss_mib(d.process.pid):.0f} MiB")
             assert fds <= fds0 + 8, f"{d.name} leaks fds: {fds0} -> {fds}"
             assert threads <= threads0 + 2, f"{d.name} leaks threads: {threads0} -> {threads}"
     finally:

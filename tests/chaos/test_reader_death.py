@@ -1,0 +1,173 @@
+"""Chaos on the reading side: the engine being pulled into dies, or the pulling daemon does.
+
+Over UCX TCP so that a 512 MiB pull is slow enough to be interrupted mid-read.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kvtest import ShmEngine, llama_spec, metric_value, scrape
+
+from kvd.cli.spawn import child_env
+from kvd.core.memory import unlink_shm
+from kvd.v1 import common_pb2
+from kvd_client import KvdClient, errors
+
+pytestmark = [pytest.mark.chaos, pytest.mark.integration]
+
+SLOW = child_env(UCX_TLS="tcp")
+ENGINE_PROC = Path(__file__).resolve().parents[1] / "stress" / "engine_proc.py"
+BLOCKS = list(range(256))
+
+
+def _wait_reading(client, transfer_id: str) -> None:
+    deadline = time.monotonic() + 10
+    while client.get_transfer(transfer_id).state != common_pb2.TRANSFER_STATE_READING:
+        assert time.monotonic() < deadline, "the pull never started reading"
+        time.sleep(0.002)
+
+
+def _gauges_settle(daemon, names: tuple[str, ...], timeout_s: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until every named gauge is 0; return what is left (empty when settled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = scrape(daemon.metrics)
+        left = {name: metric_value(text, name) for name in names if metric_value(text, name)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def test_reader_engine_killed_mid_read(spawn_daemon) -> None:
+    """The engine process being pulled into is SIGKILLed: the reader daemon survives, the pull
+    ends aborted, the holder's lease is freed once the read is over, nothing stays pinned."""
+    holder_daemon = spawn_daemon(name="holder", env=SLOW)
+    reader_daemon = spawn_daemon(name="reader", env=SLOW)
+    holder = ShmEngine(holder_daemon.unix_target, "p", llama_spec(num_blocks=256))
+    # The reader engine is its own process (llama-shaped, one rank), so it can be SIGKILLed.
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _READER_ENGINE, reader_daemon.unix_target], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    client = KvdClient(reader_daemon.unix_target, timeout_s=30)
+    shm_name = ""
+    try:
+        assert engine.stdout is not None
+        shm_name = engine.stdout.readline().decode().strip()
+        assert shm_name.startswith("kvdtest-"), engine.stderr.read() if engine.stderr else ""
+        holder.register()
+        holder.fill_random(3)
+        stream = holder.client.open_engine_stream("p", 0)
+        params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=BLOCKS, num_tokens=256 * 16)
+        started = client.start_pull(
+            engine_id="d", tp_rank=0, request_id="r", local_block_ids=BLOCKS, remote=params.kv_transfer_params,
+            deadline_ms=20000,
+        )
+        _wait_reading(client, started.transfer_id)
+        engine.kill()
+        engine.wait()
+        with pytest.raises(errors.KvdError) as caught:
+            client.wait_transfer(started.transfer_id, timeout_s=30)
+        assert isinstance(caught.value, (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded)), caught.value
+        assert reader_daemon.process.poll() is None, "the reader daemon died with its engine"
+        left = _gauges_settle(
+            reader_daemon, ("kvd_transfers_in_flight", "kvd_nixl_reads_in_flight", "kvd_engines_registered", "kvd_quarantined_bytes")
+        )
+        assert not left, f"the reader daemon kept {left}"
+        # The holder: the aborted read was abandoned once fenced (the lease is still held) or it
+        # had completed (the lease ended as read); either way nothing is admitted any more.
+        assert not _gauges_settle(holder_daemon, ("kvd_admitted_reads",)), "the holder still counts the dead read"
+        try:
+            holder.client.release_lease(lease_id=params.lease.lease_id)
+        except errors.UnknownLease:
+            pass
+        ended = [m for m in _drain(stream, 5.0) if m.WhichOneof("kind") == "finished_sending"]
+        assert len(ended) == 1, "the holder engine was not told exactly once"
+        # The reader daemon still serves: a new engine under the same id pulls fine.
+        again = ShmEngine(reader_daemon.unix_target, "d", llama_spec(num_blocks=256))
+        try:
+            again.register()
+            p2 = holder.client.hold_blocks(engine_id="p", request_id="r2", block_ids=[0, 1], num_tokens=32)
+            t = again.client.start_pull(
+                engine_id="d", tp_rank=0, request_id="r2", local_block_ids=[9, 10], remote=p2.kv_transfer_params
+            )
+            assert again.client.wait_transfer(t.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+            assert bool(again.token_bytes([9, 10], 32).equal(holder.token_bytes([0, 1], 32)))
+        finally:
+            again.close()
+        stream.close()
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+        holder.close()
+        client.close()
+        if shm_name:
+            unlink_shm(shm_name)
+
+
+def test_puller_daemon_killed_mid_read(spawn_daemon) -> None:
+    """The reading daemon is SIGKILLed mid-read: the holder's lease drains and ends, its engine is
+    told once, and nothing stays pinned for the dead peer (its memory is retired, not unmapped
+    under a read that may still be in flight)."""
+    holder_daemon = spawn_daemon("--read-admission-margin-s", "1", "--transfer-deadline-s", "3", name="holder", env=SLOW)
+    reader_daemon = spawn_daemon(name="reader", env=SLOW)
+    holder = ShmEngine(holder_daemon.unix_target, "p", llama_spec(num_blocks=256))
+    reader = ShmEngine(reader_daemon.unix_target, "d", llama_spec(num_blocks=256))
+    try:
+        holder.register()
+        reader.register()
+        holder.fill_random(4)
+        stream = holder.client.open_engine_stream("p", 0)
+        params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=BLOCKS, num_tokens=256 * 16)
+        started = reader.client.start_pull(
+            engine_id="d", tp_rank=0, request_id="r", local_block_ids=BLOCKS, remote=params.kv_transfer_params,
+            deadline_ms=20000,
+        )
+        _wait_reading(reader.client, started.transfer_id)
+        reader_daemon.kill()
+        reader.registered = False
+        text = scrape(holder_daemon.metrics)
+        assert metric_value(text, "kvd_admitted_reads") == 1
+        holder.client.release_lease(lease_id=params.lease.lease_id)
+        assert metric_value(scrape(holder_daemon.metrics), "kvd_leases_draining") == 1, "a released lease under read must drain"
+        assert not [m for m in stream.poll() if m.WhichOneof("kind") == "finished_sending"], "told before the read was over"
+        # Admission deadline (3 s) + margin (1 s): then the lease ends and the engine is told, once.
+        ended = [m for m in _drain(stream, 10.0) if m.WhichOneof("kind") == "finished_sending"]
+        assert len(ended) == 1 and ended[0].finished_sending.lease_id == params.lease.lease_id
+        assert not _gauges_settle(holder_daemon, ("kvd_admitted_reads", "kvd_leases_draining", "kvd_leases_held"))
+        # Unregistering the engine now retires its mapping (the dead reader's READ was never
+        # proven over): the daemon survives and keeps serving.
+        holder.client.unregister_kv_cache(engine_id="p", tp_rank=0)
+        holder.registered = False
+        assert metric_value(scrape(holder_daemon.metrics), "kvd_quarantined_bytes") == holder.spec.total_bytes
+        assert holder_daemon.process.poll() is None
+        stream.close()
+    finally:
+        holder.close()
+        reader.close()
+
+
+def _drain(stream, timeout_s: float) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got.extend(stream.poll(timeout_s=0.05))
+        if got:
+            deadline = min(deadline, time.monotonic() + 0.3)
+    return got
+
+
+_READER_ENGINE = r"""
+import sys, time
+sys.path.insert(0, %r)
+from kvtest import ShmEngine, llama_spec
+engine = ShmEngine(sys.argv[1], "d", llama_spec(num_blocks=256))
+engine.register()
+print(engine.shm_name, flush=True)
+while True:
+    time.sleep(3600)
+""" % str(Path(__file__).resolve().parents[1])
