@@ -16,7 +16,7 @@ from types import TracebackType
 
 import grpc
 
-from kvd.v1 import engine_pb2, engine_pb2_grpc
+from kvd_client.v1 import engine_pb2, engine_pb2_grpc
 
 from . import errors
 from ._engine_stream import (
@@ -29,7 +29,7 @@ from ._engine_stream import (
     hello_message,
     to_message,
 )
-from ._errors_map import to_kvd_error
+from .grpc_errors import to_kvd_error
 
 logger = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ from typing import Final, cast
 
 import grpc
 
-from kvd.v1 import engine_pb2, engine_pb2_grpc
+from kvd_client.v1 import engine_pb2, engine_pb2_grpc
 
 from . import errors
-from ._errors_map import to_kvd_error
+from .grpc_errors import to_kvd_error
 
 logger = logging.getLogger(__name__)
 

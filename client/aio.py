@@ -15,14 +15,13 @@ from types import TracebackType
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
-from . import _base
+from . import _base, _health
 from ._aio_engine_stream import AsyncEngineStream
-from ._channel import ChannelOptions, TlsConfig, create_aio_channel
-from ._errors_map import to_kvd_error, translate_aiter, translate_async
+from .channel import ChannelOptions, TlsConfig, create_aio_channel
+from .grpc_errors import rpc_error_code, to_kvd_error, translate_aiter, translate_async
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class AsyncKvdClient:
         self._channel = channel
         self._engine = engine_pb2_grpc.EngineServiceStub(channel)
         self._router = router_pb2_grpc.RouterServiceStub(channel)
-        self._health = health_pb2_grpc.HealthStub(channel)
+        self._health_check = _health.check_method(channel)
         self._streams: weakref.WeakSet[AsyncEngineStream] = weakref.WeakSet()
 
     @property
@@ -295,15 +294,15 @@ class AsyncKvdClient:
         service name) raise the mapped error.
         """
         try:
-            response = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout_s)
+            response = await self._health_check(
+                _health.check_request(service), timeout=self._timeout(timeout_s)
             )
         except grpc.RpcError as err:
-            if err.code() in _base.UNREACHABLE_STATUS:
+            if rpc_error_code(err) in _base.UNREACHABLE_STATUS:
                 logger.debug("health check of %s failed: %s", self.target, err)
                 return False
             raise to_kvd_error(err) from err
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+        return _health.is_serving(response)
 
     async def close(self) -> None:
         """Close the engine streams this client opened, then the channel (if the client made it)."""

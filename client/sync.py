@@ -14,14 +14,13 @@ from collections.abc import Generator, Iterable
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
-from . import _base
-from ._channel import ChannelOptions, TlsConfig, create_channel
+from . import _base, _health
+from .channel import ChannelOptions, TlsConfig, create_channel
 from ._engine_stream import EngineStream
-from ._errors_map import to_kvd_error, translate, translate_iter
+from .grpc_errors import rpc_error_code, to_kvd_error, translate, translate_iter
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class KvdClient:
         self._channel = channel
         self._engine = engine_pb2_grpc.EngineServiceStub(channel)
         self._router = router_pb2_grpc.RouterServiceStub(channel)
-        self._health = health_pb2_grpc.HealthStub(channel)
+        self._health_check = _health.check_method(channel)
         self._streams: weakref.WeakSet[EngineStream] = weakref.WeakSet()
 
     @property
@@ -291,15 +290,15 @@ class KvdClient:
         service name) raise the mapped error.
         """
         try:
-            response = self._health.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout_s)
+            response = self._health_check(
+                _health.check_request(service), timeout=self._timeout(timeout_s)
             )
         except grpc.RpcError as err:
-            if err.code() in _base.UNREACHABLE_STATUS:
+            if rpc_error_code(err) in _base.UNREACHABLE_STATUS:
                 logger.debug("health check of %s failed: %s", self.target, err)
                 return False
             raise to_kvd_error(err) from err
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+        return _health.is_serving(response)
 
     def close(self) -> None:
         """Close the engine streams this client opened, then the channel (if the client made it)."""

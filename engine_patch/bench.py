@@ -65,7 +65,7 @@ def _serve(socket_path: str, ready: Any, stop: Any, received: Any) -> None:
     """Child process: an EngineService that accepts registrations and drains engine streams."""
     import grpc
 
-    from kvd.v1 import engine_pb2, engine_pb2_grpc
+    from kvd_client.v1 import engine_pb2, engine_pb2_grpc
 
     class Engine(engine_pb2_grpc.EngineServiceServicer):
         def RegisterKvCache(self, request: Any, context: Any) -> Any:

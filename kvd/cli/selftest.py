@@ -32,7 +32,7 @@ from kvd.core import scratch
 from kvd.core.memory import create_shm_tensor, unlink_shm
 from kvd.layout.spec import contiguous_placements
 from kvd.server import convert
-from kvd.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from kvd_client.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 
 def _say(message: str) -> None:

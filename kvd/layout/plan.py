@@ -139,7 +139,7 @@ def check_convertible(remote: LayoutSpec, local: LayoutSpec) -> None:
             mismatches.append(f"{name}: remote {getattr(remote, name)} vs local {getattr(local, name)}")
     for special in (KvFormat.MLA, KvFormat.PACKED):  # these convert only among themselves
         if (remote.kv_format is special) != (local.kv_format is special):
-            mismatches.append(f"kv_format: remote {remote.kv_format.value} vs local {local.kv_format.value}")
+            mismatches.append(f"kv_format: remote {remote.kv_format.name} vs local {local.kv_format.name}")
             break
     if mismatches:
         raise IncompatibleLayout("KV layouts cannot be converted: " + "; ".join(mismatches))

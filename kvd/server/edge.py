@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import grpc
 
 from kvd.core.metrics import Metrics
-from kvd_client.errors import ERROR_CLASS_METADATA_KEY, KvdError
+from kvd_client.errors import ErrorCode, Internal, KvdError
+from kvd_client.grpc_errors import error_metadata, status_code
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +25,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 async def _abort(context: grpc.aio.ServicerContext, metrics: Metrics | None, operation: str, exc: BaseException) -> None:
-    if isinstance(exc, KvdError):
-        code, message, name = exc.code, exc.message, type(exc).__name__
-    else:
+    if not isinstance(exc, KvdError):
         logger.exception("internal error in %s", operation, exc_info=exc)
-        code, message, name = grpc.StatusCode.INTERNAL, f"internal error in {operation}; see the daemon's log", "Internal"
+        exc = Internal(f"internal error in {operation}; see the daemon's log")
+    code: ErrorCode = exc.code
     if metrics is not None:
         metrics.errors.labels(operation, code.name).inc()
-    context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, name),))
-    await context.abort(code, message)
+    context.set_trailing_metadata(error_metadata(exc))
+    await context.abort(status_code(code), exc.message)
 
 
 def rpc(method: F) -> F:

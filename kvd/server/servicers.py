@@ -14,7 +14,7 @@ from kvd.core.leases import Lease
 from kvd.core.registry import EngineRank
 from kvd.server import convert
 from kvd.server.edge import rpc
-from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
+from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 from kvd_client.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)

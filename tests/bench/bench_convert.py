@@ -48,7 +48,7 @@ class Engine:
     tp_size: int = 1
 
     def label(self) -> str:
-        return f"{self.kv_format.value[0]}{self.layout.value}{self.block_size}/tp{self.tp_size}"
+        return f"{self.kv_format.name[0]}{self.layout.name}{self.block_size}/tp{self.tp_size}"
 
 
 @dataclasses.dataclass(frozen=True)

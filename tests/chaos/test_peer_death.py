@@ -9,7 +9,7 @@ import pytest
 from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 
 from kvd.cli.spawn import child_env
-from kvd.v1 import common_pb2
+from kvd_client.v1 import common_pb2
 from kvd_client import errors
 
 pytestmark = pytest.mark.chaos

@@ -15,7 +15,7 @@ import torch
 from kvd.core.memory import cuda_ipc_spec_of
 from kvd.layout.spec import contiguous_placements
 from kvd.server import convert
-from kvd.v1 import common_pb2
+from kvd_client.v1 import common_pb2
 from kvd_client import KvdClient, errors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]

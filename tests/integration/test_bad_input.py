@@ -8,7 +8,7 @@ import pytest
 from kvtest import ShmEngine, small_spec
 
 from kvd.server import convert
-from kvd.v1 import common_pb2
+from kvd_client.v1 import common_pb2
 from kvd_client import errors
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ from kvtest import ShmEngine
 from kvd.layout import oracle
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec
-from kvd.v1 import common_pb2
+from kvd_client.v1 import common_pb2
 from kvd_client import errors
 
 pytestmark = pytest.mark.integration

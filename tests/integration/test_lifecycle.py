@@ -13,7 +13,7 @@ import time
 import pytest
 from kvtest import ShmEngine, metric_value, scrape, small_spec
 
-from kvd.v1 import common_pb2
+from kvd_client.v1 import common_pb2
 from kvd_client import KvdClient, errors
 
 pytestmark = pytest.mark.integration

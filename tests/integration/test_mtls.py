@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from kvtest import ShmEngine, make_pki, small_spec
 
-from kvd.v1 import common_pb2
+from kvd_client.v1 import common_pb2
 from kvd_client import KvdClient, TlsConfig, errors
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import random
 import pytest
 from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 
-from kvd.v1 import common_pb2
+from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.integration
 

@@ -70,7 +70,7 @@ def release_holds(daemon: FakeDaemon, engine: VllmEngine, timeout_s: float = 5.0
 def test_registration_of_vllms_own_cache(daemon: FakeDaemon, engines: Any) -> None:
     engine = engines("p")
     reg = daemon.registrations[("p", 0)]
-    assert reg.layout.kv_format == KvFormat.PACKED.proto_value and reg.layout.layout == KvLayout.HND.proto_value
+    assert reg.layout.kv_format == KvFormat.PACKED and reg.layout.layout == KvLayout.HND
     assert (reg.layout.num_layers, reg.layout.block_size, reg.layout.num_kv_heads, reg.layout.head_dim) == (
         2,
         16,

@@ -11,7 +11,7 @@ import pytest
 from client_fakes import END, INCARNATION, FakeDaemon
 from grpc_health.v1 import health_pb2
 
-from kvd.v1 import common_pb2, engine_pb2, router_pb2
+from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 from kvd_client import AsyncEngineStream, AsyncKvdClient, errors
 
 

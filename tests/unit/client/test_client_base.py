@@ -7,9 +7,9 @@ import math
 import grpc
 import pytest
 
-from kvd.v1 import common_pb2, engine_pb2, router_pb2
+from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 from kvd_client import _base, errors
-from kvd_client._errors_map import to_kvd_error
+from kvd_client.grpc_errors import error_code, error_metadata, status_code, to_kvd_error
 
 
 def test_build_request_sets_only_given_fields() -> None:
@@ -109,4 +109,20 @@ def test_to_kvd_error_reads_class_from_either_metadata_shape() -> None:
 
 def test_to_kvd_error_of_a_bare_rpc_error() -> None:
     err = to_kvd_error(grpc.RpcError())
-    assert type(err) is errors.KvdError and err.code == grpc.StatusCode.UNKNOWN
+    assert type(err) is errors.KvdError and err.code == errors.ErrorCode.UNKNOWN
+
+
+@pytest.mark.parametrize("code", list(errors.ErrorCode))
+def test_every_error_code_maps_to_the_grpc_code_of_its_name_and_back(code: errors.ErrorCode) -> None:
+    """The edges map codes by name: kvd's codes are exactly gRPC's, numbers included."""
+    status = status_code(code)
+    assert status.name == code.name and status.value[0] == code.value
+    assert error_code(status) is code
+
+
+def test_every_grpc_code_has_a_kvd_code() -> None:
+    assert {error_code(s) for s in grpc.StatusCode} == set(errors.ErrorCode)
+
+
+def test_error_metadata_names_the_exact_class() -> None:
+    assert error_metadata(errors.LeaseExpired("x")) == (("kvd-error-class", "LeaseExpired"),)

@@ -12,9 +12,9 @@ import pytest
 from client_fakes import FakeDaemon, FakeRouterService
 from kvtest import make_pki
 
-from kvd.v1 import router_pb2_grpc
+from kvd_client.v1 import router_pb2_grpc
 from kvd_client import KvdClient, TlsConfig, errors
-from kvd_client._channel import (
+from kvd_client.channel import (
     MAX_MESSAGE_BYTES,
     channel_options,
     is_unix_target,
@@ -27,7 +27,7 @@ from kvd_client._channel import (
     [
         ("unix:///run/kvd.sock", "unix:///run/kvd.sock"),
         ("unix:/run/kvd.sock", "unix:/run/kvd.sock"),
-        ("/run/kvd.sock", "unix:/run/kvd.sock"),
+        ("/run/kvd.sock", "unix:///run/kvd.sock"),
         ("10.0.0.1:7070", "10.0.0.1:7070"),
         ("[::1]:7070", "[::1]:7070"),
         ("dns:///kvd.local:7070", "dns:///kvd.local:7070"),

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from client_fakes import END, FakeDaemon
 
-from kvd.v1 import engine_pb2
+from kvd_client.v1 import engine_pb2
 from kvd_client import EngineStream, KvdClient, errors
 
 

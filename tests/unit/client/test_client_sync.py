@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from kvd.v1 import common_pb2, engine_pb2, router_pb2
+from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 from kvd_client import KvdClient, errors
 
 from client_fakes import INCARNATION, FakeDaemon
@@ -164,7 +164,7 @@ def test_unmapped_code_is_a_plain_kvd_error_carrying_the_code(client: KvdClient)
     with pytest.raises(errors.KvdError) as info:
         client.release_lease("unimplemented")
     assert type(info.value) is errors.KvdError
-    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert info.value.code == errors.ErrorCode.UNIMPLEMENTED
 
 
 def test_unavailable_when_nothing_listens(nowhere: str) -> None:

@@ -13,7 +13,7 @@ from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import DTYPE_SIZES, KvFormat, KvLayout, LayerPlacement, LayoutSpec, contiguous_placements
 from kvd.server import convert
-from kvd.v1 import common_pb2, peer_pb2
+from kvd_client.v1 import common_pb2, peer_pb2
 from kvd_client.errors import InvalidArgument, PeerUnavailable
 
 

@@ -1,23 +1,23 @@
-"""kvd_client.errors: one exception hierarchy, each class travelling as one gRPC status code."""
+"""kvd_client.errors: one exception hierarchy, each class travelling as one kvd error code."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from kvd_client import errors
 from kvd_client.errors import (
     ERROR_OF_STATUS,
     RETRYABLE_STATUS,
+    ErrorCode,
     KvdError,
     error_class_named,
     from_status,
 )
 
-S = grpc.StatusCode
+S = ErrorCode
 
 # The contract: every class and the code it travels as.
-EXPECTED_CODES: dict[type[KvdError], grpc.StatusCode] = {
+EXPECTED_CODES: dict[type[KvdError], ErrorCode] = {
     errors.KvdError: S.INTERNAL,
     errors.InvalidArgument: S.INVALID_ARGUMENT,
     errors.NotFound: S.NOT_FOUND,
@@ -95,7 +95,7 @@ def test_from_status_round_trips_class_names(cls: type[KvdError]) -> None:
 
 
 @pytest.mark.parametrize("code", list(ERROR_OF_STATUS))
-def test_from_status_without_class_name_gives_the_codes_class(code: grpc.StatusCode) -> None:
+def test_from_status_without_class_name_gives_the_codes_class(code: ErrorCode) -> None:
     """With no (or an unknown) class name the code's general class is raised."""
     assert type(from_status(code, "x")) is ERROR_OF_STATUS[code]
     assert type(from_status(code, "x", "SomethingNewer")) is ERROR_OF_STATUS[code]

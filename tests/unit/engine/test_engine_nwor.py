@@ -60,7 +60,7 @@ def _slot_rows(geometry: CacheGeometry, cache: torch.Tensor, slots: torch.Tensor
     return torch.stack((k[b, o], v[b, o]))
 
 
-@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"{g.kv_format.value}-{g.layout.value}")
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"{g.kv_format.name}-{g.layout.name}")
 @pytest.mark.parametrize("undo", [False, True], ids=["deferred", "undo"])
 def test_stage_writes_only_accepted_positions(geometry: CacheGeometry, undo: bool) -> None:
     # Request 0 accepts 1 of 3 drafts, request 1 accepts both, the prefill keeps everything.
@@ -84,7 +84,7 @@ def test_stage_writes_only_accepted_positions(geometry: CacheGeometry, undo: boo
     assert (stats.windows, stats.committed_tokens, stats.rejected_tokens, stats.pending_windows) == (1, 10, 2, 0)
 
 
-@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"{g.kv_format.value}-{g.layout.value}")
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"{g.kv_format.name}-{g.layout.name}")
 @pytest.mark.parametrize("undo", [False, True], ids=["deferred", "undo"])
 def test_stage_and_immediate_agree_on_accepted_positions(geometry: CacheGeometry, undo: bool) -> None:
     valid_sampled = torch.tensor([1, 2, 1])  # request 0 rejects everything, request 1 accepts 1

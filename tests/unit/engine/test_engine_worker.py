@@ -261,7 +261,7 @@ def test_registration_waits_for_a_daemon_that_starts_later(caches: Any) -> None:
 
 def test_release_messages_wait_for_the_hold_announcement(daemon: FakeDaemon, caches: Any) -> None:
     worker = _worker(daemon, caches)
-    from kvd.v1 import engine_pb2
+    from kvd_client.v1 import engine_pb2
 
     daemon.stream("eng").push(
         engine_pb2.DaemonMessage(finished_sending=engine_pb2.FinishedSending(request_id="h", lease_id="L"))

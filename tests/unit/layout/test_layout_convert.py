@@ -415,7 +415,7 @@ def test_any_pair_matches_oracle_bit_for_bit(case: Case) -> None:
     out = run_case(case)
     remote, local = case.remote, case.local
     event("direct" if out.plan.direct else "staged")
-    event(f"layout {remote.layout.value}->{local.layout.value}, format {remote.kv_format.value}->{local.kv_format.value}")
+    event(f"layout {remote.layout.name}->{local.layout.name}, format {remote.kv_format.name}->{local.kv_format.name}")
     ratio = "=" if remote.block_size == local.block_size else ("<" if remote.block_size < local.block_size else ">")
     event(f"block remote {ratio} local, partial last block: {case.num_tokens % max(remote.block_size, local.block_size) != 0}")
     tp = "=" if remote.tp_size == local.tp_size else ("<" if remote.tp_size < local.tp_size else ">")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +14,7 @@ from hypothesis import strategies as st
 from kvd.layout.convert_plan import plan_conversion
 from kvd.layout.plan import EngineView, plan_pull
 from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec, contiguous_placements
-from kvd_client.errors import IncompatibleLayout, InvalidArgument
+from kvd_client.errors import ErrorCode, IncompatibleLayout, InvalidArgument
 
 
 def _spec(**kw: object) -> LayoutSpec:
@@ -67,7 +66,7 @@ def test_refused_pairs_name_both_sides(remote: dict[str, object], local: dict[st
         _pull(_spec(**remote), _spec(**local))
     for word in words:
         assert word in caught.value.message
-    assert caught.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert caught.value.code is ErrorCode.FAILED_PRECONDITION
 
 
 def test_a_holder_without_the_needed_rank_is_refused() -> None:

@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from kvd.v1 import common_pb2 as kvd_dot_v1_dot_common__pb2
-from kvd.v1 import router_pb2 as kvd_dot_v1_dot_router__pb2
+from kvd_client.v1 import common_pb2 as kvd_dot_v1_dot_common__pb2
+from kvd_client.v1 import router_pb2 as kvd_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,8 +1,9 @@
-"""Channel creation for the kvd client: targets, TLS and the channel options every client shares.
+"""Channels to kvd daemons: targets, TLS and every channel option, for clients and daemons alike.
 
 Engines reach their node's daemon over a Unix socket; routers and peers over TCP, optionally with
-(m)TLS. Both front ends (sync and asyncio) build their channels here so that a target string and a
-TLS config mean the same thing everywhere.
+(m)TLS. The sync and asyncio clients, the engine patch's config and the daemon (its servers and
+its peer client) all take their targets and options from here, so that a target string, a TLS
+config and a keepalive mean the same thing everywhere.
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 5_000),
 )
+"""Options of a client's channel (engines and routers to their daemon)."""
+
+PEER_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Daemon to daemon: a pull waits on its peer, so a dead or frozen peer must be noticed within
+    # ~15 s, sooner than a client needs to notice its own node's daemon.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+)
+"""Options of the daemon's channels to peer daemons, and of the daemon's own servers."""
+
+SERVER_OPTIONS = PEER_OPTIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,14 +109,15 @@ def normalize_target(target: str) -> str:
     """The grpc target for what an operator typed.
 
     Accepted: ``unix:///abs/path``, ``unix:/abs/path``, ``unix:rel/path``, a bare absolute path
-    (``/run/kvd/engine.sock``, taken as a Unix socket), ``host:port``, ``[v6]:port`` and any other
-    grpc URI (``dns:///host:port``, ``unix-abstract:name``), passed through unchanged.
+    (``/run/kvd/engine.sock``, taken as a Unix socket: ``unix:///run/kvd/engine.sock``),
+    ``host:port``, ``[v6]:port`` and any other grpc URI (``dns:///host:port``,
+    ``unix-abstract:name``), passed through unchanged.
     """
     target = target.strip()
     if not target:
         raise ValueError("empty kvd target")
     if target.startswith("/"):
-        return "unix:" + target
+        return "unix://" + target
     return target
 
 

@@ -1,6 +1,12 @@
-"""The one place where gRPC errors become :mod:`kvd_client.errors` classes.
+"""The one place where gRPC status codes meet :mod:`kvd_client.errors`: every edge uses it.
 
-Callers catch ``errors.UnknownLease`` or ``errors.Unavailable``, never ``grpc.RpcError``: every
+* The client (sync and asyncio) and the daemon's peer client turn ``grpc.RpcError`` into the
+  kvd class the daemon raised (:func:`to_kvd_error`);
+* the daemon's server edge turns a :class:`~kvd_client.errors.KvdError` into a status code and
+  trailing metadata (:func:`status_code`, :func:`error_metadata`).
+
+Codes are mapped by name (kvd's :class:`~kvd_client.errors.ErrorCode` uses the canonical names).
+Client callers catch ``errors.UnknownLease`` or ``errors.Unavailable``, never ``grpc.RpcError``: every
 client method goes through :func:`translate` (sync) or :func:`translate_async`, and streaming
 methods through :func:`translate_iter` / :func:`translate_aiter`. The daemon names the exact
 class in trailing metadata (``kvd-error-class``); without it the status code table gives the
@@ -24,10 +30,33 @@ from typing import Any, ParamSpec, TypeVar
 import grpc
 
 from . import errors
+from .errors import ErrorCode
 
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
+
+
+def status_code(code: ErrorCode) -> grpc.StatusCode:
+    """The gRPC status code a kvd error code travels as."""
+    return grpc.StatusCode[code.name]
+
+
+def error_code(status: grpc.StatusCode) -> ErrorCode:
+    """The kvd error code of a gRPC status code."""
+    return ErrorCode[status.name]
+
+
+def error_metadata(exc: errors.KvdError) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata naming the exact class, so the other side rebuilds the same class."""
+    return ((errors.ERROR_CLASS_METADATA_KEY, type(exc).__name__),)
+
+
+def error_class_name(err: grpc.RpcError) -> str:
+    """The exact class a daemon named in an error's trailing metadata, or ""."""
+    trailing_fn = getattr(err, "trailing_metadata", None)
+    trailing = trailing_fn() if callable(trailing_fn) else None
+    return _metadata_value(trailing, errors.ERROR_CLASS_METADATA_KEY)
 
 
 def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str:
@@ -43,16 +72,20 @@ def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str:
 
 def to_kvd_error(err: grpc.RpcError) -> errors.KvdError:
     """The kvd error an RpcError stands for (works for sync and aio errors alike)."""
+    return errors.from_status(rpc_error_code(err), rpc_error_details(err), error_class_name(err))
+
+
+def rpc_error_code(err: grpc.RpcError) -> ErrorCode:
+    """The kvd code of an RpcError (UNKNOWN when it carries none)."""
     code_fn = getattr(err, "code", None)
     code = code_fn() if callable(code_fn) else None
-    if not isinstance(code, grpc.StatusCode):
-        code = grpc.StatusCode.UNKNOWN
+    return error_code(code) if isinstance(code, grpc.StatusCode) else ErrorCode.UNKNOWN
+
+
+def rpc_error_details(err: grpc.RpcError) -> str:
+    """The details string of an RpcError ("" when it carries none)."""
     details_fn = getattr(err, "details", None)
-    details = (details_fn() if callable(details_fn) else None) or ""
-    trailing_fn = getattr(err, "trailing_metadata", None)
-    trailing = trailing_fn() if callable(trailing_fn) else None
-    class_name = _metadata_value(trailing, errors.ERROR_CLASS_METADATA_KEY)
-    return errors.from_status(code, details, class_name)
+    return str((details_fn() if callable(details_fn) else None) or "")
 
 
 def translate(fn: Callable[P, R]) -> Callable[P, R]:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvd.v1 import engine_pb2 as kvd_dot_v1_dot_engine__pb2
+from kvd_client.v1 import engine_pb2 as kvd_dot_v1_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
