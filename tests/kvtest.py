@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvd.core import metrics_text
-from kvd.core.memory import create_shm_tensor, unlink_shm
+from kvd_client.shm import create_shm_tensor, unlink_shm
 from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec, contiguous_placements
 from kvd.server import convert
 from kvd_client.v1 import common_pb2

@@ -538,7 +538,8 @@ class Daemon:
         real path. One scratch engine per daemon; a different size or seed replaces it.
         """
         from kvd.core import scratch  # noqa: PLC0415
-        from kvd.core.memory import MemoryKind, create_shm_tensor, unlink_shm  # noqa: PLC0415
+        from kvd.core.memory import MemoryKind  # noqa: PLC0415
+        from kvd_client.shm import create_shm_tensor, unlink_shm  # noqa: PLC0415
         from kvd.layout.spec import contiguous_placements  # noqa: PLC0415
 
         self.require_serving()

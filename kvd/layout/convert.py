@@ -30,7 +30,7 @@ from kvd.layout.spec import KvLayout
 if TYPE_CHECKING:
     import torch
 
-    from kvd.layout.plan import EngineView
+    from kvd.layout.plan_types import EngineView
 
 __all__ = ["BlockFrame", "ConvertPostprocess", "StagedSource", "word_size"]
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from kvd.layout.convert import BlockFrame, ConvertPostprocess, StagedSource
 from kvd.layout.geometry import DescGeometry, max_run_log2_for, split_runs
-from kvd.layout.plan import EngineView, PullPlan, ReadGroup, Target, check_convertible, validate_pull
+from kvd.layout.plan_types import EngineView, PullPlan, ReadGroup, Target, check_convertible, validate_pull
 from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec, contiguous_placements
 from kvd_client.errors import IncompatibleLayout
 

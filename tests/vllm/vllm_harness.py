@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvd_engine.reference_engine import kv_values, oracle_next_token
+from kvd.demo.reference_engine import kv_values, oracle_next_token
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

@@ -15,7 +15,7 @@ from kvd_engine.daemon_link import DaemonLink
 from kvd_engine.hostcopy import AsyncHostCopy
 from kvd_engine.metadata import KvdConnectorMetadata
 from kvd_engine.nwor import DeferredWriteManager, acceptance_mask, committed_watermarks, num_valid_tokens
-from kvd_engine.reference_engine import AcceptancePattern, ReferenceEngine
+from kvd.demo.reference_engine import AcceptancePattern, ReferenceEngine
 from kvd_engine.signals import StepSignal, StepSignaler
 from kvd_engine.worker import KvdWorker
 

@@ -10,7 +10,7 @@ import torch
 from engine_fakes import forbid_sync_ops
 from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
 from kvd_engine.engine_api import NullWorkerConnector, TransferResults
-from kvd_engine.reference_engine import (
+from kvd.demo.reference_engine import (
     AcceptancePattern,
     BlockAllocator,
     OutOfBlocks,

@@ -9,7 +9,7 @@ from kvd_client import errors
 from kvd_engine.config import KvdConnectorConfig
 from kvd_engine.engine_api import ScheduledRequest, StepView
 from kvd_engine.params import make_params, remote_kv
-from kvd_engine.reference_engine import EngineRequest, RequestStatus
+from kvd.demo.reference_engine import EngineRequest, RequestStatus
 from kvd_engine.scheduler import KvdScheduler
 
 

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .cache_layout import NULL_BLOCK, CacheGeometry, KvFormat, KvLayout, SlotIO
-from .engine_api import (
+from kvd_engine.cache_layout import NULL_BLOCK, CacheGeometry, KvFormat, KvLayout, SlotIO
+from kvd_engine.engine_api import (
     NullSchedulerConnector,
     NullWorkerConnector,
     ScheduledRequest,
@@ -48,9 +48,9 @@ from .engine_api import (
     TransferResults,
     WorkerConnector,
 )
-from .hostcopy import AsyncHostCopy
-from .nwor import DeferredWriteManager, NworMode, acceptance_mask, committed_watermarks, num_valid_tokens
-from .shm import ShmRegion, create_shm_region
+from kvd_engine.hostcopy import AsyncHostCopy
+from kvd_engine.nwor import DeferredWriteManager, NworMode, acceptance_mask, committed_watermarks, num_valid_tokens
+from kvd_engine.shm import ShmRegion, create_shm_region
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ sockets. This module runs:
    threshold), checks every byte it reads, and answers.
 
 Every KV vector an engine reads is checked against the deterministic model, so a wrong byte
-anywhere fails the demo. It imports no daemon code (kvd_engine never does).
+anywhere fails the demo. It talks to the daemons only through the connector (kvd_engine) and the client.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from .cache_layout import KvLayout
-from .config import KvdConnectorConfig
-from .local import kvd_connectors
-from .reference_engine import AcceptancePattern, ReferenceEngine
+from kvd_engine.cache_layout import KvLayout
+from kvd_engine.config import KvdConnectorConfig
+from kvd_engine.local import kvd_connectors
+from kvd.demo.reference_engine import AcceptancePattern, ReferenceEngine
 
 __all__ = ["DemoReport", "TurnReport", "format_report", "run_conversation"]
 

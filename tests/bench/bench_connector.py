@@ -1,6 +1,6 @@
 """Per-step cost of kvd's connector on the engine's critical path.
 
-``python -m kvd_engine.bench [--requests 64] [--steps 3000] [--speculative]`` times, per
+``python tests/bench/bench_connector.py [--requests 64] [--steps 3000] [--speculative]`` times, per
 engine step with N running decode requests, what the engine's threads pay for kvd: the
 scheduler half's ``build_connector_meta`` plus the worker half's hooks (bind, start_load_kv,
 get_transfer_results, the watermark hand-off, wait_for_save, clear), with the commits and
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from .cache_layout import CacheGeometry
-from .config import KvdConnectorConfig
-from .engine_api import NullSchedulerConnector, NullWorkerConnector, ScheduledRequest, StepView
-from .scheduler import KvdScheduler
-from .shm import create_shm_region
-from .worker import KvdWorker
+from kvd_engine.cache_layout import CacheGeometry
+from kvd_engine.config import KvdConnectorConfig
+from kvd_engine.engine_api import NullSchedulerConnector, NullWorkerConnector, ScheduledRequest, StepView
+from kvd_engine.scheduler import KvdScheduler
+from kvd_engine.shm import create_shm_region
+from kvd_engine.worker import KvdWorker
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def run(requests: int = 64, steps: int = 3000, speculative: bool = False, warmup
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvd_engine.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tests/bench/bench_connector.py", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--speculative", action="store_true", help="watermarks from the device (NWOR path)")
