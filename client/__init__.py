@@ -12,6 +12,7 @@ clients load on first use. ``KvdClient`` blocks, ``AsyncKvdClient`` is for async
         status = kvd.get_status()
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import errors
@@ -46,9 +47,9 @@ if TYPE_CHECKING:
     from . import pb
     from ._aio_engine_stream import AsyncEngineStream
     from ._base import DEFAULT_TIMEOUT_S
-    from .channel import MAX_MESSAGE_BYTES, TlsConfig, create_aio_channel, create_channel
     from ._engine_stream import EngineStream
     from .aio import AsyncKvdClient
+    from .channel import MAX_MESSAGE_BYTES, TlsConfig, create_aio_channel, create_channel
     from .sync import KvdClient
 
 # Loaded on first use (PEP 562): ``import kvd_client.errors`` (what the daemon's core and the
@@ -72,8 +73,6 @@ def __getattr__(name: str) -> Any:
         module_name, attr = _LAZY[name]
     except KeyError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    import importlib
-
     module = importlib.import_module(module_name, __name__)
     value = module if attr is None else getattr(module, attr)
     globals()[name] = value

@@ -91,9 +91,7 @@ def transfer_error(status: common_pb2.TransferStatus) -> errors.KvdError | None:
     else:
         return None
     code = ErrorCode.__members__.get(status.error_code, fallback)
-    message = status.error_message or (
-        f"transfer {status.transfer_id} {common_pb2.TransferState.Name(status.state)}"
-    )
+    message = status.error_message or (f"transfer {status.transfer_id} {common_pb2.TransferState.Name(status.state)}")
     return errors.from_status(code, message)
 
 

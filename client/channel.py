@@ -126,9 +126,7 @@ def is_unix_target(target: str) -> bool:
     return normalize_target(target).startswith(("unix:", "unix-abstract:"))
 
 
-def channel_options(
-    tls: TlsConfig | None = None, extra: ChannelOptions = ()
-) -> list[tuple[str, Any]]:
+def channel_options(tls: TlsConfig | None = None, extra: ChannelOptions = ()) -> list[tuple[str, Any]]:
     """The default options, then TLS's, then ``extra``; later entries replace earlier ones."""
     merged: dict[str, Any] = dict(DEFAULT_OPTIONS)
     if tls is not None and tls.server_name_override:
@@ -137,9 +135,7 @@ def channel_options(
     return list(merged.items())
 
 
-def create_channel(
-    target: str, *, tls: TlsConfig | None = None, options: ChannelOptions = ()
-) -> grpc.Channel:
+def create_channel(target: str, *, tls: TlsConfig | None = None, options: ChannelOptions = ()) -> grpc.Channel:
     """A sync channel to a daemon (see :func:`normalize_target` for ``target``)."""
     address = normalize_target(target)
     opts = channel_options(tls, options)
@@ -149,9 +145,7 @@ def create_channel(
     return grpc.secure_channel(address, tls.credentials(), options=opts)
 
 
-def create_aio_channel(
-    target: str, *, tls: TlsConfig | None = None, options: ChannelOptions = ()
-) -> grpc.aio.Channel:
+def create_aio_channel(target: str, *, tls: TlsConfig | None = None, options: ChannelOptions = ()) -> grpc.aio.Channel:
     """An asyncio channel to a daemon; call it from the event loop that will use it."""
     address = normalize_target(target)
     opts = channel_options(tls, options)

@@ -27,6 +27,7 @@ class Record(Protocol):
 R = TypeVar("R", bound=Record)
 M = TypeVar("M")
 
+
 def field_names(record_type: type[Record]) -> tuple[str, ...]:
     """The record's (and its message's) field names, in proto order."""
     return tuple(f.name for f in dataclasses.fields(record_type))

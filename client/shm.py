@@ -57,7 +57,7 @@ def create_shm_file(name: str, nbytes: int) -> Path:
 
 def create_shm_tensor(name: str, nbytes: int) -> torch.Tensor:
     """Create ``/dev/shm/<name>`` as :func:`create_shm_file` does and map it: a flat uint8 tensor."""
-    import torch
+    import torch  # noqa: PLC0415 - only this function needs torch; the client does not depend on it
 
     path = create_shm_file(name, nbytes)
     try:

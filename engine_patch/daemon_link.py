@@ -102,7 +102,7 @@ ClientFactory = Callable[[str, float], Any]
 
 
 def _default_client(target: str, timeout_s: float) -> Any:
-    from kvd_client import KvdClient
+    from kvd_client import KvdClient  # noqa: PLC0415 - grpc loads with the first link, not the import
 
     return KvdClient(target, timeout_s=timeout_s)
 
@@ -365,7 +365,7 @@ class DaemonLink:
 
 
 def _transfer_params(fields: Mapping[str, Any]) -> Any:
-    from kvd_client.v1 import common_pb2
+    from kvd_client.v1 import common_pb2  # noqa: PLC0415 - protobuf loads with the first pull
 
     return to_message(from_fields(KvTransferParams, fields), common_pb2.KvTransferParams)
 

@@ -100,7 +100,7 @@ def build_registration(
     engine_pid: int | None = None,
 ) -> Any:
     """The ``kvd.v1.RegisterKvCacheRequest`` for one rank; moves host KV into shm first."""
-    from kvd_client.v1 import common_pb2, engine_pb2
+    from kvd_client.v1 import common_pb2, engine_pb2  # noqa: PLC0415 - protobuf loads with registration
 
     layers = ordered_layers(kv_caches)
     if len(layers) != geometry.num_layers:

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/kvtest.py helpers
 
-from kvd.cli.spawn import DaemonProcess, start_daemon  # noqa: E402
+from kvd.cli.spawn import DaemonProcess, start_daemon
 
 
 @pytest.fixture

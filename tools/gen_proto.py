@@ -57,7 +57,7 @@ def _protos() -> list[str]:
 
 
 def _protoc(args: list[str]) -> None:
-    from grpc_tools import protoc  # only needed by developers and CI, not at run time
+    from grpc_tools import protoc  # noqa: PLC0415 - a development tool, not a run-time dependency
 
     well_known = str(importlib.resources.files("grpc_tools") / "_proto")
     rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", *args, *_protos()])
@@ -92,7 +92,7 @@ def _doc(comment: str | None, name: str) -> str:
 
 
 def _schema_source(descriptor_set: bytes) -> str:
-    from google.protobuf import descriptor_pb2
+    from google.protobuf import descriptor_pb2  # noqa: PLC0415 - as grpc_tools above
 
     files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set).file
     enums: list[str] = []
@@ -154,9 +154,7 @@ def _schema_source(descriptor_set: bytes) -> str:
         "__all__ = [\n"
         + "".join(
             f'    "{name}",\n'
-            for name in sorted(
-                [e.split("(")[0].removeprefix("class ") for e in enums] + list(records)
-            )
+            for name in sorted([e.split("(")[0].removeprefix("class ") for e in enums] + list(records))
         )
         + "]\n"
     )

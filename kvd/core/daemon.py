@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-
 from kvd.config import KvdConfig
 from kvd.core.commits import CommitTracker
 from kvd.core.dataplane import LOCAL, DataPlane
@@ -539,8 +538,8 @@ class Daemon:
         """
         from kvd.core import scratch  # noqa: PLC0415
         from kvd.core.memory import MemoryKind  # noqa: PLC0415
-        from kvd_client.shm import create_shm_tensor, unlink_shm  # noqa: PLC0415
         from kvd.layout.spec import contiguous_placements  # noqa: PLC0415
+        from kvd_client.shm import create_shm_tensor, unlink_shm  # noqa: PLC0415
 
         self.require_serving()
         if not 0 < size_bytes <= scratch.MAX_SCRATCH_BYTES:

@@ -18,7 +18,10 @@ class Metrics:
             "kvd_transfer_bytes", "KV bytes moved through NIXL", ["peer", "direction"], registry=r
         )
         self.transfers = Counter(
-            "kvd_transfers", "Transfers by outcome (done, failed, aborted)", ["peer", "direction", "outcome"], registry=r
+            "kvd_transfers",
+            "Transfers by outcome (done, failed, aborted)",
+            ["peer", "direction", "outcome"],
+            registry=r,
         )
         self.transfer_seconds = Histogram(
             "kvd_transfer_duration_seconds",

@@ -22,7 +22,7 @@ from kvd.core.dataplane import LOCAL, DataPlane, XferState
 from kvd.core.events import FinishedRecving, LoadFailed
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import PeerSession, Peers, PeerTransport, PrepareResult, RemoteEngine
+from kvd.core.peers import Peers, PeerSession, PeerTransport, PrepareResult, RemoteEngine
 from kvd.core.registry import EngineRank
 from kvd.core.staging import StagingChunk, StagingPool
 from kvd.core.transfers import Transfer, TransferState

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from kvd.demo.reference_engine import AcceptancePattern, ReferenceEngine
 from kvd_engine.cache_layout import KvLayout
 from kvd_engine.config import KvdConnectorConfig
 from kvd_engine.local import kvd_connectors
-from kvd.demo.reference_engine import AcceptancePattern, ReferenceEngine
 
 __all__ = ["DemoReport", "TurnReport", "format_report", "run_conversation"]
 

@@ -94,7 +94,9 @@ def _same_layout_group(
     local_start, remote_start, log2_len, _ = split_runs(local_units, remote_units, local_geo.max_run_log2)
     pieces = log2_len.size
     plane = np.repeat(np.arange(len(local_geo.planes), dtype=np.int64), pieces)
-    local_idx = local_geo.index(plane, np.tile(local_start, len(local_geo.planes)), np.tile(log2_len, len(local_geo.planes)))
+    local_idx = local_geo.index(
+        plane, np.tile(local_start, len(local_geo.planes)), np.tile(log2_len, len(local_geo.planes))
+    )
     remote_idx = remote_geo.index(
         plane, np.tile(remote_start, len(remote_geo.planes)), np.tile(log2_len, len(remote_geo.planes))
     )
@@ -125,7 +127,9 @@ def plan_pull(
     validate_pull(any_remote, local.spec, remote_block_ids, local_block_ids, num_tokens)
     local_rank = local.spec.tp_rank
     if same_layout(any_remote, local.spec) and local_rank in remote:
-        return _plan_same_layout(remote[local_rank], local, remote_block_ids, local_block_ids, num_tokens, max_run_blocks)
+        return _plan_same_layout(
+            remote[local_rank], local, remote_block_ids, local_block_ids, num_tokens, max_run_blocks
+        )
     return convert_plan.plan_conversion(
         remote,
         local,
@@ -158,7 +162,9 @@ def _plan_same_layout(
         k = min(remote_geo.max_run_log2, local_geo.max_run_log2)
         remote_geo = dataclasses.replace(remote_geo, max_run_log2=k)
         local_geo = dataclasses.replace(local_geo, max_run_log2=k)
-        groups.append(_same_layout_group(rank, remote_geo, remote_ids[:full_blocks], local_geo, local_ids[:full_blocks]))
+        groups.append(
+            _same_layout_group(rank, remote_geo, remote_ids[:full_blocks], local_geo, local_ids[:full_blocks])
+        )
     if tail_tokens:
         remote_geo = partial_block_geometry(remote, tail_tokens)
         local_geo = partial_block_geometry(local, tail_tokens)

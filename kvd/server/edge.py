@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-async def _abort(context: grpc.aio.ServicerContext, metrics: Metrics | None, operation: str, exc: BaseException) -> None:
+async def _abort(
+    context: grpc.aio.ServicerContext, metrics: Metrics | None, operation: str, exc: BaseException
+) -> None:
     if not isinstance(exc, KvdError):
         logger.exception("internal error in %s", operation, exc_info=exc)
         exc = Internal(f"internal error in {operation}; see the daemon's log")
@@ -46,7 +48,7 @@ def rpc(method: F) -> F:
             try:
                 async for item in method(self, request, context):
                     yield item
-            except (KvdError, Exception) as exc:  # noqa: BLE001 - this is the one mapping point
+            except (KvdError, Exception) as exc:
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
                 await _abort(context, getattr(self, "metrics", None), operation, exc)

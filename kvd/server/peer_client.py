@@ -35,7 +35,12 @@ def _to_kvd(exc: grpc.RpcError, address: str, what: str) -> KvdError:
 class GrpcPeerTransport:
     """PeerTransport over grpc.aio (TLS when credentials are given)."""
 
-    def __init__(self, own_address: Callable[[], str], own_incarnation: Callable[[], str], credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        own_address: Callable[[], str],
+        own_incarnation: Callable[[], str],
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self._own_address = own_address
         self._own_incarnation = own_incarnation
         self._credentials = credentials
@@ -58,7 +63,9 @@ class GrpcPeerTransport:
             raise _to_kvd(exc, address, what) from exc
 
     async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo:
-        request = peer_pb2.HandshakeRequest(caller_incarnation=self._own_incarnation(), caller_address=self._own_address())
+        request = peer_pb2.HandshakeRequest(
+            caller_incarnation=self._own_incarnation(), caller_address=self._own_address()
+        )
         response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
         return convert.handshake_from_pb(response)
 
@@ -89,7 +96,9 @@ class GrpcPeerTransport:
         response = await self._call(address, "prepare pull", lambda stub: stub.PreparePull(request, timeout=timeout_s))
         return PrepareResult(tuple(response.registration_ids), response.notif_tag)
 
-    async def abandon_pull(self, address: str, lease_id: str, reader_tp_rank: int, reason: str, timeout_s: float) -> None:
+    async def abandon_pull(
+        self, address: str, lease_id: str, reader_tp_rank: int, reason: str, timeout_s: float
+    ) -> None:
         request = peer_pb2.AbandonPullRequest(lease_id=lease_id, reader_tp_rank=reader_tp_rank, reason=reason[:500])
         await self._call(address, "abandon pull", lambda stub: stub.AbandonPull(request, timeout=timeout_s))
 

@@ -160,7 +160,9 @@ def test_importing_the_core_and_layout_loads_no_grpc() -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("module", ["kvd_client.errors", "kvd_client.v1.schema", "kvd_client.records", "kvd_client.shm"])
+@pytest.mark.parametrize(
+    "module", ["kvd_client.errors", "kvd_client.v1.schema", "kvd_client.records", "kvd_client.shm"]
+)
 def test_the_shared_client_modules_load_only_the_standard_library(module: str) -> None:
     """What the daemon's core and the engine patch import from the client costs no third-party import."""
     result = _run(

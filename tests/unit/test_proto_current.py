@@ -29,9 +29,7 @@ def test_generated_protobuf_code_is_current(tmp_path: Path) -> None:
     assert fresh, "gen_proto wrote nothing"
     assert {p.name for p in tmp_path.iterdir()} == set(fresh), "generate() did not report every file"
     checked_in = {
-        path.name: path.read_bytes()
-        for path in GENERATED.iterdir()
-        if path.is_file() and path.name not in HAND_WRITTEN
+        path.name: path.read_bytes() for path in GENERATED.iterdir() if path.is_file() and path.name not in HAND_WRITTEN
     }
     assert sorted(checked_in) == sorted(fresh), "client/v1 has missing or stale generated files"
     stale = [name for name in sorted(fresh) if checked_in[name] != fresh[name]]

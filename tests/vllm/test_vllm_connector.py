@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import kvd_engine.daemon_link as daemon_link
 import pytest
 import torch
 from engine_fakes import FakeDaemon, wait_until
-from kvd_engine.cache_layout import KvFormat, KvLayout
 from vllm_harness import VllmEngine, expected_kv, tiny_model_dir
+
+import kvd_engine.daemon_link as daemon_link
+from kvd_engine.cache_layout import KvFormat, KvLayout
 
 pytestmark = pytest.mark.vllm
 

@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 import torch
 from engine_fakes import forbid_sync_ops
-from kvd_engine import vllm_nwor
-from kvd_engine.nwor import DeferredWriteManager
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from kvd_engine import vllm_nwor
+from kvd_engine.nwor import DeferredWriteManager
 
 pytestmark = pytest.mark.vllm
 
@@ -45,7 +46,7 @@ class StubRunner(GPUModelRunner):
         starts: list[int],
         positions: list[int],
         req_ids: list[str],
-    ) -> None:  # noqa: D107
+    ) -> None:
         self.caches = caches
         self.impl = StubImpl()
         self.input_batch = SimpleNamespace(

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvd.demo.reference_engine import kv_values, oracle_next_token
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -27,6 +26,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvd.demo.reference_engine import kv_values, oracle_next_token
 
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2

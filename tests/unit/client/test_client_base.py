@@ -7,15 +7,13 @@ import math
 import grpc
 import pytest
 
-from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 from kvd_client import _base, errors
 from kvd_client.grpc_errors import error_code, error_metadata, status_code, to_kvd_error
+from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 
 
 def test_build_request_sets_only_given_fields() -> None:
-    req = _base.build_request(
-        engine_pb2.HoldBlocksRequest, None, engine_id="e", request_id=None, block_ids=[1, 2]
-    )
+    req = _base.build_request(engine_pb2.HoldBlocksRequest, None, engine_id="e", request_id=None, block_ids=[1, 2])
     assert req == engine_pb2.HoldBlocksRequest(engine_id="e", block_ids=[1, 2])
 
 
@@ -48,8 +46,12 @@ def test_time_left() -> None:
 
 @pytest.mark.parametrize(
     "state",
-    [common_pb2.TRANSFER_STATE_PLANNED, common_pb2.TRANSFER_STATE_READING,
-     common_pb2.TRANSFER_STATE_POSTPROCESSING, common_pb2.TRANSFER_STATE_DONE],
+    [
+        common_pb2.TRANSFER_STATE_PLANNED,
+        common_pb2.TRANSFER_STATE_READING,
+        common_pb2.TRANSFER_STATE_POSTPROCESSING,
+        common_pb2.TRANSFER_STATE_DONE,
+    ],
 )
 def test_no_error_for_live_or_done_transfers(state: common_pb2.TransferState) -> None:
     assert _base.transfer_error(common_pb2.TransferStatus(state=state, error_code="X")) is None
@@ -57,8 +59,10 @@ def test_no_error_for_live_or_done_transfers(state: common_pb2.TransferState) ->
 
 def test_transfer_error_maps_code_names() -> None:
     status = common_pb2.TransferStatus(
-        transfer_id="t", state=common_pb2.TRANSFER_STATE_FAILED,
-        error_code="DEADLINE_EXCEEDED", error_message="pull of t ran past its deadline",
+        transfer_id="t",
+        state=common_pb2.TRANSFER_STATE_FAILED,
+        error_code="DEADLINE_EXCEEDED",
+        error_message="pull of t ran past its deadline",
     )
     err = _base.transfer_error(status)
     assert type(err) is errors.DeadlineExceeded and "deadline" in str(err)
@@ -67,9 +71,7 @@ def test_transfer_error_maps_code_names() -> None:
 
 
 def test_transfer_error_with_unknown_code_falls_back() -> None:
-    failed = common_pb2.TransferStatus(
-        transfer_id="t", state=common_pb2.TRANSFER_STATE_FAILED, error_code="NONSENSE"
-    )
+    failed = common_pb2.TransferStatus(transfer_id="t", state=common_pb2.TRANSFER_STATE_FAILED, error_code="NONSENSE")
     err = _base.transfer_error(failed)
     assert type(err) is errors.Internal and "TRANSFER_STATE_FAILED" in str(err)
     aborted = common_pb2.TransferStatus(state=common_pb2.TRANSFER_STATE_ABORTED)
@@ -98,7 +100,8 @@ def test_to_kvd_error_reads_class_from_either_metadata_shape() -> None:
     )
     assert type(to_kvd_error(as_tuple)) is errors.UnknownLease
     as_aio = _FakeRpcError(
-        grpc.StatusCode.NOT_FOUND, "no engine",
+        grpc.StatusCode.NOT_FOUND,
+        "no engine",
         grpc.aio.Metadata(("kvd-error-class", "UnknownEngine")),
     )
     assert type(to_kvd_error(as_aio)) is errors.UnknownEngine

@@ -24,4 +24,4 @@ def test_response_bytes_parse_to_the_same_status(status: int) -> None:
 
 
 def test_method_path_is_the_stock_one() -> None:
-    assert _health.CHECK_METHOD == "/" + health_pb2.DESCRIPTOR.services_by_name["Health"].full_name + "/Check"
+    assert "/" + health_pb2.DESCRIPTOR.services_by_name["Health"].full_name + "/Check" == _health.CHECK_METHOD

@@ -24,7 +24,7 @@ def test_each_enum_has_the_wire_values_but_unspecified(enum_type: type) -> None:
 
 @pytest.mark.parametrize(("record_type", "message_type"), RECORDS.items(), ids=lambda t: t.__name__)
 def test_each_record_has_the_message_fields_in_order(record_type: type, message_type: type) -> None:
-    assert record_type.PROTO == message_type.DESCRIPTOR.full_name
+    assert message_type.DESCRIPTOR.full_name == record_type.PROTO
     assert records.field_names(record_type) == tuple(f.name for f in message_type.DESCRIPTOR.fields)
     for field in message_type.DESCRIPTOR.fields:
         repeated = field.is_repeated
@@ -34,8 +34,15 @@ def test_each_record_has_the_message_fields_in_order(record_type: type, message_
 
 def test_params_round_trip_through_the_message_and_the_wire() -> None:
     params = schema.KvTransferParams(
-        daemon_address="h:1", daemon_incarnation="inc", engine_id="e", tp_size=2, lease_id="l",
-        block_ids=(3, 1, 2), num_tokens=40, request_id="r", lease_expires_unix_ms=17,
+        daemon_address="h:1",
+        daemon_incarnation="inc",
+        engine_id="e",
+        tp_size=2,
+        lease_id="l",
+        block_ids=(3, 1, 2),
+        num_tokens=40,
+        request_id="r",
+        lease_expires_unix_ms=17,
     )
     message = records.to_message(params, common_pb2.KvTransferParams)
     wire = common_pb2.KvTransferParams.FromString(message.SerializeToString())

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from kvd_client.errors import Aborted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd.core.commits import CommitTracker
+from kvd_client.errors import Aborted
 
 
 def test_unknown_request_has_watermark_zero() -> None:
@@ -79,7 +78,7 @@ def test_wait_for_returns_false_on_timeout_and_leaves_no_waiter() -> None:
         start = loop.time()
         assert await tracker.wait_for("e", 0, "r", 6, timeout_s=0.05) is False
         assert loop.time() - start >= 0.04
-        assert tracker._waiters == {}  # noqa: SLF001 - no leaked waiter after a timeout
+        assert tracker._waiters == {}
         tracker.commit("e", 0, "r", 6)
         assert tracker.watermark("e", 0, "r") == 6
 

@@ -63,7 +63,7 @@ def test_config_is_frozen() -> None:
 def test_every_field_has_help_text_and_a_flag() -> None:
     """Each field carries help text, and add_config_flags makes one --flag per field."""
     parser = _parser()
-    dests = {action.dest for action in parser._actions}  # noqa: SLF001 - argparse has no public listing
+    dests = {action.dest for action in parser._actions}
     for f in dataclasses.fields(KvdConfig):
         assert f.metadata.get("help"), f"field {f.name} has no help text"
         assert f.name in dests
@@ -147,8 +147,12 @@ def test_flag_coercion_error_names_flag_and_field(field: str, bad: str) -> None:
 
 @pytest.mark.parametrize(
     ("line", "field"),
-    [('port = "eighty"', "port"), ("lease_ttl_s = [1, 2]", "lease_ttl_s"), ("port = true", "port"),
-     ("nixl_backends = 5", "nixl_backends")],
+    [
+        ('port = "eighty"', "port"),
+        ("lease_ttl_s = [1, 2]", "lease_ttl_s"),
+        ("port = true", "port"),
+        ("nixl_backends = 5", "nixl_backends"),
+    ],
 )
 def test_file_coercion_error_names_file_and_field(tmp_path: Path, line: str, field: str) -> None:
     """A TOML value of the wrong type fails naming the file and the field."""
@@ -185,7 +189,8 @@ def test_unreadable_or_malformed_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "unknown"), [("prot = 1\n", "prot"), ("[kvd]\nlease_ttl = 3\n", "lease_ttl"), ("[kvdd]\nport = 1\n", "kvdd")]
+    ("text", "unknown"),
+    [("prot = 1\n", "prot"), ("[kvd]\nlease_ttl = 3\n", "lease_ttl"), ("[kvdd]\nport = 1\n", "kvdd")],
 )
 def test_unknown_toml_keys_are_refused(tmp_path: Path, text: str, unknown: str) -> None:
     """A misspelt key (or table) is refused, naming it, instead of being ignored."""
@@ -304,7 +309,9 @@ def _configs(draw: st.DrawFn) -> KvdConfig:
         direct_read_min_bytes=draw(st.integers(0, 1 << 30)),
         staging_pool_bytes=draw(st.integers(0, 1 << 40)),
         staging_wait_s=draw(_durations),
-        nixl_backends=tuple(draw(st.lists(st.sampled_from(["UCX", "GDS", "POSIX", "LIBFABRIC"]), min_size=1, max_size=3))),
+        nixl_backends=tuple(
+            draw(st.lists(st.sampled_from(["UCX", "GDS", "POSIX", "LIBFABRIC"]), min_size=1, max_size=3))
+        ),
         agent_name_prefix=draw(_safe_text),
         tls_cert=draw(_safe_text) if tls else "",
         tls_key=draw(_safe_text) if tls else "",

@@ -13,8 +13,8 @@ from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import DTYPE_SIZES, KvFormat, KvLayout, LayerPlacement, LayoutSpec, contiguous_placements
 from kvd.server import convert
-from kvd_client.v1 import common_pb2, peer_pb2
 from kvd_client.errors import InvalidArgument, PeerUnavailable
+from kvd_client.v1 import common_pb2, peer_pb2
 
 
 @st.composite
@@ -53,9 +53,7 @@ def test_layout_round_trips(spec: LayoutSpec) -> None:
 
 def test_layout_tp_size_zero_means_one() -> None:
     """An unset tp_size (proto default 0) is read as 1."""
-    msg = convert.layout_to_pb(
-        LayoutSpec(2, KvFormat.SPLIT, KvLayout.NHD, 16, 8, 128, "bfloat16", 10)
-    )
+    msg = convert.layout_to_pb(LayoutSpec(2, KvFormat.SPLIT, KvLayout.NHD, 16, 8, 128, "bfloat16", 10))
     msg.tp_size = 0
     assert convert.layout_from_pb(msg).tp_size == 1
 
@@ -90,7 +88,10 @@ def test_invalid_layout_values_are_refused_by_the_spec() -> None:
 def test_placement_round_trips(region: int, k: int, v: int) -> None:
     """A layer placement survives the wire unchanged (full uint64 offsets)."""
     p = LayerPlacement(region, k, v)
-    assert convert.placement_from_pb(common_pb2.LayerPlacement.FromString(convert.placement_to_pb(p).SerializeToString())) == p
+    assert (
+        convert.placement_from_pb(common_pb2.LayerPlacement.FromString(convert.placement_to_pb(p).SerializeToString()))
+        == p
+    )
 
 
 _text = st.text(max_size=40)
@@ -145,7 +146,10 @@ def test_cuda_ipc_region_from_pb() -> None:
 @pytest.mark.parametrize(
     ("msg", "message"),
     [
-        (common_pb2.MemoryRegion(kind=common_pb2.MEMORY_KIND_SHM, size_bytes=1), "region 2: a MEMORY_KIND_SHM region needs shm_name"),
+        (
+            common_pb2.MemoryRegion(kind=common_pb2.MEMORY_KIND_SHM, size_bytes=1),
+            "region 2: a MEMORY_KIND_SHM region needs shm_name",
+        ),
         (
             common_pb2.MemoryRegion(kind=common_pb2.MEMORY_KIND_SHM, cuda_ipc=common_pb2.CudaIpcHandle()),
             "needs shm_name",
@@ -170,14 +174,22 @@ def test_transfer_to_pb_maps_every_state(state: TransferState) -> None:
     t = Transfer("t", "r", "e", 1, "peer:1", (1,), 5.0, state=state, nbytes=100, descriptors=3, direct=False)
     msg = convert.transfer_to_pb(t)
     assert common_pb2.TransferState.Name(msg.state) == f"TRANSFER_STATE_{state.value}"
-    assert (msg.transfer_id, msg.request_id, msg.engine_id, msg.tp_rank, msg.peer_address) == ("t", "r", "e", 1, "peer:1")
+    assert (msg.transfer_id, msg.request_id, msg.engine_id, msg.tp_rank, msg.peer_address) == (
+        "t",
+        "r",
+        "e",
+        1,
+        "peer:1",
+    )
     assert (msg.bytes, msg.descriptors, msg.direct) == (100, 3, False)
     assert msg.error_code == "" and msg.error_message == ""
 
 
 def test_transfer_to_pb_carries_the_error() -> None:
     """A failed transfer's error travels as its status code name and message."""
-    t = Transfer("t", "r", "e", 0, "peer:1", (1,), 5.0, state=TransferState.FAILED, error=PeerUnavailable("peer:1 died"))
+    t = Transfer(
+        "t", "r", "e", 0, "peer:1", (1,), 5.0, state=TransferState.FAILED, error=PeerUnavailable("peer:1 died")
+    )
     msg = convert.transfer_to_pb(t)
     assert (msg.error_code, msg.error_message) == ("UNAVAILABLE", "peer:1 died")
 

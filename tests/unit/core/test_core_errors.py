@@ -120,7 +120,7 @@ def test_from_status_of_an_unmapped_code_keeps_the_code() -> None:
 
 def test_retryable_status() -> None:
     """Only 'this endpoint is failing right now' codes are retryable: UNAVAILABLE and RESOURCE_EXHAUSTED."""
-    assert RETRYABLE_STATUS == frozenset({S.UNAVAILABLE, S.RESOURCE_EXHAUSTED})
+    assert frozenset({S.UNAVAILABLE, S.RESOURCE_EXHAUSTED}) == RETRYABLE_STATUS
     for cls in (errors.InvalidArgument, errors.UnknownLease, errors.LeaseExpired, errors.Internal):
         assert cls.code not in RETRYABLE_STATUS
     for cls in (errors.PeerUnavailable, errors.ResourceExhausted):

@@ -117,11 +117,12 @@ def _geometries(draw: st.DrawFn) -> DescGeometry:
     unit_bytes = draw(st.integers(1, 64))
     runs = draw(st.booleans())
     planes = tuple(
-        (draw(st.integers(0, len(REGIONS) - 1)), draw(st.integers(0, 1 << 20)))
-        for _ in range(draw(st.integers(1, 4)))
+        (draw(st.integers(0, len(REGIONS) - 1)), draw(st.integers(0, 1 << 20))) for _ in range(draw(st.integers(1, 4)))
     )
     if runs:
-        return DescGeometry(planes, num_units, unit_bytes, unit_bytes, draw(st.integers(0, max_run_log2_for(num_units, 64))))
+        return DescGeometry(
+            planes, num_units, unit_bytes, unit_bytes, draw(st.integers(0, max_run_log2_for(num_units, 64)))
+        )
     return DescGeometry(planes, num_units, unit_bytes + draw(st.integers(0, 100)), unit_bytes, 0)
 
 

@@ -53,9 +53,7 @@ def test_a_new_transfer_is_planned() -> None:
     assert t.state is P and t.error is None and t.finished == 0.0
 
 
-@pytest.mark.parametrize(
-    ("path"), [[R, D], [R, PP, D], [F], [A], [R, F], [R, A], [R, PP, F], [R, PP, A]]
-)
+@pytest.mark.parametrize(("path"), [[R, D], [R, PP, D], [F], [A], [R, F], [R, A], [R, PP, F], [R, PP, A]])
 def test_legal_paths(path: list[TransferState]) -> None:
     """Every legal path from PLANNED is followed state by state, and ends final with a finish time."""
     t = _transfer()
@@ -201,9 +199,7 @@ def test_changes_waits_while_nothing_changes() -> None:
 
 
 def _fields() -> dict[str, object]:
-    return dict(
-        request_id="r", engine_id="e", tp_rank=0, peer_address="p:1", local_block_ids=(0,), deadline_s=1.0
-    )
+    return dict(request_id="r", engine_id="e", tp_rank=0, peer_address="p:1", local_block_ids=(0,), deadline_s=1.0)
 
 
 def test_table_new_get_and_in_flight() -> None:

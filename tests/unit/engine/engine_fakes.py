@@ -48,9 +48,8 @@ import uuid  # noqa: E402
 from typing import Any  # noqa: E402
 
 from kvd_client import errors  # noqa: E402
-from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout  # noqa: E402
-
 from kvd_client.v1 import common_pb2, engine_pb2, router_pb2  # noqa: E402
+from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout  # noqa: E402
 
 _DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
 

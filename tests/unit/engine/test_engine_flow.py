@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 from engine_fakes import FakeDaemon, wait_until
+
+from kvd.demo.reference_engine import AcceptancePattern, ReferenceEngine, oracle_next_token
 from kvd_engine.config import KvdConnectorConfig
 from kvd_engine.local import kvd_connectors
-from kvd.demo.reference_engine import AcceptancePattern, ReferenceEngine, oracle_next_token
 
 PROMPT = list(range(100, 137))  # 37 tokens: 10 blocks of 4, the last one partial
 CONFIG = KvdConnectorConfig(

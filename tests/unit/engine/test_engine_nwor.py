@@ -8,6 +8,7 @@ import torch
 from engine_fakes import forbid_sync_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
 from kvd_engine.nwor import (
     DeferredWriteManager,

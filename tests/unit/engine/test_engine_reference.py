@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 import torch
 from engine_fakes import forbid_sync_ops
-from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
-from kvd_engine.engine_api import NullWorkerConnector, TransferResults
+
 from kvd.demo.reference_engine import (
     AcceptancePattern,
     BlockAllocator,
@@ -19,6 +18,8 @@ from kvd.demo.reference_engine import (
     kv_values,
     oracle_next_token,
 )
+from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
+from kvd_engine.engine_api import NullWorkerConnector, TransferResults
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 5, 6, 7, 8]
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from kvd.demo.reference_engine import EngineRequest, RequestStatus
 from kvd_client import errors
 from kvd_engine.config import KvdConnectorConfig
 from kvd_engine.engine_api import ScheduledRequest, StepView
 from kvd_engine.params import make_params, remote_kv
-from kvd.demo.reference_engine import EngineRequest, RequestStatus
 from kvd_engine.scheduler import KvdScheduler
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from engine_fakes import FakeDaemon, wait_until
+
 from kvd_client import errors
 from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
 from kvd_engine.config import KvdConnectorConfig

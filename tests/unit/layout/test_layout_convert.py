@@ -76,7 +76,11 @@ def place(spec: LayoutSpec, rng: np.random.Generator, scattered: bool, align: in
         return EngineView(spec, tuple(contiguous_placements(spec))), [spec.total_bytes]
     unit = 2 * spec.block_bytes if spec.kv_format is KvFormat.JOINT else spec.block_bytes
     span = (spec.num_blocks - 1) * spec.block_stride + unit
-    spans = [(layer, plane) for layer in range(spec.num_layers) for plane in range(2 if spec.kv_format is KvFormat.SPLIT else 1)]
+    spans = [
+        (layer, plane)
+        for layer in range(spec.num_layers)
+        for plane in range(2 if spec.kv_format is KvFormat.SPLIT else 1)
+    ]
     order = rng.permutation(len(spans))
     regions = int(rng.integers(1, 4))
     cursor = [0] * regions
@@ -138,7 +142,9 @@ def run_case(case: Case) -> Outcome:
     planes = local_spec.kv_planes
     heads = 1 if case.local.kv_format is KvFormat.MLA else model.total_heads
     head_bytes = local_spec.head_bytes_per_token
-    truth = torch.randint(0, 256, (model.layers, planes, case.num_tokens, heads, head_bytes), dtype=torch.uint8, generator=gen)
+    truth = torch.randint(
+        0, 256, (model.layers, planes, case.num_tokens, heads, head_bytes), dtype=torch.uint8, generator=gen
+    )
 
     offered = case.extra_remote_blocks - (-case.num_tokens // case.remote.block_size)
     remote_ids = rng.permutation(case.remote.num_blocks)[:offered].tolist()
@@ -273,7 +279,9 @@ def _llama_plan(
         (Side(SPLIT, NHD, 16, 16, 100), Side(SPLIT, NHD, 16, 8, 100), True, 64, 1),
     ],
 )
-def test_llama_1k_descriptor_counts(remote: Side, local: Side, direct: bool, descriptors: int, read_factor: int) -> None:
+def test_llama_1k_descriptor_counts(
+    remote: Side, local: Side, direct: bool, descriptors: int, read_factor: int
+) -> None:
     plan = _llama_plan(remote, local)
     assert plan.direct is direct
     assert plan.num_descriptors == descriptors
@@ -417,9 +425,12 @@ def test_any_pair_matches_oracle_bit_for_bit(case: Case) -> None:
     event("direct" if out.plan.direct else "staged")
     event(f"layout {remote.layout.name}->{local.layout.name}, format {remote.kv_format.name}->{local.kv_format.name}")
     ratio = "=" if remote.block_size == local.block_size else ("<" if remote.block_size < local.block_size else ">")
-    event(f"block remote {ratio} local, partial last block: {case.num_tokens % max(remote.block_size, local.block_size) != 0}")
+    partial = case.num_tokens % max(remote.block_size, local.block_size) != 0
+    event(f"block remote {ratio} local, partial last block: {partial}")
     tp = "=" if remote.tp_size == local.tp_size else ("<" if remote.tp_size < local.tp_size else ">")
-    replicated = max(remote.tp_size, local.tp_size) > case.model.total_heads and case.local.kv_format is not KvFormat.MLA
+    replicated = (
+        max(remote.tp_size, local.tp_size) > case.model.total_heads and case.local.kv_format is not KvFormat.MLA
+    )
     event(f"tp remote {tp} local, replicated heads: {replicated}, remote ranks read: {len(out.plan.remote_ranks)}")
 
 

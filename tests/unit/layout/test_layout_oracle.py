@@ -83,7 +83,9 @@ def test_executor_refuses_pieces_of_different_lengths() -> None:
     local_geo = DescGeometry(planes=((0, 0),), num_units=4, unit_stride=4, unit_bytes=4)
     group = ReadGroup(0, remote_geo, np.array([0], np.int32), Target.ENGINE, local_geo, np.array([0], np.int32), 8)
     with pytest.raises(AssertionError, match="lengths differ"):
-        oracle.execute_plan(PullPlan(reads=(group,)), {0: [torch.zeros(32, dtype=torch.uint8)]}, [torch.zeros(16, dtype=torch.uint8)])
+        oracle.execute_plan(
+            PullPlan(reads=(group,)), {0: [torch.zeros(32, dtype=torch.uint8)]}, [torch.zeros(16, dtype=torch.uint8)]
+        )
 
 
 def test_oracle_reads_layers_in_any_region() -> None:
