@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 __all__ = ["as_fields", "field_names", "from_fields", "from_message", "to_message"]
 
@@ -20,8 +20,8 @@ __all__ = ["as_fields", "field_names", "from_fields", "from_message", "to_messag
 class Record(Protocol):
     """A generated record: a frozen dataclass naming its message in ``PROTO``."""
 
-    PROTO: str
-    __dataclass_fields__: dict[str, dataclasses.Field[Any]]
+    PROTO: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
 
 R = TypeVar("R", bound=Record)
@@ -71,7 +71,7 @@ def from_fields(record_type: type[R], fields: Mapping[str, Any]) -> R:
 def as_fields(record: Record) -> dict[str, Any]:
     """The record as a JSON-ready dict (repeated fields as lists)."""
     out: dict[str, Any] = {}
-    for field in dataclasses.fields(record):  # type: ignore[arg-type]
+    for field in dataclasses.fields(record):
         value = getattr(record, field.name)
         out[field.name] = list(value) if isinstance(value, tuple) else value
     return out

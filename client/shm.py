@@ -61,11 +61,10 @@ def create_shm_tensor(name: str, nbytes: int) -> torch.Tensor:
 
     path = create_shm_file(name, nbytes)
     try:
-        storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes)
+        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
     except BaseException:
         unlink_shm(name)
         raise
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
 
 def unlink_shm(name: str) -> None:

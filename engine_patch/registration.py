@@ -124,7 +124,7 @@ def build_registration(
         base = shm.data_offset
     placements = []
     for t in tensors:
-        start = base + t.storage_offset() * elem
+        start = base + int(t.storage_offset()) * elem
         split = geometry.kv_format is KvFormat.SPLIT
         v_offset = start + geometry.num_blocks * geometry.block_bytes if split else 0
         placements.append(common_pb2.LayerPlacement(region=0, k_offset=start, v_offset=v_offset))

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -134,7 +134,7 @@ def _copy_into_shm(tensors: list[torch.Tensor], storage: torch.UntypedStorage, p
     """Fallback: copy the bytes into a new shm file and re-point the given tensors at it."""
     nbytes = storage.nbytes()
     region = create_shm_region(nbytes, prefix)
-    new_storage = torch.UntypedStorage.from_file(region.path, shared=True, nbytes=nbytes)
+    new_storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(region.path, shared=True, nbytes=nbytes))
     old = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
     region.tensor.copy_(old)
     for t in tensors:

@@ -112,7 +112,7 @@ def install(
     manager: DeferredWriteManager,
     watermark_sink: WatermarkSink | None = None,
     *,
-    runner_cls: type | None = None,
+    runner_cls: Any = None,
     impl_classes: Iterable[type] | None = None,
     eager: bool = True,
 ) -> bool:
@@ -131,7 +131,7 @@ def install(
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: PLC0415 - optional, see above
 
         runner_cls = GPUModelRunner
-    impls = list(impl_classes) if impl_classes is not None else _default_impl_classes()
+    impls: list[Any] = list(impl_classes) if impl_classes is not None else _default_impl_classes()
     for needed in ("execute_model", "_sample"):
         if not callable(getattr(runner_cls, needed, None)):
             logger.warning("NWOR not installed: %s has no %s (vLLM changed)", runner_cls.__name__, needed)

@@ -26,6 +26,7 @@ from kvd.demo.reference_engine import AcceptancePattern, ReferenceEngine
 from kvd_engine.cache_layout import KvLayout
 from kvd_engine.config import KvdConnectorConfig
 from kvd_engine.local import kvd_connectors
+from kvd_engine.worker import KvdWorker
 
 __all__ = ["DemoReport", "TurnReport", "format_report", "run_conversation"]
 
@@ -62,7 +63,7 @@ def _engine(socket: str, engine_id: str, threshold: int, **kw: Any) -> Reference
         engine_id=engine_id, scheduler_connector=sched, worker_connector_factory=workers, check_kv_reads=True, **kw
     )
     deadline = time.monotonic() + 30
-    while not all(r.worker.link.connected for r in engine.ranks):
+    while not all(isinstance(r.worker, KvdWorker) and r.worker.link.connected for r in engine.ranks):
         if time.monotonic() > deadline:
             engine.close()
             raise RuntimeError(f"engine {engine_id} could not register with the daemon at {socket}")

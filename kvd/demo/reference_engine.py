@@ -33,6 +33,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from random import Random  # the name `random` is shadowed inside AcceptancePattern
 from typing import Any
 
 import numpy as np
@@ -167,7 +168,7 @@ class AcceptancePattern:
     def random(cls, seed: int) -> AcceptancePattern:
         return cls("random", seed=seed)
 
-    def correct_drafts(self, num_drafts: int, rng: random.Random) -> int:
+    def correct_drafts(self, num_drafts: int, rng: Random) -> int:
         if self.kind == "all":
             return num_drafts
         if self.kind == "none":
@@ -688,7 +689,7 @@ class ReferenceEngine:
 
     def _new_tokens(self, batch: ReferenceEngine._Batch, sampled: np.ndarray, valid: np.ndarray) -> list[list[int]]:
         """Host bookkeeping (the async output copy has landed): each request's new tokens."""
-        out = []
+        out: list[list[int]] = []
         for i, (request, n) in enumerate(batch.requests):
             if not self._is_decode(request) and request.num_computed_tokens + n < request.num_prompt_tokens:
                 out.append([])  # a partial prefill chunk: its sample is discarded

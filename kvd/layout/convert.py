@@ -55,7 +55,7 @@ def _word_dtype(word: int) -> torch.dtype:
 
 def word_size(tensors: Sequence[torch.Tensor], limit: int) -> int:
     """Largest word <= limit at which every tensor's address (and storage offset) is aligned."""
-    return _pow2_divisor([v for t in tensors for v in (t.data_ptr(), t.storage_offset())], limit)
+    return _pow2_divisor([int(v) for t in tensors for v in (t.data_ptr(), t.storage_offset())], limit)
 
 
 def _as_words(tensor: torch.Tensor, word: int) -> torch.Tensor:

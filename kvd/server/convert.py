@@ -20,12 +20,13 @@ from kvd_client import records
 from kvd_client.dtypes import DTYPE_NAMES, DTYPE_OF_NAME, DType
 from kvd_client.errors import InvalidArgument
 from kvd_client.v1 import common_pb2, peer_pb2
-from kvd_client.v1 import schema as wire
 
 E = TypeVar("E", bound=enum.IntEnum)
 
 # The core's transfer states and the wire's share their names.
-_STATE = {state: wire.TransferState[state.name] for state in TransferState}
+_STATE: dict[TransferState, common_pb2.TransferState] = {
+    state: getattr(common_pb2, f"TRANSFER_STATE_{state.name}") for state in TransferState
+}
 
 
 def _enum(enum_type: type[E], value: int, what: str) -> E:
