@@ -17,12 +17,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # vllm_harness
-sys.path.insert(0, str(HERE.parent / "unit" / "engine"))  # engine_fakes
+sys.path.insert(0, str(HERE.parent / "unit" / "engine_patch"))  # engine_fakes
 
-# tests/ is on sys.path (tests/conftest.py), so this very folder is a namespace package
-# called "vllm": only a spec with an origin (a regular package) is the real vLLM.
-_spec = importlib.util.find_spec("vllm")
-HAVE_VLLM = _spec is not None and _spec.origin is not None
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 if not HAVE_VLLM:
     collect_ignore_glob = ["test_*.py"]
 
