@@ -1,7 +1,9 @@
 """kvd_client: the client library of the kvd daemon, for inference engines and request routers.
 
 Light by design (grpcio and protobuf only; never torch or nixl): it runs inside other people's
-processes. ``KvdClient`` blocks, ``AsyncKvdClient`` is for asyncio; both raise the classes of
+processes, and it is the bottom layer of the repository (the daemon and the engine patch import
+it, never the reverse). ``kvd_client.errors`` and ``kvd_client.v1.schema`` import no grpc; the
+clients load on first use. ``KvdClient`` blocks, ``AsyncKvdClient`` is for asyncio; both raise the classes of
 :mod:`kvd_client.errors`, never ``grpc.RpcError``. It configures no logging handlers.
 
     from kvd_client import KvdClient, errors, pb
@@ -10,12 +12,10 @@ processes. ``KvdClient`` blocks, ``AsyncKvdClient`` is for asyncio; both raise t
         status = kvd.get_status()
 """
 
-from . import errors, pb
-from ._aio_engine_stream import AsyncEngineStream
-from ._base import DEFAULT_TIMEOUT_S
-from ._channel import MAX_MESSAGE_BYTES, TlsConfig, create_aio_channel, create_channel
-from ._engine_stream import EngineStream
-from .aio import AsyncKvdClient
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import errors
 from .errors import (
     ERROR_CLASS_METADATA_KEY,
     ERROR_OF_STATUS,
@@ -24,6 +24,7 @@ from .errors import (
     AlreadyExists,
     Cancelled,
     DeadlineExceeded,
+    ErrorCode,
     FailedPrecondition,
     IncompatibleLayout,
     Internal,
@@ -41,7 +42,46 @@ from .errors import (
     error_class_named,
     from_status,
 )
-from .sync import KvdClient
+
+if TYPE_CHECKING:
+    from . import pb
+    from ._aio_engine_stream import AsyncEngineStream
+    from ._base import DEFAULT_TIMEOUT_S
+    from ._engine_stream import EngineStream
+    from .aio import AsyncKvdClient
+    from .channel import MAX_MESSAGE_BYTES, TlsConfig, create_aio_channel, create_channel
+    from .sync import KvdClient
+
+# Loaded on first use (PEP 562): ``import kvd_client.errors`` (what the daemon's core and the
+# engine patch import) must not load grpc, grpc.aio or the generated stubs.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "AsyncEngineStream": ("._aio_engine_stream", "AsyncEngineStream"),
+    "AsyncKvdClient": (".aio", "AsyncKvdClient"),
+    "DEFAULT_TIMEOUT_S": ("._base", "DEFAULT_TIMEOUT_S"),
+    "EngineStream": ("._engine_stream", "EngineStream"),
+    "KvdClient": (".sync", "KvdClient"),
+    "MAX_MESSAGE_BYTES": (".channel", "MAX_MESSAGE_BYTES"),
+    "TlsConfig": (".channel", "TlsConfig"),
+    "create_aio_channel": (".channel", "create_aio_channel"),
+    "create_channel": (".channel", "create_channel"),
+    "pb": (".pb", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    module = importlib.import_module(module_name, __name__)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -55,6 +95,7 @@ __all__ = [
     "AsyncKvdClient",
     "Cancelled",
     "DeadlineExceeded",
+    "ErrorCode",
     "EngineStream",
     "FailedPrecondition",
     "IncompatibleLayout",

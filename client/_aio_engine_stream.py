@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 
 import grpc
 
-from kvd.v1 import engine_pb2, engine_pb2_grpc
+from kvd_client.v1 import engine_pb2, engine_pb2_grpc
 
 from . import errors
 from ._engine_stream import (
@@ -29,7 +30,7 @@ from ._engine_stream import (
     hello_message,
     to_message,
 )
-from ._errors_map import to_kvd_error
+from .grpc_errors import to_kvd_error
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +82,8 @@ class AsyncEngineStream:
         inbox = self._inbox
         if not inbox and timeout_s > 0 and not self._ended:
             self._arrived.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), timeout_s)
-            except TimeoutError:
-                pass
         out: list[engine_pb2.DaemonMessage] = []
         while inbox:
             out.append(inbox.popleft())
@@ -130,7 +129,9 @@ class AsyncEngineStream:
         except TimeoutError:
             logger.warning(
                 "daemon did not end the engine stream of %s rank %d within %.1fs; cancelling",
-                self.engine_id, self.tp_rank, timeout_s,
+                self.engine_id,
+                self.tp_rank,
+                timeout_s,
             )
             self._call.cancel()
             await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
@@ -192,5 +193,7 @@ class AsyncEngineStream:
             if self._error is not None:
                 logger.warning(
                     "engine stream of %s rank %d ended: %s",
-                    self.engine_id, self.tp_rank, self._error,
+                    self.engine_id,
+                    self.tp_rank,
+                    self._error,
                 )

@@ -9,12 +9,12 @@ import math
 import time
 from typing import Any, TypeVar
 
-import grpc
 from google.protobuf.message import Message
 
-from kvd.v1 import common_pb2
+from kvd_client.v1 import common_pb2
 
 from . import errors
+from .errors import ErrorCode
 
 M = TypeVar("M", bound=Message)
 
@@ -30,9 +30,7 @@ TERMINAL_STATES: frozenset[int] = frozenset(
     }
 )
 
-UNREACHABLE_STATUS: frozenset[grpc.StatusCode] = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-)
+UNREACHABLE_STATUS: frozenset[ErrorCode] = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED})
 """Codes for which a health check answers False (the daemon is not healthy) rather than raising."""
 
 
@@ -83,19 +81,17 @@ def is_terminal(status: common_pb2.TransferStatus) -> bool:
 def transfer_error(status: common_pb2.TransferStatus) -> errors.KvdError | None:
     """The error a FAILED or ABORTED transfer stands for; None for any other state.
 
-    The daemon reports the gRPC status code *name* (e.g. ``"UNAVAILABLE"``) in ``error_code``; an
+    The daemon reports the error code *name* (e.g. ``"UNAVAILABLE"``) in ``error_code``; an
     unknown or missing name falls back to ABORTED / INTERNAL so that a caller still gets a class.
     """
     if status.state == common_pb2.TRANSFER_STATE_ABORTED:
-        fallback = grpc.StatusCode.ABORTED
+        fallback = ErrorCode.ABORTED
     elif status.state == common_pb2.TRANSFER_STATE_FAILED:
-        fallback = grpc.StatusCode.INTERNAL
+        fallback = ErrorCode.INTERNAL
     else:
         return None
-    code = grpc.StatusCode.__members__.get(status.error_code, fallback)
-    message = status.error_message or (
-        f"transfer {status.transfer_id} {common_pb2.TransferState.Name(status.state)}"
-    )
+    code = ErrorCode.__members__.get(status.error_code, fallback)
+    message = status.error_message or (f"transfer {status.transfer_id} {common_pb2.TransferState.Name(status.state)}")
     return errors.from_status(code, message)
 
 

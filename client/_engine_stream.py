@@ -21,10 +21,10 @@ from typing import Final, cast
 
 import grpc
 
-from kvd.v1 import engine_pb2, engine_pb2_grpc
+from kvd_client.v1 import engine_pb2, engine_pb2_grpc
 
 from . import errors
-from ._errors_map import to_kvd_error
+from .grpc_errors import to_kvd_error
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,7 @@ DEFAULT_CLOSE_TIMEOUT_S = 5.0
 
 def hello_message(engine_id: str, tp_rank: int) -> engine_pb2.EngineMessage:
     """The first message of every engine stream: who is speaking."""
-    return engine_pb2.EngineMessage(
-        hello=engine_pb2.EngineHello(engine_id=engine_id, tp_rank=tp_rank)
-    )
+    return engine_pb2.EngineMessage(hello=engine_pb2.EngineHello(engine_id=engine_id, tp_rank=tp_rank))
 
 
 def to_message(item: Item) -> engine_pb2.EngineMessage | None:
@@ -59,13 +57,9 @@ def to_message(item: Item) -> engine_pb2.EngineMessage | None:
     try:
         if item[0] == COMMIT:
             _, request_id, tokens = cast(CommitItem, item)
-            return engine_pb2.EngineMessage(
-                commit=engine_pb2.Commit(request_id=request_id, committed_tokens=tokens)
-            )
+            return engine_pb2.EngineMessage(commit=engine_pb2.Commit(request_id=request_id, committed_tokens=tokens))
         _, step, finished = cast(PostForwardItem, item)
-        return engine_pb2.EngineMessage(
-            post_forward=engine_pb2.PostForward(step=step, finished_request_ids=finished)
-        )
+        return engine_pb2.EngineMessage(post_forward=engine_pb2.PostForward(step=step, finished_request_ids=finished))
     except (TypeError, ValueError) as exc:
         logger.error("dropping engine stream message %r: %s", item, exc)
         return None
@@ -171,7 +165,9 @@ class EngineStream:
         if self._thread.is_alive():
             logger.warning(
                 "daemon did not end the engine stream of %s rank %d within %.1fs; cancelling",
-                self.engine_id, self.tp_rank, timeout_s,
+                self.engine_id,
+                self.tp_rank,
+                timeout_s,
             )
             self._call.cancel()
             self._thread.join(timeout_s)
@@ -229,5 +225,7 @@ class EngineStream:
             if self._error is not None:
                 logger.warning(
                     "engine stream of %s rank %d ended: %s",
-                    self.engine_id, self.tp_rank, self._error,
+                    self.engine_id,
+                    self.tp_rank,
+                    self._error,
                 )

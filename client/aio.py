@@ -15,14 +15,13 @@ from types import TracebackType
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
-from . import _base
+from . import _base, _health
 from ._aio_engine_stream import AsyncEngineStream
-from ._channel import ChannelOptions, TlsConfig, create_aio_channel
-from ._errors_map import to_kvd_error, translate_aiter, translate_async
+from .channel import ChannelOptions, TlsConfig, create_aio_channel
+from .grpc_errors import rpc_error_code, to_kvd_error, translate_aiter, translate_async
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class AsyncKvdClient:
         self._channel = channel
         self._engine = engine_pb2_grpc.EngineServiceStub(channel)
         self._router = router_pb2_grpc.RouterServiceStub(channel)
-        self._health = health_pb2_grpc.HealthStub(channel)
+        self._health_check = _health.check_method(channel)
         self._streams: weakref.WeakSet[AsyncEngineStream] = weakref.WeakSet()
 
     @property
@@ -83,8 +82,14 @@ class AsyncKvdClient:
     ) -> engine_pb2.RegisterKvCacheResponse:
         """Have the daemon map an engine rank's KV memory and register it with NIXL."""
         req = _base.build_request(
-            engine_pb2.RegisterKvCacheRequest, request, engine_id=engine_id, layout=layout,
-            regions=regions, layers=layers, require_commits=require_commits, engine_pid=engine_pid,
+            engine_pb2.RegisterKvCacheRequest,
+            request,
+            engine_id=engine_id,
+            layout=layout,
+            regions=regions,
+            layers=layers,
+            require_commits=require_commits,
+            engine_pid=engine_pid,
         )
         return await self._engine.RegisterKvCache(req, timeout=self._timeout(timeout_s))
 
@@ -98,9 +103,7 @@ class AsyncKvdClient:
         timeout_s: float | None = None,
     ) -> engine_pb2.UnregisterKvCacheResponse:
         """Deregister an engine rank (its leases are released, its pulls aborted)."""
-        req = _base.build_request(
-            engine_pb2.UnregisterKvCacheRequest, request, engine_id=engine_id, tp_rank=tp_rank
-        )
+        req = _base.build_request(engine_pb2.UnregisterKvCacheRequest, request, engine_id=engine_id, tp_rank=tp_rank)
         return await self._engine.UnregisterKvCache(req, timeout=self._timeout(timeout_s))
 
     @translate_async
@@ -117,14 +120,17 @@ class AsyncKvdClient:
     ) -> engine_pb2.HoldBlocksResponse:
         """Hold a finished request's blocks under a lease; the answer carries kv_transfer_params."""
         req = _base.build_request(
-            engine_pb2.HoldBlocksRequest, request, engine_id=engine_id, request_id=request_id,
-            block_ids=block_ids, num_tokens=num_tokens, ttl_ms=ttl_ms,
+            engine_pb2.HoldBlocksRequest,
+            request,
+            engine_id=engine_id,
+            request_id=request_id,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            ttl_ms=ttl_ms,
         )
         return await self._engine.HoldBlocks(req, timeout=self._timeout(timeout_s))
 
-    def open_engine_stream(
-        self, engine_id: str, tp_rank: int, *, wait_for_ready: bool = False
-    ) -> AsyncEngineStream:
+    def open_engine_stream(self, engine_id: str, tp_rank: int, *, wait_for_ready: bool = False) -> AsyncEngineStream:
         """Open the rank's long-lived stream (commits and post-forward up, completions down).
 
         Call it from the running loop (the stream's reader is a task of that loop). No deadline
@@ -152,8 +158,13 @@ class AsyncKvdClient:
     ) -> router_pb2.StartPullResponse:
         """Start pulling a remote engine's held KV into a local rank's blocks."""
         req = _base.build_request(
-            router_pb2.StartPullRequest, request, engine_id=engine_id, tp_rank=tp_rank,
-            request_id=request_id, local_block_ids=local_block_ids, remote=remote,
+            router_pb2.StartPullRequest,
+            request,
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            request_id=request_id,
+            local_block_ids=local_block_ids,
+            remote=remote,
             deadline_ms=deadline_ms,
         )
         return await self._router.StartPull(req, timeout=self._timeout(timeout_s))
@@ -188,9 +199,7 @@ class AsyncKvdClient:
             raise to_kvd_error(err) from err
         return translate_aiter(call)
 
-    async def wait_transfer(
-        self, transfer_id: str, timeout_s: float | None = None
-    ) -> common_pb2.TransferStatus:
+    async def wait_transfer(self, transfer_id: str, timeout_s: float | None = None) -> common_pb2.TransferStatus:
         """Wait until the transfer ends: its DONE status, or the mapped error if it failed or was
         aborted (e.g. ``errors.Unavailable`` for a peer that died) or did not end in time."""
         timeout = self._timeout(timeout_s)
@@ -215,9 +224,7 @@ class AsyncKvdClient:
         timeout_s: float | None = None,
     ) -> common_pb2.TransferStatus:
         """Abort a transfer; its blocks are never reported loaded."""
-        req = _base.build_request(
-            router_pb2.CancelTransferRequest, request, transfer_id=transfer_id
-        )
+        req = _base.build_request(router_pb2.CancelTransferRequest, request, transfer_id=transfer_id)
         return await self._router.CancelTransfer(req, timeout=self._timeout(timeout_s))
 
     @translate_async
@@ -230,9 +237,7 @@ class AsyncKvdClient:
         timeout_s: float | None = None,
     ) -> router_pb2.LookupHeldResponse:
         """What the daemon holds for remote readers (empty filters: everything)."""
-        req = _base.build_request(
-            router_pb2.LookupHeldRequest, request, engine_id=engine_id, request_id=request_id
-        )
+        req = _base.build_request(router_pb2.LookupHeldRequest, request, engine_id=engine_id, request_id=request_id)
         return await self._router.LookupHeld(req, timeout=self._timeout(timeout_s))
 
     @translate_async
@@ -245,9 +250,7 @@ class AsyncKvdClient:
         timeout_s: float | None = None,
     ) -> common_pb2.LeaseInfo:
         """Push a lease's expiry out (``ttl_ms`` 0 or None: the daemon's default)."""
-        req = _base.build_request(
-            router_pb2.RenewLeaseRequest, request, lease_id=lease_id, ttl_ms=ttl_ms
-        )
+        req = _base.build_request(router_pb2.RenewLeaseRequest, request, lease_id=lease_id, ttl_ms=ttl_ms)
         return await self._router.RenewLease(req, timeout=self._timeout(timeout_s))
 
     @translate_async
@@ -295,15 +298,13 @@ class AsyncKvdClient:
         service name) raise the mapped error.
         """
         try:
-            response = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout_s)
-            )
+            response = await self._health_check(_health.check_request(service), timeout=self._timeout(timeout_s))
         except grpc.RpcError as err:
-            if err.code() in _base.UNREACHABLE_STATUS:
+            if rpc_error_code(err) in _base.UNREACHABLE_STATUS:
                 logger.debug("health check of %s failed: %s", self.target, err)
                 return False
             raise to_kvd_error(err) from err
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+        return _health.is_serving(response)
 
     async def close(self) -> None:
         """Close the engine streams this client opened, then the channel (if the client made it)."""

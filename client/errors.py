@@ -1,20 +1,43 @@
 """One exception hierarchy for kvd, shared by the daemon, the client and the engine patch.
 
-The daemon raises these in its core; the server edge maps each class to a gRPC status code
-(:data:`STATUS_OF`); the client maps codes back to the same classes (:func:`from_status`). So a
-caller catches ``LeaseExpired`` whether it talks to the core in-process or to a daemon over gRPC.
-This module imports grpc only for the status-code enum (no torch, no nixl).
+The daemon raises these in its core; each class carries a kvd-owned :class:`ErrorCode` (the
+canonical RPC code names, so a code's name is the same on every transport). The edges map codes
+to gRPC status codes and back (:mod:`kvd_client.grpc_status`: the server, the peer client and
+the client), so a caller catches ``LeaseExpired`` whether it talks to the core in-process or to
+a daemon over gRPC. This module imports only the standard library: no grpc, no protobuf.
 """
 
 from __future__ import annotations
 
-import grpc
+import enum
+
+
+class ErrorCode(enum.Enum):
+    """The canonical RPC status codes (google.rpc.Code): names and numbers as gRPC has them."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class KvdError(Exception):
-    """Base of every kvd error. ``code`` is the gRPC status it travels as."""
+    """Base of every kvd error. ``code`` is the status it travels as."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    code: ErrorCode = ErrorCode.INTERNAL
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -24,13 +47,13 @@ class KvdError(Exception):
 class InvalidArgument(KvdError):
     """The request itself is malformed: lengths disagree, ids out of range, missing fields."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    code = ErrorCode.INVALID_ARGUMENT
 
 
 class NotFound(KvdError):
     """An engine, lease, transfer or peer engine the request names does not exist."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    code = ErrorCode.NOT_FOUND
 
 
 class UnknownEngine(NotFound):
@@ -48,13 +71,13 @@ class UnknownTransfer(NotFound):
 class AlreadyExists(KvdError):
     """The thing the request would create exists already (e.g. a second registration of a rank)."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
+    code = ErrorCode.ALREADY_EXISTS
 
 
 class FailedPrecondition(KvdError):
     """The request is well formed but the system is not in a state that allows it."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    code = ErrorCode.FAILED_PRECONDITION
 
 
 class IncompatibleLayout(FailedPrecondition):
@@ -68,7 +91,7 @@ class MemoryOpenError(FailedPrecondition):
 class DeadlineExceeded(KvdError):
     """A transfer or lease outlived its deadline."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    code = ErrorCode.DEADLINE_EXCEEDED
 
 
 class LeaseExpired(DeadlineExceeded):
@@ -78,7 +101,7 @@ class LeaseExpired(DeadlineExceeded):
 class Unavailable(KvdError):
     """A daemon or peer cannot be reached (down, restarting, disconnected). Retryable."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    code = ErrorCode.UNAVAILABLE
 
 
 class PeerUnavailable(Unavailable):
@@ -88,45 +111,43 @@ class PeerUnavailable(Unavailable):
 class Aborted(KvdError):
     """The operation was cut short (cancelled, shutdown, engine gone)."""
 
-    code = grpc.StatusCode.ABORTED
+    code = ErrorCode.ABORTED
 
 
 class ResourceExhausted(KvdError):
     """A bounded resource (staging memory, descriptors) is used up; retry later."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    code = ErrorCode.RESOURCE_EXHAUSTED
 
 
 class Cancelled(KvdError):
     """The caller cancelled the call."""
 
-    code = grpc.StatusCode.CANCELLED
+    code = ErrorCode.CANCELLED
 
 
 class Internal(KvdError):
     """A bug or an unexpected failure inside the daemon."""
 
-    code = grpc.StatusCode.INTERNAL
+    code = ErrorCode.INTERNAL
 
 
-# Status code -> the class a client raises for it (the most general class for each code).
-ERROR_OF_STATUS: dict[grpc.StatusCode, type[KvdError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.ABORTED: Aborted,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.CANCELLED: Cancelled,
-    grpc.StatusCode.INTERNAL: Internal,
+# Code -> the class a client raises for it (the most general class for each code).
+ERROR_OF_STATUS: dict[ErrorCode, type[KvdError]] = {
+    ErrorCode.INVALID_ARGUMENT: InvalidArgument,
+    ErrorCode.NOT_FOUND: NotFound,
+    ErrorCode.ALREADY_EXISTS: AlreadyExists,
+    ErrorCode.FAILED_PRECONDITION: FailedPrecondition,
+    ErrorCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    ErrorCode.UNAVAILABLE: Unavailable,
+    ErrorCode.ABORTED: Aborted,
+    ErrorCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    ErrorCode.CANCELLED: Cancelled,
+    ErrorCode.INTERNAL: Internal,
 }
 
 # Codes that mean "this endpoint is failing right now": safe to retry (idempotent calls) or fail over.
-RETRYABLE_STATUS: frozenset[grpc.StatusCode] = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-)
+RETRYABLE_STATUS: frozenset[ErrorCode] = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED})
 
 # The most specific class may travel in trailing metadata so that the client can rebuild it.
 ERROR_CLASS_METADATA_KEY = "kvd-error-class"
@@ -148,7 +169,7 @@ def error_class_named(name: str) -> type[KvdError] | None:
     return _CLASSES_BY_NAME.get(name)
 
 
-def from_status(code: grpc.StatusCode, details: str, class_name: str = "") -> KvdError:
+def from_status(code: ErrorCode, details: str, class_name: str = "") -> KvdError:
     """Rebuild the exception a daemon raised from its status code, details and class name."""
     cls = error_class_named(class_name)
     if cls is None or cls.code != code:

@@ -14,16 +14,16 @@ from collections.abc import Generator, Iterable
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
-from . import _base
-from ._channel import ChannelOptions, TlsConfig, create_channel
+from . import _base, _health
 from ._engine_stream import EngineStream
-from ._errors_map import to_kvd_error, translate, translate_iter
+from .channel import ChannelOptions, TlsConfig, create_channel
+from .grpc_errors import rpc_error_code, to_kvd_error, translate, translate_iter
 
 logger = logging.getLogger(__name__)
+
 
 class KvdClient:
     """A connection to one daemon (Unix socket for engines, TCP for routers).
@@ -53,7 +53,7 @@ class KvdClient:
         self._channel = channel
         self._engine = engine_pb2_grpc.EngineServiceStub(channel)
         self._router = router_pb2_grpc.RouterServiceStub(channel)
-        self._health = health_pb2_grpc.HealthStub(channel)
+        self._health_check = _health.check_method(channel)
         self._streams: weakref.WeakSet[EngineStream] = weakref.WeakSet()
 
     @property
@@ -81,8 +81,14 @@ class KvdClient:
     ) -> engine_pb2.RegisterKvCacheResponse:
         """Have the daemon map an engine rank's KV memory and register it with NIXL."""
         req = _base.build_request(
-            engine_pb2.RegisterKvCacheRequest, request, engine_id=engine_id, layout=layout,
-            regions=regions, layers=layers, require_commits=require_commits, engine_pid=engine_pid,
+            engine_pb2.RegisterKvCacheRequest,
+            request,
+            engine_id=engine_id,
+            layout=layout,
+            regions=regions,
+            layers=layers,
+            require_commits=require_commits,
+            engine_pid=engine_pid,
         )
         return self._engine.RegisterKvCache(req, timeout=self._timeout(timeout_s))
 
@@ -96,9 +102,7 @@ class KvdClient:
         timeout_s: float | None = None,
     ) -> engine_pb2.UnregisterKvCacheResponse:
         """Deregister an engine rank (its leases are released, its pulls aborted)."""
-        req = _base.build_request(
-            engine_pb2.UnregisterKvCacheRequest, request, engine_id=engine_id, tp_rank=tp_rank
-        )
+        req = _base.build_request(engine_pb2.UnregisterKvCacheRequest, request, engine_id=engine_id, tp_rank=tp_rank)
         return self._engine.UnregisterKvCache(req, timeout=self._timeout(timeout_s))
 
     @translate
@@ -115,14 +119,17 @@ class KvdClient:
     ) -> engine_pb2.HoldBlocksResponse:
         """Hold a finished request's blocks under a lease; the answer carries kv_transfer_params."""
         req = _base.build_request(
-            engine_pb2.HoldBlocksRequest, request, engine_id=engine_id, request_id=request_id,
-            block_ids=block_ids, num_tokens=num_tokens, ttl_ms=ttl_ms,
+            engine_pb2.HoldBlocksRequest,
+            request,
+            engine_id=engine_id,
+            request_id=request_id,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            ttl_ms=ttl_ms,
         )
         return self._engine.HoldBlocks(req, timeout=self._timeout(timeout_s))
 
-    def open_engine_stream(
-        self, engine_id: str, tp_rank: int, *, wait_for_ready: bool = False
-    ) -> EngineStream:
+    def open_engine_stream(self, engine_id: str, tp_rank: int, *, wait_for_ready: bool = False) -> EngineStream:
         """Open the rank's long-lived stream (commits and post-forward up, completions down).
 
         No deadline applies: the stream lives as long as the engine. ``wait_for_ready`` makes the
@@ -149,8 +156,13 @@ class KvdClient:
     ) -> router_pb2.StartPullResponse:
         """Start pulling a remote engine's held KV into a local rank's blocks."""
         req = _base.build_request(
-            router_pb2.StartPullRequest, request, engine_id=engine_id, tp_rank=tp_rank,
-            request_id=request_id, local_block_ids=local_block_ids, remote=remote,
+            router_pb2.StartPullRequest,
+            request,
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            request_id=request_id,
+            local_block_ids=local_block_ids,
+            remote=remote,
             deadline_ms=deadline_ms,
         )
         return self._router.StartPull(req, timeout=self._timeout(timeout_s))
@@ -185,9 +197,7 @@ class KvdClient:
             raise to_kvd_error(err) from err
         return translate_iter(call)
 
-    def wait_transfer(
-        self, transfer_id: str, timeout_s: float | None = None
-    ) -> common_pb2.TransferStatus:
+    def wait_transfer(self, transfer_id: str, timeout_s: float | None = None) -> common_pb2.TransferStatus:
         """Block until the transfer ends: its DONE status, or the mapped error if it failed or was
         aborted (e.g. ``errors.Unavailable`` for a peer that died) or did not end in time."""
         timeout = self._timeout(timeout_s)
@@ -211,9 +221,7 @@ class KvdClient:
         timeout_s: float | None = None,
     ) -> common_pb2.TransferStatus:
         """Abort a transfer; its blocks are never reported loaded."""
-        req = _base.build_request(
-            router_pb2.CancelTransferRequest, request, transfer_id=transfer_id
-        )
+        req = _base.build_request(router_pb2.CancelTransferRequest, request, transfer_id=transfer_id)
         return self._router.CancelTransfer(req, timeout=self._timeout(timeout_s))
 
     @translate
@@ -226,9 +234,7 @@ class KvdClient:
         timeout_s: float | None = None,
     ) -> router_pb2.LookupHeldResponse:
         """What the daemon holds for remote readers (empty filters: everything)."""
-        req = _base.build_request(
-            router_pb2.LookupHeldRequest, request, engine_id=engine_id, request_id=request_id
-        )
+        req = _base.build_request(router_pb2.LookupHeldRequest, request, engine_id=engine_id, request_id=request_id)
         return self._router.LookupHeld(req, timeout=self._timeout(timeout_s))
 
     @translate
@@ -241,9 +247,7 @@ class KvdClient:
         timeout_s: float | None = None,
     ) -> common_pb2.LeaseInfo:
         """Push a lease's expiry out (``ttl_ms`` 0 or None: the daemon's default)."""
-        req = _base.build_request(
-            router_pb2.RenewLeaseRequest, request, lease_id=lease_id, ttl_ms=ttl_ms
-        )
+        req = _base.build_request(router_pb2.RenewLeaseRequest, request, lease_id=lease_id, ttl_ms=ttl_ms)
         return self._router.RenewLease(req, timeout=self._timeout(timeout_s))
 
     @translate
@@ -291,15 +295,13 @@ class KvdClient:
         service name) raise the mapped error.
         """
         try:
-            response = self._health.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout_s)
-            )
+            response = self._health_check(_health.check_request(service), timeout=self._timeout(timeout_s))
         except grpc.RpcError as err:
-            if err.code() in _base.UNREACHABLE_STATUS:
+            if rpc_error_code(err) in _base.UNREACHABLE_STATUS:
                 logger.debug("health check of %s failed: %s", self.target, err)
                 return False
             raise to_kvd_error(err) from err
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+        return _health.is_serving(response)
 
     def close(self) -> None:
         """Close the engine streams this client opened, then the channel (if the client made it)."""

@@ -1,13 +1,13 @@
 """kvd_engine: the part of kvd that runs inside an inference engine.
 
 * :mod:`kvd_engine.nwor`: deferred KV writes for speculative decoding (NWOR);
-* :mod:`kvd_engine.reference_engine`: a small paged-attention engine for end-to-end tests;
 * :mod:`kvd_engine.scheduler` / :mod:`kvd_engine.worker`: the two halves of kvd's KV
   connector, free of vLLM types; :mod:`kvd_engine.connector` wraps them as vLLM's
   ``KvdConnector`` (importing it needs vLLM; importing this package never does);
 * :mod:`kvd_engine.vllm_nwor`: NWOR installed into vLLM 0.33's runner.
 
-This package configures no logging handlers: it lives in other people's processes.
+The reference engine that ``kvd demo`` and the tests drive lives in :mod:`kvd.demo`, outside
+this package. This package configures no logging handlers: it lives in other people's processes.
 """
 
 from .cache_layout import CacheGeometry, KvFormat, KvLayout, SlotIO
@@ -16,12 +16,10 @@ from .engine_api import SchedulerConnector, StepView, TransferResults, WorkerCon
 from .hostcopy import AsyncHostCopy
 from .local import kvd_connectors
 from .nwor import DeferredWriteManager, NworMode, NworStats, acceptance_mask, committed_watermarks, num_valid_tokens
-from .reference_engine import AcceptancePattern, ReferenceEngine, expected_kv, kv_values, oracle_next_token
 from .scheduler import KvdScheduler
 from .worker import KvdWorker
 
 __all__ = [
-    "AcceptancePattern",
     "AsyncHostCopy",
     "CacheGeometry",
     "DeferredWriteManager",
@@ -32,7 +30,6 @@ __all__ = [
     "KvdWorker",
     "NworMode",
     "NworStats",
-    "ReferenceEngine",
     "SchedulerConnector",
     "SlotIO",
     "StepView",
@@ -40,9 +37,6 @@ __all__ = [
     "WorkerConnector",
     "acceptance_mask",
     "committed_watermarks",
-    "expected_kv",
     "kvd_connectors",
-    "kv_values",
     "num_valid_tokens",
-    "oracle_next_token",
 ]

@@ -15,11 +15,13 @@ write stay a single scatter with no host sync to drop the masked lanes.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 from typing import Any
 
 import torch
+
+from kvd_client.dtypes import DTYPE_OF_NAME
+from kvd_client.v1.schema import KvFormat, KvLayout
 
 logger = logging.getLogger(__name__)
 
@@ -34,24 +36,14 @@ __all__ = [
 
 NULL_BLOCK = 0
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-    torch.uint8: "uint8",
-}
+# Every dtype the wire can name, by its torch name (kvd_client.dtypes holds the one table).
+_DTYPE_NAMES: dict[torch.dtype, str] = {getattr(torch, name): name for name in DTYPE_OF_NAME}
 
-# kvd.v1.DType enum numbers, kept here so this module needs no generated code to import.
-_PROTO_DTYPE: dict[str, int] = {
-    "float16": 1,
-    "bfloat16": 2,
-    "float32": 3,
-    "float8_e4m3fn": 4,
-    "float8_e5m2": 5,
-    "uint8": 6,
-}
+# The wire's KvFormat and KvLayout (kvd.v1, generated). An engine cache is SPLIT ([2, num_blocks,
+# <block>]: all K blocks, then all V blocks), JOINT ([num_blocks, 2, <block>]: each block holds
+# its K then its V) or PACKED (vLLM >= 0.33: [num_blocks, <block with head_dim 2*D>], each
+# (token, head) vector K then V); the engine patch writes no MLA caches.
+_ENGINE_FORMATS = (KvFormat.SPLIT, KvFormat.JOINT, KvFormat.PACKED)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -62,30 +54,6 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(
             f"KV dtype {dtype} is not supported by kvd (supported: {sorted(_DTYPE_NAMES.values())})"
         ) from None
-
-
-class KvFormat(enum.Enum):
-    """Where K and V of one layer sit (mirrors kvd.v1.KvFormat, plus vLLM >= 0.33's PACKED)."""
-
-    SPLIT = "SPLIT"  # [2, num_blocks, <block>]: all K blocks, then all V blocks
-    JOINT = "JOINT"  # [num_blocks, 2, <block>]: each block holds its K then its V
-    # vLLM >= 0.33: [num_blocks, <block with head_dim 2*D>]: each (token, head) vector is K then V.
-    PACKED = "PACKED"
-
-    @property
-    def proto_value(self) -> int:
-        return {"SPLIT": 1, "JOINT": 2, "PACKED": 4}[self.value]
-
-
-class KvLayout(enum.Enum):
-    """Order of the axes inside one block."""
-
-    NHD = "NHD"  # [block_size, heads, head_dim]
-    HND = "HND"  # [heads, block_size, head_dim]
-
-    @property
-    def proto_value(self) -> int:
-        return {"NHD": 1, "HND": 2}[self.value]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +81,8 @@ class CacheGeometry:
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside 0..{self.tp_size - 1}")
         dtype_name(self.dtype)
+        if self.kv_format not in _ENGINE_FORMATS:
+            raise ValueError(f"CacheGeometry.kv_format must be one of {[f.name for f in _ENGINE_FORMATS]}")
         if self.total_num_kv_heads == 0:
             object.__setattr__(self, "total_num_kv_heads", self.num_kv_heads * self.tp_size)
 
@@ -194,16 +164,16 @@ class CacheGeometry:
         return out
 
     def layout_spec_fields(self) -> dict[str, Any]:
-        """The fields of ``kvd.v1.KvLayoutSpec`` (plain ints, so no generated code is needed)."""
+        """The fields of ``kvd.v1.KvLayoutSpec`` (plain ints: no protobuf is needed to build them)."""
         return {
             "num_layers": self.num_layers,
-            "kv_format": self.kv_format.proto_value,
-            "layout": self.layout.proto_value,
+            "kv_format": int(self.kv_format),
+            "layout": int(self.layout),
             "block_size": self.block_size,
             "num_kv_heads": self.num_kv_heads,
             "total_num_kv_heads": self.total_num_kv_heads,
             "head_dim": self.head_dim,
-            "dtype": _PROTO_DTYPE[dtype_name(self.dtype)],
+            "dtype": int(DTYPE_OF_NAME[dtype_name(self.dtype)]),
             "num_blocks": self.num_blocks,
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,

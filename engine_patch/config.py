@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from kvd_client.channel import normalize_target
+
 from .nwor import NworMode
 
 __all__ = ["KvdConnectorConfig"]
@@ -90,9 +92,7 @@ class KvdConnectorConfig:
     @property
     def target(self) -> str:
         """The grpc target of the daemon (a bare path means a Unix socket)."""
-        if "://" in self.kvd_socket or self.kvd_socket.startswith("unix:"):
-            return self.kvd_socket
-        return f"unix://{self.kvd_socket}"
+        return normalize_target(self.kvd_socket)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KvdConnectorConfig:

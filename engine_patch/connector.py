@@ -60,7 +60,7 @@ class KvdVllmMetadata(KvdConnectorMetadata, KVConnectorMetadata):
 
 def _tp_rank_and_size() -> tuple[int, int]:
     try:
-        from vllm.distributed.parallel_state import (
+        from vllm.distributed.parallel_state import (  # noqa: PLC0415 - only once vLLM runs
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
         )
@@ -183,7 +183,7 @@ class KvdConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
         if self.speculative:
-            from .vllm_nwor import install_for_connector
+            from .vllm_nwor import install_for_connector  # noqa: PLC0415 - patches vLLM: only when used
 
             install_for_connector(self)
 
@@ -232,7 +232,7 @@ class KvdConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             if self.speculative:
-                from .vllm_nwor import uninstall
+                from .vllm_nwor import uninstall  # noqa: PLC0415 - see install_for_connector
 
                 uninstall()
             self._worker.shutdown()

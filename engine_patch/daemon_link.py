@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvd_client import errors
+from kvd_client.records import as_fields, from_fields, from_message, to_message
+from kvd_client.v1.schema import KvTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ ClientFactory = Callable[[str, float], Any]
 
 
 def _default_client(target: str, timeout_s: float) -> Any:
-    from kvd_client import KvdClient
+    from kvd_client import KvdClient  # noqa: PLC0415 - grpc loads with the first link, not the import
 
     return KvdClient(target, timeout_s=timeout_s)
 
@@ -363,25 +365,14 @@ class DaemonLink:
 
 
 def _transfer_params(fields: Mapping[str, Any]) -> Any:
-    from kvd.v1 import common_pb2
+    from kvd_client.v1 import common_pb2  # noqa: PLC0415 - protobuf loads with the first pull
 
-    return common_pb2.KvTransferParams(**dict(fields))
+    return to_message(from_fields(KvTransferParams, fields), common_pb2.KvTransferParams)
 
 
 def held_fields(response: Any) -> dict[str, Any]:
     """The KvTransferParams fields of a HoldBlocksResponse, as plain Python values."""
-    params = response.kv_transfer_params
-    return {
-        "daemon_address": params.daemon_address,
-        "daemon_incarnation": params.daemon_incarnation,
-        "engine_id": params.engine_id,
-        "tp_size": int(params.tp_size),
-        "lease_id": params.lease_id,
-        "block_ids": [int(b) for b in params.block_ids],
-        "num_tokens": int(params.num_tokens),
-        "request_id": params.request_id,
-        "lease_expires_unix_ms": int(params.lease_expires_unix_ms),
-    }
+    return as_fields(from_message(KvTransferParams, response.kv_transfer_params))
 
 
 class SchedulerLink:

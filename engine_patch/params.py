@@ -5,13 +5,13 @@ as with vLLM's NIXL connector. Its shape::
 
     {"do_remote_prefill": bool,   # the receiver must pull (P -> D): this was a remote prefill
      "do_remote_decode": bool,    # the receiver will also hand its KV on (D -> P, next turn)
-     "kvd": {KvTransferParams fields: daemon_address, daemon_incarnation, engine_id, tp_size,
-             lease_id, block_ids, num_tokens, request_id, lease_expires_unix_ms},
+     "kvd": {the kvd.v1.KvTransferParams fields, by name},
      "kvd_block_size": int}       # the holder's block size (to skip a local prefix hit)
 
 A request sent to a prefill engine with just ``{"do_remote_decode": true}`` asks it to hold
 its KV at the end; one sent to a decode engine with ``do_remote_prefill`` and ``kvd`` makes
-it pull. Everything here is plain data: no grpc, no torch.
+it pull. Everything here is plain data: no grpc, no torch. The field list is the generated
+record's (:class:`kvd_client.v1.schema.KvTransferParams`), never spelled out here.
 """
 
 from __future__ import annotations
@@ -20,22 +20,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from kvd_client.records import as_fields, field_names, from_fields
+from kvd_client.v1.schema import KvTransferParams
+
 __all__ = ["KVD_KEY", "RemoteKv", "make_params", "remote_kv"]
 
 KVD_KEY = "kvd"
 BLOCK_SIZE_KEY = "kvd_block_size"
 
-_FIELDS = (
-    "daemon_address",
-    "daemon_incarnation",
-    "engine_id",
-    "tp_size",
-    "lease_id",
-    "block_ids",
-    "num_tokens",
-    "request_id",
-    "lease_expires_unix_ms",
-)
+_FIELDS = field_names(KvTransferParams)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +73,13 @@ def remote_kv(params: Mapping[str, Any] | None) -> RemoteKv | None:
     if not raw.get("daemon_address") or not raw.get("lease_id") or not raw.get("block_ids"):
         return None
     try:
-        fields = {name: raw[name] for name in _FIELDS if name in raw}
-        fields["num_tokens"] = int(fields.get("num_tokens", 0))
-        fields["block_ids"] = [int(b) for b in fields["block_ids"]]
+        given = {name: raw[name] for name in _FIELDS if name in raw}
+        typed = as_fields(from_fields(KvTransferParams, given))  # each value as its wire type
         block_size = int(params.get(BLOCK_SIZE_KEY, 0) or 0)
     except (TypeError, ValueError):
         return None
+    fields = {name: typed[name] for name in given}
+    fields["num_tokens"] = typed["num_tokens"]
     if fields["num_tokens"] <= 0:
         return None
     return RemoteKv(fields, block_size)

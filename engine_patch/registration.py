@@ -100,7 +100,7 @@ def build_registration(
     engine_pid: int | None = None,
 ) -> Any:
     """The ``kvd.v1.RegisterKvCacheRequest`` for one rank; moves host KV into shm first."""
-    from kvd.v1 import common_pb2, engine_pb2
+    from kvd_client.v1 import common_pb2, engine_pb2  # noqa: PLC0415 - protobuf loads with registration
 
     layers = ordered_layers(kv_caches)
     if len(layers) != geometry.num_layers:
@@ -124,7 +124,7 @@ def build_registration(
         base = shm.data_offset
     placements = []
     for t in tensors:
-        start = base + t.storage_offset() * elem
+        start = base + int(t.storage_offset()) * elem
         split = geometry.kv_format is KvFormat.SPLIT
         v_offset = start + geometry.num_blocks * geometry.block_bytes if split else 0
         placements.append(common_pb2.LayerPlacement(region=0, k_offset=start, v_offset=v_offset))

@@ -19,15 +19,15 @@ Two ways to get host KV into shm:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import uuid
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
+
+from kvd_client import shm as client_shm
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ __all__ = [
     "unlink_quietly",
 ]
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = str(client_shm.SHM_DIR)
 
 # Regions this process mapped, by the data pointer of their storage: lets a connector find the
 # shm file behind a cache the engine allocated in shm itself (no second move, no copy).
@@ -80,32 +80,14 @@ def known_region(t: torch.Tensor) -> ShmRegion | None:
 
 
 def unlink_quietly(path: str) -> None:
-    """Unlink ``path``, ignoring a file that is already gone."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _new_name(prefix: str) -> str:
-    return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    """Unlink the shm file at ``path``, ignoring a file that is already gone."""
+    client_shm.unlink_shm(os.path.basename(path))
 
 
 def create_shm_region(nbytes: int, prefix: str = "kvd-kv") -> ShmRegion:
-    """A zero-filled shm file of ``nbytes`` mapped shared into this process."""
-    if nbytes <= 0:
-        raise ValueError(f"shm region size must be positive, got {nbytes}")
-    name = _new_name(prefix)
-    path = os.path.join(SHM_DIR, name)
-    # O_EXCL: never map someone else's file by accident.
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-    try:
-        tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    except Exception:
-        unlink_quietly(path)
-        raise
+    """A zero-filled shm file of ``nbytes`` (created by :mod:`kvd_client.shm`) mapped into this process."""
+    name = client_shm.new_shm_name(prefix)
+    tensor = client_shm.create_shm_tensor(name, nbytes)
     region = ShmRegion(name=name, size_bytes=nbytes, data_offset=0, owned=True, tensor=tensor)
     _REGIONS[tensor.untyped_storage().data_ptr()] = region
     return region
@@ -152,7 +134,7 @@ def _copy_into_shm(tensors: list[torch.Tensor], storage: torch.UntypedStorage, p
     """Fallback: copy the bytes into a new shm file and re-point the given tensors at it."""
     nbytes = storage.nbytes()
     region = create_shm_region(nbytes, prefix)
-    new_storage = torch.UntypedStorage.from_file(region.path, shared=True, nbytes=nbytes)
+    new_storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(region.path, shared=True, nbytes=nbytes))
     old = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
     region.tensor.copy_(old)
     for t in tensors:

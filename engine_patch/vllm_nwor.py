@@ -83,7 +83,7 @@ def installed() -> DeferredWriteManager | None:
 
 
 def _vllm_version() -> str:
-    import vllm
+    import vllm  # noqa: PLC0415 - optional: this module imports without vLLM
 
     return str(getattr(vllm, "__version__", ""))
 
@@ -112,7 +112,7 @@ def install(
     manager: DeferredWriteManager,
     watermark_sink: WatermarkSink | None = None,
     *,
-    runner_cls: type | None = None,
+    runner_cls: Any = None,
     impl_classes: Iterable[type] | None = None,
     eager: bool = True,
 ) -> bool:
@@ -128,10 +128,10 @@ def install(
         logger.warning("NWOR not installed: CUDA graphs replay KV writes without Python; run with enforce_eager")
         return False
     if runner_cls is None:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # noqa: PLC0415 - optional, see above
 
         runner_cls = GPUModelRunner
-    impls = list(impl_classes) if impl_classes is not None else _default_impl_classes()
+    impls: list[Any] = list(impl_classes) if impl_classes is not None else _default_impl_classes()
     for needed in ("execute_model", "_sample"):
         if not callable(getattr(runner_cls, needed, None)):
             logger.warning("NWOR not installed: %s has no %s (vLLM changed)", runner_cls.__name__, needed)
@@ -140,12 +140,12 @@ def install(
     for cls in impls:
         patches.append((cls, "do_kv_cache_update", vars(cls)["do_kv_cache_update"]))
     patches.append((runner_cls, "execute_model", runner_cls.execute_model))
-    patches.append((runner_cls, "_sample", runner_cls._sample))
+    patches.append((runner_cls, "_sample", runner_cls._sample))  # noqa: SLF001 - the hook vLLM 0.33 offers
     _STATE = _Installed(manager, watermark_sink, patches)
     for cls in impls:
         cls.do_kv_cache_update = _wrap_kv_update(vars(cls)["do_kv_cache_update"])
     runner_cls.execute_model = _wrap_execute_model(runner_cls.execute_model)
-    runner_cls._sample = _wrap_sample(runner_cls._sample)
+    runner_cls._sample = _wrap_sample(runner_cls._sample)  # noqa: SLF001 - see above
     logger.info(
         "NWOR (%s) installed into %s and %d attention backends", manager.mode.value, runner_cls.__name__, len(impls)
     )

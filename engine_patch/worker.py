@@ -97,7 +97,7 @@ class KvdWorker:
         self._signaler: StepSignaler | None = None
         self._meta: KvdConnectorMetadata | None = None
         self._step = 0
-        self._device_marks: tuple[list[str], AsyncHostCopy] | None = None
+        self._device_marks: tuple[Sequence[str], AsyncHostCopy] | None = None
         self._pulls: dict[str, _Pull] = {}
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()

@@ -1,8 +1,9 @@
 """kvd: a per-node KV-cache transfer daemon for disaggregated LLM serving.
 
-This package must stay light to import: the client library (``kvd_client``) imports the generated
-wire code in ``kvd.v1`` and must not pull in torch or nixl. Heavy modules live in ``kvd.core``,
-``kvd.server`` and ``kvd.layout`` and are imported only by the daemon.
+The daemon sits above the client library: it imports ``kvd_client`` (the generated wire code in
+``kvd_client.v1``, the error hierarchy in ``kvd_client.errors``), never the reverse. Heavy
+modules live in ``kvd.core``, ``kvd.server`` and ``kvd.layout`` and are imported only by the
+daemon; ``kvd.core`` and ``kvd.layout`` load no grpc (a test checks ``sys.modules``).
 """
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a development / CI environment from a fresh clone: .venv with everything kvd needs.
 #
-#   bash scripts/setup.sh            # daemon, client, engine patch, tests (+ vLLM 0.33 CPU build)
+#   bash scripts/setup.sh            # daemon, client, engine patch, tests, lint (+ vLLM 0.33 CPU build)
 #   KVD_SETUP_VLLM=0 bash scripts/setup.sh   # skip vLLM (its tests then skip)
 #
 # torch is pinned first: an unpinned torch would pull several GB of CUDA packages.
@@ -20,7 +20,7 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install "${PIP_FLAGS[@]}" --upgrade pip
 "${PIP[@]}" install "${PIP_FLAGS[@]}" "torch==${TORCH_VERSION}"
 "${PIP[@]}" install "${PIP_FLAGS[@]}" nixl
-"${PIP[@]}" install "${PIP_FLAGS[@]}" -e ".[test]"
+"${PIP[@]}" install "${PIP_FLAGS[@]}" -e ".[test,lint]"
 
 if [ "${KVD_SETUP_VLLM:-1}" = "1" ]; then
     bash scripts/setup_vllm.sh "$VENV"

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/kvtest.py helpers
 
-from kvd.cli.spawn import DaemonProcess, start_daemon  # noqa: E402
+from kvd.cli.spawn import DaemonProcess, start_daemon
 
 
 @pytest.fixture
@@ -22,7 +22,8 @@ def spawn_daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cal
     def spawn(
         *flags: str, name: str = "", env: dict[str, str] | None = None, command_prefix: tuple[str, ...] = ()
     ) -> DaemonProcess:
-        daemon = start_daemon(tmp_path, name or f"d{next(counter)}", list(flags), env=env, command_prefix=command_prefix)
+        name = name or f"d{next(counter)}"
+        daemon = start_daemon(tmp_path, name, list(flags), env=env, command_prefix=command_prefix)
         started.append(daemon)
         return daemon
 

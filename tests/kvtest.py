@@ -6,6 +6,7 @@ it with a real daemon over the daemon's Unix socket, and reads the bytes back to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import uuid
@@ -15,18 +16,29 @@ from pathlib import Path
 import torch
 
 from kvd.core import metrics_text
-from kvd.core.memory import create_shm_tensor, unlink_shm
 from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec, contiguous_placements
 from kvd.server import convert
-from kvd.v1 import common_pb2
 from kvd_client import KvdClient
-
+from kvd_client.shm import create_shm_tensor, unlink_shm
+from kvd_client.v1 import common_pb2
 
 LLAMA_8B_SHAPE: dict[str, object] = dict(
-    num_layers=32, kv_format=KvFormat.SPLIT, layout=KvLayout.NHD, block_size=16, num_kv_heads=8, head_dim=128, dtype="bfloat16"
+    num_layers=32,
+    kv_format=KvFormat.SPLIT,
+    layout=KvLayout.NHD,
+    block_size=16,
+    num_kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
 )
 SMALL_SHAPE: dict[str, object] = dict(
-    num_layers=4, kv_format=KvFormat.SPLIT, layout=KvLayout.NHD, block_size=16, num_kv_heads=4, head_dim=64, dtype="float16"
+    num_layers=4,
+    kv_format=KvFormat.SPLIT,
+    layout=KvLayout.NHD,
+    block_size=16,
+    num_kv_heads=4,
+    head_dim=64,
+    dtype="float16",
 )
 
 
@@ -118,10 +130,9 @@ class ShmEngine:
 
     def close(self) -> None:
         if self.registered:
-            try:
+            # The daemon may be gone already in chaos tests.
+            with contextlib.suppress(Exception):
                 self.client.unregister_kv_cache(engine_id=self.engine_id, tp_rank=self.spec.tp_rank)
-            except Exception:  # noqa: BLE001 - the daemon may be gone already in chaos tests
-                pass
         self.client.close()
         unlink_shm(self.shm_name)
 
@@ -147,12 +158,50 @@ def make_pki(directory: Path, names: Sequence[str]) -> Path:
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvd-ca",
-            "-keyout", "ca.key", "-out", "ca.pem")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=kvd-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
     (directory / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
     for name in names:
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
-                "-out", f"{name}.csr")
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                "-days", "1", "-extfile", "san.ext", "-out", f"{name}.pem")
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "san.ext",
+            "-out",
+            f"{name}.pem",
+        )
     return directory

@@ -14,10 +14,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from kvd_client import KvdClient
-
 from kvd.cli.selftest import PatternMismatch, measure_pull
 from kvd.cli.spawn import start_owned
+from kvd_client import KvdClient
 
 SIZES_MB = (8, 32, 128, 512)
 

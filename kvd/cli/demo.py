@@ -1,6 +1,6 @@
 """`kvd demo`: prefill -> decode -> next turn, with two daemons and two reference engines.
 
-Starts two daemons (one per "node"), runs kvd_engine.demo's two-turn conversation through
+Starts two daemons (one per "node"), runs kvd.demo.conversation's two-turn conversation through
 them (prefill TP 2 / NHD / block 16; decode TP 1 / HND / block 8 with speculative decoding;
 then prefill pulls the conversation back), prints the engines' summary and the daemon metrics
 that moved.
@@ -18,7 +18,7 @@ from kvd.core.metrics_text import counters_that_moved
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from kvd_engine.demo import format_report, run_conversation  # noqa: PLC0415
+    from kvd.demo.conversation import format_report, run_conversation  # noqa: PLC0415
 
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-demo-")))

@@ -49,6 +49,7 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from google.protobuf import json_format  # noqa: PLC0415
+
     from kvd_client import KvdClient, errors  # noqa: PLC0415
 
     try:

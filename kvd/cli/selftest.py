@@ -25,14 +25,14 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from kvd_client import KvdClient, errors
 
 from kvd.cli.spawn import start_owned
 from kvd.core import scratch
-from kvd.core.memory import create_shm_tensor, unlink_shm
 from kvd.layout.spec import contiguous_placements
 from kvd.server import convert
-from kvd.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from kvd_client import KvdClient, errors
+from kvd_client.shm import create_shm_tensor, unlink_shm
+from kvd_client.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 
 def _say(message: str) -> None:

@@ -82,7 +82,9 @@ class CommitTracker:
         for key in [k for k in self._waiters if k[0] == engine_id and k[1] == tp_rank]:
             for _, fut in self._waiters.pop(key):
                 if not fut.done():
-                    fut.set_exception(Aborted(f"engine {engine_id!r} rank {tp_rank} went away while a read waited for its commit"))
+                    fut.set_exception(
+                        Aborted(f"engine {engine_id!r} rank {tp_rank} went away while a read waited for its commit")
+                    )
 
     def __len__(self) -> int:
         return len(self._marks)

@@ -27,7 +27,7 @@ from kvd.core.local_memory import LocalMemory, Memories
 from kvd.core.memory import RegionRequest, open_region
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import HandshakeInfo, PeerSession, Peers, PeerTransport, PrepareResult, RemoteEngine
+from kvd.core.peers import HandshakeInfo, Peers, PeerSession, PeerTransport, PrepareResult, RemoteEngine
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.transfers import Transfer, TransferTable
@@ -307,7 +307,13 @@ class Daemon:
     def post_forward(self, rank: EngineRank, step: int, finished_request_ids: Sequence[str]) -> None:
         """A step's KV is complete (sent after the draft proposer ran): nothing to serve yet."""
         self.metrics.post_forward.inc()
-        logger.debug("engine %s rank %d: step %d post-forward, %d finished", rank.engine_id, rank.tp_rank, step, len(finished_request_ids))
+        logger.debug(
+            "engine %s rank %d: step %d post-forward, %d finished",
+            rank.engine_id,
+            rank.tp_rank,
+            step,
+            len(finished_request_ids),
+        )
 
     # --- leases ----------------------------------------------------------------------------------
 
@@ -364,7 +370,8 @@ class Daemon:
         return [
             self.params_of(lease)
             for lease in self.leases.all()
-            if (not engine_id or lease.engine_id == engine_id) and (not request_id or lease.request_id == request_id)
+            if (not engine_id or lease.engine_id == engine_id)
+            and (not request_id or lease.request_id == request_id)
             and self.leases.remaining_s(lease) > 0
         ]
 
@@ -534,7 +541,12 @@ class Daemon:
         return ranks
 
     def abandon_pull(
-        self, lease_id: str, reader_tp_rank: int, reason: str, reader_incarnation: str = "", reader_transfer_id: str = ""
+        self,
+        lease_id: str,
+        reader_tp_rank: int,
+        reason: str,
+        reader_incarnation: str = "",
+        reader_transfer_id: str = "",
     ) -> None:
         """The reader's READs of the lease are final and it gave up: its admission ends cleanly."""
         reader = f"{reader_incarnation or 'unknown'}/{reader_transfer_id}"
@@ -602,8 +614,9 @@ class Daemon:
         real path. One scratch engine per daemon; a different size or seed replaces it.
         """
         from kvd.core import scratch  # noqa: PLC0415
-        from kvd.core.memory import MemoryKind, create_shm_tensor, unlink_shm  # noqa: PLC0415
+        from kvd.core.memory import MemoryKind  # noqa: PLC0415
         from kvd.layout.spec import contiguous_placements  # noqa: PLC0415
+        from kvd_client.shm import create_shm_tensor, unlink_shm  # noqa: PLC0415
 
         self.require_serving()
         if not 0 < size_bytes <= scratch.MAX_SCRATCH_BYTES:

@@ -97,7 +97,9 @@ class DataPlane:
         self._nixl_progress_thread = progress_thread
         self.agent: Any = None
         self._metadata = b""
-        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = collections.deque()
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            collections.deque()
+        )
         self._wake = threading.Event()
         self._stopping = False
         self._xfers: list[Xfer] = []  # owner thread only
@@ -126,7 +128,9 @@ class DataPlane:
         self.agent = api.nixl_agent(self.name, config)
         missing = [b for b in self._backends if b not in self.agent.backends]
         if missing:
-            raise Internal(f"NIXL backends {missing} could not be created (available plugins: {self.agent.plugin_list})")
+            raise Internal(
+                f"NIXL backends {missing} could not be created (available plugins: {self.agent.plugin_list})"
+            )
         self._metadata = bytes(self.agent.get_agent_metadata())
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
@@ -150,7 +154,7 @@ class DataPlane:
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn())
-                    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    except BaseException as exc:
                         future.set_exception(exc)
             if self._stopping and not self._commands:
                 return
@@ -279,7 +283,12 @@ class DataPlane:
 
     async def release_tables(self, tables: Sequence[Any]) -> None:
         if tables:
-            await self.call(lambda: [_release_table(self.agent, table) for table in tables])
+
+            def release() -> None:
+                for table in tables:
+                    _release_table(self.agent, table)
+
+            await self.call(release)
 
     # --- transfers ----------------------------------------------------------------------------
 
@@ -301,7 +310,9 @@ class DataPlane:
 
         def post() -> Xfer:
             try:
-                handle = self.agent.make_prepped_xfer("READ", local_table, local_indices, remote_table, remote_indices, notif)
+                handle = self.agent.make_prepped_xfer(
+                    "READ", local_table, local_indices, remote_table, remote_indices, notif
+                )
             except Exception as exc:
                 raise self._map(exc, peer) from exc
             xfer = Xfer(handle, peer, nbytes, time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S, settled)

@@ -114,7 +114,9 @@ class LeaseTable:
     def open_admissions(self) -> int:
         return sum(len(lease.admissions) for lease in self._leases.values())
 
-    def create(self, engine_id: str, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float) -> Lease:
+    def create(
+        self, engine_id: str, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float
+    ) -> Lease:
         if ttl_s <= 0:
             raise InvalidArgument(f"lease ttl must be > 0, got {ttl_s}")
         lease = Lease(

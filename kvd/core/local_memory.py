@@ -112,13 +112,17 @@ class Memories:
         try:
             for region in regions:
                 registrations.append(
-                    await self._dataplane.register(region.address, region.size_bytes, region.device_index, region.mem_type)
+                    await self._dataplane.register(
+                        region.address, region.size_bytes, region.device_index, region.mem_type
+                    )
                 )
         except BaseException:
             for registration in registrations:
                 await self._dataplane.deregister(registration)
             raise
-        return LocalMemory(registration_id, list(regions), registrations, TableCache(self._dataplane, "NIXL_INIT_AGENT"))
+        return LocalMemory(
+            registration_id, list(regions), registrations, TableCache(self._dataplane, "NIXL_INIT_AGENT")
+        )
 
     # --- pins -------------------------------------------------------------------------------
 
@@ -152,7 +156,9 @@ class Memories:
 
     def can_remap(self, memory: LocalMemory) -> bool:
         """Host memory from a shared mapping can be mapped again at new addresses."""
-        return memory.host and all(r.request.kind is MemoryKind.SHM and r.address % vm.PAGE == 0 for r in memory.regions)
+        return memory.host and all(
+            r.request.kind is MemoryKind.SHM and r.address % vm.PAGE == 0 for r in memory.regions
+        )
 
     async def remap(self, memory: LocalMemory, registration_id: int) -> LocalMemory:
         """A new mapping of the same engine pages at new addresses, registered with NIXL.

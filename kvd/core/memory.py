@@ -9,6 +9,7 @@ and its address, and never copies them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -178,7 +179,5 @@ def create_shm_tensor(name: str, size: int) -> torch.Tensor:
 
 def unlink_shm(name: str) -> None:
     """Remove ``/dev/shm/<name>`` if present (mappings stay valid until unmapped)."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         (SHM_DIR / name).unlink()
-    except FileNotFoundError:
-        pass

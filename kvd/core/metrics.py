@@ -18,7 +18,10 @@ class Metrics:
             "kvd_transfer_bytes", "KV bytes moved through NIXL", ["peer", "direction"], registry=r
         )
         self.transfers = Counter(
-            "kvd_transfers", "Transfers by outcome (done, failed, aborted)", ["peer", "direction", "outcome"], registry=r
+            "kvd_transfers",
+            "Transfers by outcome (done, failed, aborted)",
+            ["peer", "direction", "outcome"],
+            registry=r,
         )
         self.transfer_seconds = Histogram(
             "kvd_transfer_duration_seconds",
@@ -54,7 +57,9 @@ class Metrics:
         self.leases_draining = Gauge(
             "kvd_leases_draining", "Leases that were ended but still wait for admitted reads to finish", registry=r
         )
-        self.admitted_reads = Gauge("kvd_admitted_reads", "Reads of this daemon's leases admitted and not over", registry=r)
+        self.admitted_reads = Gauge(
+            "kvd_admitted_reads", "Reads of this daemon's leases admitted and not over", registry=r
+        )
         self.admissions_ended = Counter(
             "kvd_admissions_ended",
             "Admitted reads ended, by how (read, abandoned, timed_out, replaced)",
@@ -69,7 +74,9 @@ class Metrics:
             registry=r,
         )
         self.nixl_reads_in_flight = Gauge(
-            "kvd_nixl_reads_in_flight", "NIXL READs posted and not final (a given-up read stays until NIXL ends it)", registry=r
+            "kvd_nixl_reads_in_flight",
+            "NIXL READs posted and not final (a given-up read stays until NIXL ends it)",
+            registry=r,
         )
         self.peers = Gauge("kvd_peers", "Peer daemons with a live handshake", registry=r)
         self.remote_agents = Gauge("kvd_remote_agents", "Peer NIXL agents loaded (live or still in use)", registry=r)

@@ -1,18 +1,11 @@
-"""The kv_transfer_params a router forwards from the holder's engine to the puller's."""
+"""The kv_transfer_params a router forwards from the holder's engine to the puller's.
+
+``TransferParams`` is the wire's ``kvd.v1.KvTransferParams`` record, generated from the proto
+(:mod:`kvd_client.v1.schema`): the core, the server edge and the engine patch share one field list.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+from kvd_client.v1.schema import KvTransferParams as TransferParams
 
-
-@dataclasses.dataclass(frozen=True)
-class TransferParams:
-    daemon_address: str
-    daemon_incarnation: str
-    engine_id: str
-    tp_size: int
-    lease_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    request_id: str
-    lease_expires_unix_ms: int = 0
+__all__ = ["TransferParams"]

@@ -40,7 +40,7 @@ from kvd.core.events import FinishedRecving, LoadFailed
 from kvd.core.local_memory import LocalMemory, Memories
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import PeerSession, Peers, PeerTransport, PrepareResult, RemoteAgent, RemoteEngine, unreachable
+from kvd.core.peers import Peers, PeerSession, PeerTransport, PrepareResult, RemoteAgent, RemoteEngine, unreachable
 from kvd.core.registry import EngineRank
 from kvd.core.staging import StagingChunk, StagingPool
 from kvd.core.transfers import Transfer, TransferState
@@ -121,7 +121,9 @@ class Puller:
         """The pull task: never raises; ends the transfer and tells the engine exactly once."""
         memory = rank.memory
         if not memory.usable:
-            self._report(transfer, rank, remote, Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} is unregistering"))
+            self._report(
+                transfer, rank, remote, Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} is unregistering")
+            )
             return
         self._memories.pin(memory)
         held = _PullResources(memory)
@@ -156,7 +158,9 @@ class Puller:
         fence_s: float,
     ) -> None:
         if error is None and held.memory.retired:
-            error = Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} memory was re-mapped during the pull: recompute")
+            error = Aborted(
+                f"engine {rank.engine_id} rank {rank.tp_rank} memory was re-mapped during the pull: recompute"
+            )
         if error is None and self._current_rank(rank) is not rank:
             error = Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} unregistered during the pull")
         if error is not None and not held.reads_final:
@@ -165,9 +169,16 @@ class Puller:
         self._report(transfer, rank, remote, error)
         await self._hand_back(held)
         session = held.session
-        if error is not None and session is not None and held.reads_final and self.peers.cached(session.address) is session:
+        if (
+            error is not None
+            and session is not None
+            and held.reads_final
+            and self.peers.cached(session.address) is session
+        ):
             # The holder may stop counting this read: nothing of it can touch its blocks now.
-            asyncio.get_running_loop().create_task(self._abandon(remote, rank.tp_rank, transfer.transfer_id, error.message))
+            asyncio.get_running_loop().create_task(
+                self._abandon(remote, rank.tp_rank, transfer.transfer_id, error.message)
+            )
 
     async def _fence(self, transfer: Transfer, rank: EngineRank, held: _PullResources, fence_s: float) -> None:
         """Make sure no byte of the pull can still land in the engine's blocks (module docstring)."""
@@ -238,17 +249,18 @@ class Puller:
         self.metrics.transfers.labels(remote.daemon_address, direction, state.value.lower()).inc()
         self.metrics.errors.labels("pull", error.code.name).inc()
         rank.post(
-            LoadFailed(transfer.request_id, transfer.transfer_id, error.code.name, error.message, transfer.local_block_ids)
+            LoadFailed(
+                transfer.request_id, transfer.transfer_id, error.code.name, error.message, transfer.local_block_ids
+            )
         )
         logger.warning("pull %s of %s failed: %s", transfer.transfer_id, transfer.request_id, error.message)
 
     async def _hand_back(self, held: _PullResources) -> None:
         final = held.reads_final
         await self._memories.unpin(held.memory, stale=held.xfers)
-        if held.agent is not None:
-            if final:
-                await self.peers.unpin(held.agent)
-                held.agent = None
+        if held.agent is not None and final:
+            await self.peers.unpin(held.agent)
+            held.agent = None
         if final:
             await self._release_buffers(held)
         else:
@@ -279,7 +291,12 @@ class Puller:
     async def _abandon(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
         try:
             await self._transport.abandon_pull(
-                remote.daemon_address, remote.lease_id, reader_rank, transfer_id, reason, self.config.handshake_timeout_s
+                remote.daemon_address,
+                remote.lease_id,
+                reader_rank,
+                transfer_id,
+                reason,
+                self.config.handshake_timeout_s,
             )
         except KvdError as exc:  # best effort: the holder ends the admission at its deadline
             logger.debug("abandon of lease %s at %s: %s", remote.lease_id, remote.daemon_address, exc.message)
@@ -362,7 +379,9 @@ class Puller:
         if prepared.registration_ids != tuple(remote_ranks[r].registration_id for r in pull_plan.remote_ranks):
             raise _StaleHandshake(
                 "stale engine registration",
-                FailedPrecondition(f"engine {remote.engine_id!r} at {remote.daemon_address} re-registered during the pull: retry"),
+                FailedPrecondition(
+                    f"engine {remote.engine_id!r} at {remote.daemon_address} re-registered during the pull: retry"
+                ),
             )
         return pull_plan, remote_ranks, prepared
 
@@ -381,7 +400,9 @@ class Puller:
         memory = held.memory
         label = f"{session.address} (agent {session.agent_name})"
         if plan.staging_bytes:
-            held.staging = await (await self._staging_pool(memory)).acquire(plan.staging_bytes, self.config.staging_wait_s)
+            held.staging = await (await self._staging_pool(memory)).acquire(
+                plan.staging_bytes, self.config.staging_wait_s
+            )
             self.metrics.staging_bytes_in_use.inc(held.staging.size)
         parts = len(plan.reads)
         try:

@@ -8,6 +8,7 @@ import itertools
 import logging
 from collections.abc import Iterator
 from typing import Any
+
 from kvd.core.events import EngineEvent
 from kvd.core.local_memory import LocalMemory
 from kvd.core.memory import OpenedRegion
@@ -108,9 +109,7 @@ class Registry:
         if not engine_id:
             raise InvalidArgument("engine_id must not be empty")
         if (engine_id, spec.tp_rank) in self._ranks:
-            raise AlreadyExists(
-                f"engine {engine_id!r} rank {spec.tp_rank} is already registered: unregister it first"
-            )
+            raise AlreadyExists(f"engine {engine_id!r} rank {spec.tp_rank} is already registered: unregister it first")
         for other in self.ranks_of(engine_id).values():
             for name in ("tp_size", "num_layers", "kv_format", "layout", "block_size", "head_dim", "dtype"):
                 if getattr(other.spec, name) != getattr(spec, name):
@@ -133,9 +132,7 @@ class Registry:
         rank = self._ranks.get((engine_id, tp_rank))
         if rank is None:
             known = sorted(self._ranks)
-            raise UnknownEngine(
-                f"engine {engine_id!r} rank {tp_rank} is not registered here (registered: {known[:8]})"
-            )
+            raise UnknownEngine(f"engine {engine_id!r} rank {tp_rank} is not registered here (registered: {known[:8]})")
         return rank
 
     def current(self, rank: EngineRank) -> EngineRank | None:

@@ -54,7 +54,9 @@ class TableCache:
         pending = self._preparing.get(full_key)
         if pending is None:
             loop = asyncio.get_running_loop()
-            pending = loop.run_in_executor(executor, self._prepare, geometry, list(region_addresses), device_index, mem_type)
+            pending = loop.run_in_executor(
+                executor, self._prepare, geometry, list(region_addresses), device_index, mem_type
+            )
             self._preparing[full_key] = pending
             try:
                 table = await asyncio.shield(pending)

@@ -1,4 +1,7 @@
-"""Transfers (pulls) and their state machine: planned -> reading -> postprocessing -> done | [fencing ->] failed | aborted."""
+"""Transfers (pulls) and their state machine.
+
+planned -> reading -> postprocessing -> done, or (fencing ->) failed | aborted.
+"""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from kvd.layout.spec import KvLayout
 if TYPE_CHECKING:
     import torch
 
-    from kvd.layout.plan import EngineView
+    from kvd.layout.plan_types import EngineView
 
 __all__ = ["BlockFrame", "ConvertPostprocess", "StagedSource", "word_size"]
 
@@ -55,7 +55,7 @@ def _word_dtype(word: int) -> torch.dtype:
 
 def word_size(tensors: Sequence[torch.Tensor], limit: int) -> int:
     """Largest word <= limit at which every tensor's address (and storage offset) is aligned."""
-    return _pow2_divisor([v for t in tensors for v in (t.data_ptr(), t.storage_offset())], limit)
+    return _pow2_divisor([int(v) for t in tensors for v in (t.data_ptr(), t.storage_offset())], limit)
 
 
 def _as_words(tensor: torch.Tensor, word: int) -> torch.Tensor:

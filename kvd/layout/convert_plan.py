@@ -41,7 +41,7 @@ import numpy as np
 
 from kvd.layout.convert import BlockFrame, ConvertPostprocess, StagedSource
 from kvd.layout.geometry import DescGeometry, max_run_log2_for, split_runs
-from kvd.layout.plan import EngineView, PullPlan, ReadGroup, Target, check_convertible, validate_pull
+from kvd.layout.plan_types import EngineView, PullPlan, ReadGroup, Target, check_convertible, validate_pull
 from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec, contiguous_placements
 from kvd_client.errors import IncompatibleLayout
 
@@ -91,7 +91,9 @@ def check_pair(remote: Mapping[int, EngineView], local: LayoutSpec) -> None:
     for rank, view in remote.items():
         if view.spec.tp_rank != rank:
             raise IncompatibleLayout(f"the holder's rank {rank} describes itself as tp_rank {view.spec.tp_rank}")
-        if dataclasses.replace(view.spec, num_blocks=1, tp_rank=0) != dataclasses.replace(first, num_blocks=1, tp_rank=0):
+        if dataclasses.replace(view.spec, num_blocks=1, tp_rank=0) != dataclasses.replace(
+            first, num_blocks=1, tp_rank=0
+        ):
             raise IncompatibleLayout(
                 f"the holder's ranks disagree on their KV layout: {first.describe()} vs {view.spec.describe()}"
             )
@@ -323,7 +325,9 @@ def _copy_groups(
     full, tail = divmod(num_tokens, shape.tokens)
     groups = []
     if full:
-        groups.append(_group(rank, remote, local, num_heads, shape, shape.tokens, np.arange(full), target, max_run_blocks))
+        groups.append(
+            _group(rank, remote, local, num_heads, shape, shape.tokens, np.arange(full), target, max_run_blocks)
+        )
     if tail:
         tshape = _tail_shape(shape)
         groups.append(_group(rank, remote, local, num_heads, tshape, tail, np.array([full]), target, max_run_blocks))

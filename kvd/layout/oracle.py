@@ -58,7 +58,9 @@ def _byte_index(offsets: np.ndarray, head_bytes: int) -> torch.Tensor:
     return torch.from_numpy(offsets[..., None] + np.arange(head_bytes, dtype=np.int64))
 
 
-def gather(regions: Sequence[torch.Tensor], view: EngineView, block_ids: Sequence[int], num_tokens: int) -> torch.Tensor:
+def gather(
+    regions: Sequence[torch.Tensor], view: EngineView, block_ids: Sequence[int], num_tokens: int
+) -> torch.Tensor:
     """The request's KV as a logical uint8 tensor ``[layers, planes, tokens, heads, head_bytes]``."""
     spec = view.spec
     offsets = byte_offsets(view, block_ids, num_tokens)
@@ -69,9 +71,7 @@ def gather(regions: Sequence[torch.Tensor], view: EngineView, block_ids: Sequenc
     return torch.stack(layers)
 
 
-def scatter(
-    regions: Sequence[torch.Tensor], view: EngineView, block_ids: Sequence[int], logical: torch.Tensor
-) -> None:
+def scatter(regions: Sequence[torch.Tensor], view: EngineView, block_ids: Sequence[int], logical: torch.Tensor) -> None:
     """Write a logical tensor (as :func:`gather` returns) into the engine's memory, in place."""
     spec = view.spec
     num_tokens = logical.shape[2]
@@ -141,7 +141,9 @@ def execute_plan(
     if staging is None:
         staging = torch.randint(0, 256, (plan.staging_bytes,), dtype=torch.uint8)
     log = ExecutionLog(
-        remote_read={rank: [np.zeros(r.numel(), dtype=bool) for r in regions] for rank, regions in remote_regions.items()},
+        remote_read={
+            rank: [np.zeros(r.numel(), dtype=bool) for r in regions] for rank, regions in remote_regions.items()
+        },
         engine_writes=[np.zeros(r.numel(), dtype=np.int64) for r in local_regions],
         staging_writes=np.zeros(staging.numel(), dtype=np.int64),
     )

@@ -11,88 +11,40 @@ KV of rejected draft tokens, which must never leave the holder).
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from kvd.layout import convert_plan
 from kvd.layout.geometry import DescGeometry, max_run_log2_for, split_runs
-from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec
-from kvd_client.errors import IncompatibleLayout, InvalidArgument
+from kvd.layout.plan_types import (
+    EngineView,
+    Postprocess,
+    PullPlan,
+    ReadGroup,
+    Target,
+    check_convertible,
+    same_layout,
+    validate_pull,
+)
+from kvd.layout.spec import KvFormat, KvLayout
+from kvd_client.errors import IncompatibleLayout
 
-
-if TYPE_CHECKING:
-    import torch
-
-
-class Postprocess(Protocol):
-    """A conversion run after the reads: staging bytes -> the local engine's blocks.
-
-    ``staging`` is the pull's staging chunk (uint8, ``plan.staging_bytes`` long) and
-    ``engine_regions`` the local engine's regions (uint8 tensors), both on the device the
-    engine's memory lives on. Must be vectorised torch (no Python loop per block).
-    """
-
-    def run(self, staging: torch.Tensor, engine_regions: Sequence[torch.Tensor]) -> None: ...
-
-
-class Target(enum.Enum):
-    """Where a read lands on the local side."""
-
-    ENGINE = "engine"  # straight into the engine's blocks
-    STAGING = "staging"  # into the daemon's staging pool, converted afterwards
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineView:
-    """One engine rank as a planner sees it: its layout and where its layers live."""
-
-    spec: LayoutSpec
-    placements: tuple[LayerPlacement, ...]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ReadGroup:
-    """One NIXL transfer: runs of ``remote_geometry`` read into runs of ``local_geometry``."""
-
-    remote_rank: int
-    remote_geometry: DescGeometry
-    remote_indices: np.ndarray
-    local_target: Target
-    local_geometry: DescGeometry
-    local_indices: np.ndarray
-    nbytes: int
-
-    @property
-    def num_descriptors(self) -> int:
-        return int(self.remote_indices.size)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PullPlan:
-    """Everything a pull does, decided before any byte moves."""
-
-    reads: tuple[ReadGroup, ...]
-    # Conversion run after the reads (staging -> engine blocks); None for direct reads.
-    postprocess: Postprocess | None = None
-    staging_bytes: int = 0
-
-    @property
-    def num_descriptors(self) -> int:
-        return sum(group.num_descriptors for group in self.reads)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(group.nbytes for group in self.reads)
-
-    @property
-    def direct(self) -> bool:
-        return all(group.local_target is Target.ENGINE for group in self.reads)
-
-    @property
-    def remote_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted({group.remote_rank for group in self.reads}))
+# The plan types are defined in kvd.layout.plan_types and re-exported: callers plan and read
+# plans through this module.
+__all__ = [
+    "EngineView",
+    "Postprocess",
+    "PullPlan",
+    "ReadGroup",
+    "Target",
+    "block_geometry",
+    "check_convertible",
+    "partial_block_geometry",
+    "plan_pull",
+    "same_layout",
+    "validate_pull",
+]
 
 
 def block_geometry(view: EngineView, max_run_blocks: int) -> DescGeometry:
@@ -131,20 +83,6 @@ def partial_block_geometry(view: EngineView, tokens: int) -> DescGeometry:
     return DescGeometry(planes=planes, num_units=spec.num_blocks, unit_stride=spec.block_stride, unit_bytes=unit)
 
 
-def check_convertible(remote: LayoutSpec, local: LayoutSpec) -> None:
-    """Refuse pairs no conversion can serve, naming both sides' values."""
-    mismatches = []
-    for name in ("dtype", "head_dim", "num_layers", "total_num_kv_heads"):
-        if getattr(remote, name) != getattr(local, name):
-            mismatches.append(f"{name}: remote {getattr(remote, name)} vs local {getattr(local, name)}")
-    for special in (KvFormat.MLA, KvFormat.PACKED):  # these convert only among themselves
-        if (remote.kv_format is special) != (local.kv_format is special):
-            mismatches.append(f"kv_format: remote {remote.kv_format.value} vs local {local.kv_format.value}")
-            break
-    if mismatches:
-        raise IncompatibleLayout("KV layouts cannot be converted: " + "; ".join(mismatches))
-
-
 def _same_layout_group(
     remote_rank: int,
     remote_geo: DescGeometry,
@@ -156,45 +94,14 @@ def _same_layout_group(
     local_start, remote_start, log2_len, _ = split_runs(local_units, remote_units, local_geo.max_run_log2)
     pieces = log2_len.size
     plane = np.repeat(np.arange(len(local_geo.planes), dtype=np.int64), pieces)
-    local_idx = local_geo.index(plane, np.tile(local_start, len(local_geo.planes)), np.tile(log2_len, len(local_geo.planes)))
+    local_idx = local_geo.index(
+        plane, np.tile(local_start, len(local_geo.planes)), np.tile(log2_len, len(local_geo.planes))
+    )
     remote_idx = remote_geo.index(
         plane, np.tile(remote_start, len(remote_geo.planes)), np.tile(log2_len, len(remote_geo.planes))
     )
     nbytes = local_geo.nbytes_of(log2_len) * len(local_geo.planes)
     return ReadGroup(remote_rank, remote_geo, remote_idx, Target.ENGINE, local_geo, local_idx, nbytes)
-
-
-def validate_pull(
-    remote: LayoutSpec,
-    local: LayoutSpec,
-    remote_block_ids: Sequence[int],
-    local_block_ids: Sequence[int],
-    num_tokens: int,
-) -> None:
-    """Raise InvalidArgument unless the block lists and token count agree with both layouts."""
-    if num_tokens < 1:
-        raise InvalidArgument(f"num_tokens must be >= 1, got {num_tokens}")
-    need_local = local.blocks_for(num_tokens)
-    if len(local_block_ids) != need_local:
-        raise InvalidArgument(
-            f"{num_tokens} tokens need {need_local} local blocks of {local.block_size} tokens, "
-            f"got {len(local_block_ids)} local block ids"
-        )
-    need_remote = remote.blocks_for(num_tokens)
-    if len(remote_block_ids) < need_remote:
-        raise InvalidArgument(
-            f"{num_tokens} tokens need {need_remote} remote blocks of {remote.block_size} tokens, "
-            f"the holder offered {len(remote_block_ids)}"
-        )
-    local.validate_block_ids(local_block_ids, "local block ids")
-    remote.validate_block_ids(remote_block_ids, "remote block ids")
-    if len(set(local_block_ids)) != len(local_block_ids):
-        raise InvalidArgument("local block ids repeat a block: two token ranges cannot land in one block")
-
-
-def same_layout(remote: LayoutSpec, local: LayoutSpec) -> bool:
-    """True when bytes can be copied block for block (only block counts may differ)."""
-    return dataclasses.replace(remote, num_blocks=1, tp_rank=0) == dataclasses.replace(local, num_blocks=1, tp_rank=0)
 
 
 def plan_pull(
@@ -220,9 +127,9 @@ def plan_pull(
     validate_pull(any_remote, local.spec, remote_block_ids, local_block_ids, num_tokens)
     local_rank = local.spec.tp_rank
     if same_layout(any_remote, local.spec) and local_rank in remote:
-        return _plan_same_layout(remote[local_rank], local, remote_block_ids, local_block_ids, num_tokens, max_run_blocks)
-    from kvd.layout import convert_plan  # noqa: PLC0415 - the conversion planner is optional weight
-
+        return _plan_same_layout(
+            remote[local_rank], local, remote_block_ids, local_block_ids, num_tokens, max_run_blocks
+        )
     return convert_plan.plan_conversion(
         remote,
         local,
@@ -255,7 +162,9 @@ def _plan_same_layout(
         k = min(remote_geo.max_run_log2, local_geo.max_run_log2)
         remote_geo = dataclasses.replace(remote_geo, max_run_log2=k)
         local_geo = dataclasses.replace(local_geo, max_run_log2=k)
-        groups.append(_same_layout_group(rank, remote_geo, remote_ids[:full_blocks], local_geo, local_ids[:full_blocks]))
+        groups.append(
+            _same_layout_group(rank, remote_geo, remote_ids[:full_blocks], local_geo, local_ids[:full_blocks])
+        )
     if tail_tokens:
         remote_geo = partial_block_geometry(remote, tail_tokens)
         local_geo = partial_block_geometry(local, tail_tokens)

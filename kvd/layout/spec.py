@@ -9,29 +9,27 @@ code can trust it.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from collections.abc import Sequence
 
 from kvd_client.errors import InvalidArgument
+from kvd_client.v1.schema import KvFormat, KvLayout, LayerPlacement
 
+__all__ = [
+    "DTYPE_SIZES",
+    "KvFormat",
+    "KvLayout",
+    "LayerPlacement",
+    "LayoutSpec",
+    "contiguous_placements",
+]
 
-class KvLayout(enum.Enum):
-    """Order of the axes inside one block."""
-
-    NHD = "NHD"  # [block_size, num_kv_heads, head_dim]: a token's heads are contiguous
-    HND = "HND"  # [num_kv_heads, block_size, head_dim]: a head's tokens are contiguous
-
-
-class KvFormat(enum.Enum):
-    """How K and V of one layer are placed."""
-
-    SPLIT = "SPLIT"  # K blocks at k_offset, V blocks at v_offset (vLLM's [2, num_blocks, ...])
-    JOINT = "JOINT"  # each block is [2, <block>]: K then V (FlashInfer's [num_blocks, 2, ...])
-    MLA = "MLA"  # one latent vector per token, no K/V pair, one "head"
-    # K and V of one token and head side by side, [K | V] (vLLM 0.33 on CPU:
-    # [num_blocks, heads, block_size, 2 * head_dim]): one plane whose head vectors are 2 * head_dim.
-    PACKED = "PACKED"
+# KvFormat, KvLayout and LayerPlacement are the wire's (generated from proto/kvd/v1/common.proto).
+# KvLayout.NHD: [block_size, num_kv_heads, head_dim], a token's heads are contiguous; HND:
+# [num_kv_heads, block_size, head_dim], a head's tokens are contiguous. KvFormat.SPLIT: K blocks
+# at k_offset, V blocks at v_offset (vLLM's [2, num_blocks, ...]); JOINT: each block is
+# [2, <block>], K then V (FlashInfer's [num_blocks, 2, ...]); MLA: one latent vector per token,
+# one "head"; PACKED: [K | V] of one token and head side by side (vLLM 0.33 on CPU).
 
 
 DTYPE_SIZES: dict[str, int] = {
@@ -42,15 +40,6 @@ DTYPE_SIZES: dict[str, int] = {
     "float8_e5m2": 1,
     "uint8": 1,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerPlacement:
-    """Where one layer lives: byte offsets inside region ``region`` of the engine."""
-
-    region: int
-    k_offset: int
-    v_offset: int = 0  # SPLIT only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +194,7 @@ class LayoutSpec:
     def describe(self) -> str:
         """Short human description for error messages."""
         return (
-            f"{self.kv_format.value}/{self.layout.value} layers={self.num_layers} block_size={self.block_size} "
+            f"{self.kv_format.name}/{self.layout.name} layers={self.num_layers} block_size={self.block_size} "
             f"heads={self.num_kv_heads}/{self.total_num_kv_heads} head_dim={self.head_dim} dtype={self.dtype} "
             f"tp={self.tp_rank}/{self.tp_size}"
         )

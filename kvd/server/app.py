@@ -31,9 +31,10 @@ from prometheus_client import start_http_server
 from kvd.config import KvdConfig
 from kvd.core.daemon import Daemon
 from kvd.core.metrics import Metrics
-from kvd.server.peer_client import CHANNEL_OPTIONS, GrpcPeerTransport
+from kvd.server.peer_client import GrpcPeerTransport
 from kvd.server.servicers import EngineServicer, PeerServicer, RouterServicer
-from kvd.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
+from kvd_client.channel import SERVER_OPTIONS
+from kvd_client.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +104,14 @@ async def start(config: KvdConfig) -> Running:
     health = HealthServicer()
     engine, peer, router = EngineServicer(daemon), PeerServicer(daemon), RouterServicer(daemon)
 
-    unix_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    unix_server = grpc.aio.server(options=SERVER_OPTIONS)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, unix_server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, unix_server)
     health_pb2_grpc.add_HealthServicer_to_server(health, unix_server)
     _prepare_unix_socket(config.unix_socket)
     unix_server.add_insecure_port(f"unix:{config.unix_socket}")
 
-    tcp_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    tcp_server = grpc.aio.server(options=SERVER_OPTIONS)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(peer, tcp_server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, tcp_server)
     health_pb2_grpc.add_HealthServicer_to_server(health, tcp_server)

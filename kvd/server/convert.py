@@ -6,59 +6,49 @@ InvalidArgument), so a malformed request changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+from typing import TypeVar
+
 from kvd.core.memory import CudaIpcSpec, MemoryKind, RegionRequest
 from kvd.core.params import TransferParams
 from kvd.core.peers import HandshakeInfo, RemoteEngine
 from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec
-from kvd.v1 import common_pb2, peer_pb2
+from kvd_client import records
+from kvd_client.dtypes import DTYPE_NAMES, DTYPE_OF_NAME, DType
 from kvd_client.errors import InvalidArgument
+from kvd_client.v1 import common_pb2, peer_pb2
 
-_LAYOUT = {common_pb2.KV_LAYOUT_NHD: KvLayout.NHD, common_pb2.KV_LAYOUT_HND: KvLayout.HND}
-_FORMAT = {
-    common_pb2.KV_FORMAT_SPLIT: KvFormat.SPLIT,
-    common_pb2.KV_FORMAT_JOINT: KvFormat.JOINT,
-    common_pb2.KV_FORMAT_MLA: KvFormat.MLA,
-    common_pb2.KV_FORMAT_PACKED: KvFormat.PACKED,
-}
-_DTYPE = {
-    common_pb2.DTYPE_FLOAT16: "float16",
-    common_pb2.DTYPE_BFLOAT16: "bfloat16",
-    common_pb2.DTYPE_FLOAT32: "float32",
-    common_pb2.DTYPE_FLOAT8_E4M3: "float8_e4m3fn",
-    common_pb2.DTYPE_FLOAT8_E5M2: "float8_e5m2",
-    common_pb2.DTYPE_UINT8: "uint8",
-}
-_STATE = {
-    TransferState.PLANNED: common_pb2.TRANSFER_STATE_PLANNED,
-    TransferState.READING: common_pb2.TRANSFER_STATE_READING,
-    TransferState.POSTPROCESSING: common_pb2.TRANSFER_STATE_POSTPROCESSING,
-    TransferState.DONE: common_pb2.TRANSFER_STATE_DONE,
-    TransferState.FAILED: common_pb2.TRANSFER_STATE_FAILED,
-    TransferState.ABORTED: common_pb2.TRANSFER_STATE_ABORTED,
-    TransferState.FENCING: common_pb2.TRANSFER_STATE_FENCING,
+E = TypeVar("E", bound=enum.IntEnum)
+
+# The core's transfer states and the wire's share their names.
+_STATE: dict[TransferState, common_pb2.TransferState] = {
+    state: getattr(common_pb2, f"TRANSFER_STATE_{state.name}") for state in TransferState
 }
 
 
-def _enum(table: dict, value: int, what: str, enum_type: object) -> object:
+def _enum(enum_type: type[E], value: int, what: str) -> E:
+    """The wire enum member of ``value``; UNSPECIFIED (0) and unknown numbers are refused."""
     try:
-        return table[value]
-    except KeyError:
-        names = getattr(enum_type, "keys", lambda: [])()
-        raise InvalidArgument(f"{what}: {value} is not one of {[n for n in names if not n.endswith('UNSPECIFIED')]}") from None
+        return enum_type(value)
+    except ValueError:
+        wire_enum = common_pb2.DESCRIPTOR.enum_types_by_name[enum_type.__name__]
+        names = [v.name for v in wire_enum.values if v.number != 0]
+        raise InvalidArgument(f"{what}: {value} is not one of {names}") from None
 
 
 def layout_from_pb(msg: common_pb2.KvLayoutSpec) -> LayoutSpec:
     return LayoutSpec(
         num_layers=msg.num_layers,
-        kv_format=_enum(_FORMAT, msg.kv_format, "layout.kv_format", common_pb2.KvFormat),  # type: ignore[arg-type]
-        layout=_enum(_LAYOUT, msg.layout, "layout.layout", common_pb2.KvLayout),  # type: ignore[arg-type]
+        kv_format=_enum(KvFormat, msg.kv_format, "layout.kv_format"),
+        layout=_enum(KvLayout, msg.layout, "layout.layout"),
         block_size=msg.block_size,
         num_kv_heads=msg.num_kv_heads,
         total_num_kv_heads=msg.total_num_kv_heads,
         head_dim=msg.head_dim,
-        dtype=_enum(_DTYPE, msg.dtype, "layout.dtype", common_pb2.DType),  # type: ignore[arg-type]
+        dtype=DTYPE_NAMES[_enum(DType, msg.dtype, "layout.dtype")],
         num_blocks=msg.num_blocks,
         tp_rank=msg.tp_rank,
         tp_size=msg.tp_size or 1,
@@ -66,27 +56,17 @@ def layout_from_pb(msg: common_pb2.KvLayoutSpec) -> LayoutSpec:
 
 
 def layout_to_pb(spec: LayoutSpec) -> common_pb2.KvLayoutSpec:
-    return common_pb2.KvLayoutSpec(
-        num_layers=spec.num_layers,
-        kv_format={v: k for k, v in _FORMAT.items()}[spec.kv_format],
-        layout={v: k for k, v in _LAYOUT.items()}[spec.layout],
-        block_size=spec.block_size,
-        num_kv_heads=spec.num_kv_heads,
-        total_num_kv_heads=spec.total_num_kv_heads,
-        head_dim=spec.head_dim,
-        dtype={v: k for k, v in _DTYPE.items()}[spec.dtype],
-        num_blocks=spec.num_blocks,
-        tp_rank=spec.tp_rank,
-        tp_size=spec.tp_size,
-    )
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    fields["dtype"] = DTYPE_OF_NAME[spec.dtype]
+    return common_pb2.KvLayoutSpec(**fields)
 
 
 def placement_from_pb(msg: common_pb2.LayerPlacement) -> LayerPlacement:
-    return LayerPlacement(region=msg.region, k_offset=msg.k_offset, v_offset=msg.v_offset)
+    return records.from_message(LayerPlacement, msg)
 
 
 def placement_to_pb(p: LayerPlacement) -> common_pb2.LayerPlacement:
-    return common_pb2.LayerPlacement(region=p.region, k_offset=p.k_offset, v_offset=p.v_offset)
+    return records.to_message(p, common_pb2.LayerPlacement)
 
 
 def region_from_pb(msg: common_pb2.MemoryRegion, index: int) -> RegionRequest:
@@ -99,49 +79,18 @@ def region_from_pb(msg: common_pb2.MemoryRegion, index: int) -> RegionRequest:
         if source != "cuda_ipc":
             raise InvalidArgument(f"region {index}: a MEMORY_KIND_CUDA_IPC region needs cuda_ipc")
         h = msg.cuda_ipc
-        return RegionRequest(
-            MemoryKind.CUDA_IPC,
-            msg.size_bytes,
-            cuda_ipc=CudaIpcSpec(
-                device_index=h.device_index,
-                handle=h.handle,
-                storage_size_bytes=h.storage_size_bytes,
-                storage_offset_bytes=h.storage_offset_bytes,
-                ref_counter_handle=h.ref_counter_handle,
-                ref_counter_offset=h.ref_counter_offset,
-                event_handle=h.event_handle,
-                event_sync_required=h.event_sync_required,
-            ),
-        )
+        # CudaIpcSpec's fields are CudaIpcHandle's: copy them by name.
+        spec = CudaIpcSpec(**{f.name: getattr(h, f.name) for f in dataclasses.fields(CudaIpcSpec)})
+        return RegionRequest(MemoryKind.CUDA_IPC, msg.size_bytes, cuda_ipc=spec)
     raise InvalidArgument(f"region {index}: kind must be MEMORY_KIND_SHM or MEMORY_KIND_CUDA_IPC")
 
 
 def params_from_pb(msg: common_pb2.KvTransferParams) -> TransferParams:
-    return TransferParams(
-        daemon_address=msg.daemon_address,
-        daemon_incarnation=msg.daemon_incarnation,
-        engine_id=msg.engine_id,
-        tp_size=msg.tp_size,
-        lease_id=msg.lease_id,
-        block_ids=tuple(msg.block_ids),
-        num_tokens=msg.num_tokens,
-        request_id=msg.request_id,
-        lease_expires_unix_ms=msg.lease_expires_unix_ms,
-    )
+    return records.from_message(TransferParams, msg)
 
 
 def params_to_pb(p: TransferParams) -> common_pb2.KvTransferParams:
-    return common_pb2.KvTransferParams(
-        daemon_address=p.daemon_address,
-        daemon_incarnation=p.daemon_incarnation,
-        engine_id=p.engine_id,
-        tp_size=p.tp_size,
-        lease_id=p.lease_id,
-        block_ids=list(p.block_ids),
-        num_tokens=p.num_tokens,
-        request_id=p.request_id,
-        lease_expires_unix_ms=p.lease_expires_unix_ms,
-    )
+    return records.to_message(p, common_pb2.KvTransferParams)
 
 
 def transfer_to_pb(t: Transfer) -> common_pb2.TransferStatus:

@@ -16,23 +16,25 @@ from typing import Any, TypeVar
 import grpc
 
 from kvd.core.metrics import Metrics
-from kvd_client.errors import ERROR_CLASS_METADATA_KEY, KvdError
+from kvd_client.errors import ErrorCode, Internal, KvdError
+from kvd_client.grpc_errors import error_metadata, status_code
 
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-async def _abort(context: grpc.aio.ServicerContext, metrics: Metrics | None, operation: str, exc: BaseException) -> None:
-    if isinstance(exc, KvdError):
-        code, message, name = exc.code, exc.message, type(exc).__name__
-    else:
+async def _abort(
+    context: grpc.aio.ServicerContext, metrics: Metrics | None, operation: str, exc: BaseException
+) -> None:
+    if not isinstance(exc, KvdError):
         logger.exception("internal error in %s", operation, exc_info=exc)
-        code, message, name = grpc.StatusCode.INTERNAL, f"internal error in {operation}; see the daemon's log", "Internal"
+        exc = Internal(f"internal error in {operation}; see the daemon's log")
+    code: ErrorCode = exc.code
     if metrics is not None:
         metrics.errors.labels(operation, code.name).inc()
-    context.set_trailing_metadata(((ERROR_CLASS_METADATA_KEY, name),))
-    await context.abort(code, message)
+    context.set_trailing_metadata(error_metadata(exc))
+    await context.abort(status_code(code), exc.message)
 
 
 def rpc(method: F) -> F:
@@ -46,7 +48,7 @@ def rpc(method: F) -> F:
             try:
                 async for item in method(self, request, context):
                     yield item
-            except (KvdError, Exception) as exc:  # noqa: BLE001 - this is the one mapping point
+            except (KvdError, Exception) as exc:
                 if isinstance(exc, grpc.aio.AbortError):
                     raise
                 await _abort(context, getattr(self, "metrics", None), operation, exc)

@@ -14,39 +14,33 @@ import grpc
 
 from kvd.core.peers import HandshakeInfo, PrepareResult
 from kvd.server import convert
-from kvd.v1 import peer_pb2, peer_pb2_grpc
-from kvd_client.errors import ERROR_CLASS_METADATA_KEY, KvdError, PeerUnavailable, from_status
+from kvd_client.channel import PEER_OPTIONS
+from kvd_client.errors import ErrorCode, KvdError, PeerUnavailable, from_status
+from kvd_client.grpc_errors import error_class_name, rpc_error_code, rpc_error_details
+from kvd_client.v1 import peer_pb2, peer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-]
 
-
-def _to_kvd(exc: grpc.aio.AioRpcError, address: str, what: str) -> KvdError:
-    code = exc.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not _class_name(exc):
-        return PeerUnavailable(f"peer daemon {address} unreachable during {what}: {exc.details() or code.name}")
-    return from_status(code, f"peer daemon {address}: {exc.details()}", _class_name(exc))
-
-
-def _class_name(exc: grpc.aio.AioRpcError) -> str:
-    for key, value in exc.trailing_metadata() or ():
-        if key == ERROR_CLASS_METADATA_KEY:
-            return str(value)
-    return ""
+def _to_kvd(exc: grpc.RpcError, address: str, what: str) -> KvdError:
+    """The kvd error of a failed peer call; a peer that cannot be reached is PeerUnavailable."""
+    code, details, class_name = rpc_error_code(exc), rpc_error_details(exc), error_class_name(exc)
+    if code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) and not class_name:
+        return PeerUnavailable(f"peer daemon {address} unreachable during {what}: {details or code.name}")
+    return from_status(code, f"peer daemon {address}: {details}", class_name)
 
 
 class GrpcPeerTransport:
     """PeerTransport over grpc.aio (TLS when credentials are given)."""
 
-    def __init__(self, own_address: Callable[[], str], own_incarnation: Callable[[], str], credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        own_address: Callable[[], str],
+        own_incarnation: Callable[[], str],
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self._own_address = own_address
         self._own_incarnation = own_incarnation
         self._credentials = credentials
@@ -56,9 +50,9 @@ class GrpcPeerTransport:
         channel = self._channels.get(address)
         if channel is None:
             if self._credentials is not None:
-                channel = grpc.aio.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS)
+                channel = grpc.aio.secure_channel(address, self._credentials, options=PEER_OPTIONS)
             else:
-                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = grpc.aio.insecure_channel(address, options=PEER_OPTIONS)
             self._channels[address] = channel
         return peer_pb2_grpc.PeerServiceStub(channel)
 
@@ -69,7 +63,9 @@ class GrpcPeerTransport:
             raise _to_kvd(exc, address, what) from exc
 
     async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo:
-        request = peer_pb2.HandshakeRequest(caller_incarnation=self._own_incarnation(), caller_address=self._own_address())
+        request = peer_pb2.HandshakeRequest(
+            caller_incarnation=self._own_incarnation(), caller_address=self._own_address()
+        )
         response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
         return convert.handshake_from_pb(response)
 

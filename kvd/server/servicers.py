@@ -14,8 +14,8 @@ from kvd.core.leases import Lease
 from kvd.core.registry import EngineRank
 from kvd.server import convert
 from kvd.server.edge import rpc
-from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 from kvd_client.errors import InvalidArgument
+from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.metrics = daemon.metrics
 
     @rpc
-    async def RegisterKvCache(self, request: engine_pb2.RegisterKvCacheRequest, context: grpc.aio.ServicerContext) -> engine_pb2.RegisterKvCacheResponse:
+    async def RegisterKvCache(
+        self, request: engine_pb2.RegisterKvCacheRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.RegisterKvCacheResponse:
         if not request.HasField("layout"):
             raise InvalidArgument("layout is required")
         spec = convert.layout_from_pb(request.layout)
@@ -77,12 +79,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         )
 
     @rpc
-    async def UnregisterKvCache(self, request: engine_pb2.UnregisterKvCacheRequest, context: grpc.aio.ServicerContext) -> engine_pb2.UnregisterKvCacheResponse:
+    async def UnregisterKvCache(
+        self, request: engine_pb2.UnregisterKvCacheRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.UnregisterKvCacheResponse:
         await self.daemon.unregister_engine(request.engine_id, request.tp_rank)
         return engine_pb2.UnregisterKvCacheResponse()
 
     @rpc
-    async def HoldBlocks(self, request: engine_pb2.HoldBlocksRequest, context: grpc.aio.ServicerContext) -> engine_pb2.HoldBlocksResponse:
+    async def HoldBlocks(
+        self, request: engine_pb2.HoldBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.HoldBlocksResponse:
         lease, params = self.daemon.hold(
             request.engine_id, request.request_id, list(request.block_ids), request.num_tokens, request.ttl_ms / 1000.0
         )
@@ -139,12 +145,16 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self.metrics = daemon.metrics
 
     @rpc
-    async def Handshake(self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext) -> peer_pb2.HandshakeResponse:
+    async def Handshake(
+        self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.HandshakeResponse:
         self.daemon.require_serving()
         return convert.handshake_to_pb(self.daemon.handshake_info())
 
     @rpc
-    async def PreparePull(self, request: peer_pb2.PreparePullRequest, context: grpc.aio.ServicerContext) -> peer_pb2.PreparePullResponse:
+    async def PreparePull(
+        self, request: peer_pb2.PreparePullRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.PreparePullResponse:
         result = await self.daemon.prepare_pull(
             lease_id=request.lease_id,
             engine_id=request.engine_id,
@@ -160,7 +170,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.PreparePullResponse(registration_ids=list(result.registration_ids), notif_tag=result.notif_tag)
 
     @rpc
-    async def AbandonPull(self, request: peer_pb2.AbandonPullRequest, context: grpc.aio.ServicerContext) -> peer_pb2.AbandonPullResponse:
+    async def AbandonPull(
+        self, request: peer_pb2.AbandonPullRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.AbandonPullResponse:
         self.daemon.abandon_pull(
             request.lease_id,
             request.reader_tp_rank,
@@ -177,7 +189,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.metrics = daemon.metrics
 
     @rpc
-    async def StartPull(self, request: router_pb2.StartPullRequest, context: grpc.aio.ServicerContext) -> router_pb2.StartPullResponse:
+    async def StartPull(
+        self, request: router_pb2.StartPullRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.StartPullResponse:
         if not request.HasField("remote"):
             raise InvalidArgument("remote kv_transfer_params are required")
         transfer = self.daemon.start_pull(
@@ -191,39 +205,53 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return router_pb2.StartPullResponse(transfer_id=transfer.transfer_id)
 
     @rpc
-    async def GetTransfer(self, request: router_pb2.GetTransferRequest, context: grpc.aio.ServicerContext) -> common_pb2.TransferStatus:
+    async def GetTransfer(
+        self, request: router_pb2.GetTransferRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.TransferStatus:
         return convert.transfer_to_pb(self.daemon.transfers.get(request.transfer_id))
 
     @rpc
-    async def WatchTransfer(self, request: router_pb2.GetTransferRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TransferStatus]:
+    async def WatchTransfer(
+        self, request: router_pb2.GetTransferRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.TransferStatus]:
         transfer = self.daemon.transfers.get(request.transfer_id)
         async for current in transfer.changes():
             yield convert.transfer_to_pb(current)
 
     @rpc
-    async def CancelTransfer(self, request: router_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext) -> common_pb2.TransferStatus:
+    async def CancelTransfer(
+        self, request: router_pb2.CancelTransferRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.TransferStatus:
         transfer = self.daemon.cancel_transfer(request.transfer_id)
         if transfer.task is not None and not transfer.task.done():
             await asyncio.wait({transfer.task}, timeout=5.0)
         return convert.transfer_to_pb(transfer)
 
     @rpc
-    async def LookupHeld(self, request: router_pb2.LookupHeldRequest, context: grpc.aio.ServicerContext) -> router_pb2.LookupHeldResponse:
+    async def LookupHeld(
+        self, request: router_pb2.LookupHeldRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.LookupHeldResponse:
         held = self.daemon.lookup_held(request.engine_id, request.request_id)
         return router_pb2.LookupHeldResponse(held=[convert.params_to_pb(p) for p in held])
 
     @rpc
-    async def RenewLease(self, request: router_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext) -> common_pb2.LeaseInfo:
+    async def RenewLease(
+        self, request: router_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LeaseInfo:
         lease = self.daemon.renew_lease(request.lease_id, request.ttl_ms / 1000.0)
         return _lease_to_pb(self.daemon, lease)
 
     @rpc
-    async def ReleaseLease(self, request: router_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext) -> router_pb2.ReleaseLeaseResponse:
+    async def ReleaseLease(
+        self, request: router_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ReleaseLeaseResponse:
         self.daemon.release_lease(request.lease_id)
         return router_pb2.ReleaseLeaseResponse()
 
     @rpc
-    async def GetStatus(self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext) -> router_pb2.GetStatusResponse:
+    async def GetStatus(
+        self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.GetStatusResponse:
         s = self.daemon.status()
         return router_pb2.GetStatusResponse(
             incarnation=s.incarnation,
@@ -255,7 +283,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         )
 
     @rpc
-    async def SelftestHold(self, request: router_pb2.SelftestHoldRequest, context: grpc.aio.ServicerContext) -> router_pb2.SelftestHoldResponse:
+    async def SelftestHold(
+        self, request: router_pb2.SelftestHoldRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.SelftestHoldResponse:
         spec, params = await self.daemon.selftest_hold(request.size_bytes, request.seed)
         return router_pb2.SelftestHoldResponse(
             kv_transfer_params=convert.params_to_pb(params), layout=convert.layout_to_pb(spec)

@@ -48,7 +48,7 @@ class Engine:
     tp_size: int = 1
 
     def label(self) -> str:
-        return f"{self.kv_format.value[0]}{self.layout.value}{self.block_size}/tp{self.tp_size}"
+        return f"{self.kv_format.name[0]}{self.layout.name}{self.block_size}/tp{self.tp_size}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +110,7 @@ def plan_for(
     """
     remote_blocks = -(-tokens // pair.remote.block_size)
     local_blocks = -(-tokens // pair.local.block_size)
-    remote = {
-        rank: view_of(spec_of(pair.remote, rank, 2 * remote_blocks)) for rank in range(pair.remote.tp_size)
-    }
+    remote = {rank: view_of(spec_of(pair.remote, rank, 2 * remote_blocks)) for rank in range(pair.remote.tp_size)}
     local = view_of(spec_of(pair.local, pair.local_rank, 2 * local_blocks))
     args = (remote, local, list(range(remote_blocks)), list(range(local_blocks, 2 * local_blocks)), tokens)
     start = time.perf_counter()
@@ -154,7 +152,9 @@ def measure_conversion(plan: PullPlan, local: EngineView, repeat: int, device: t
     buffer = torch.empty_like(staging)
     nbytes = plan.postprocess.nbytes  # type: ignore[attr-defined]
     postprocess = plan.postprocess
-    convert, copy = interleaved([lambda: postprocess.run(staging, engine), lambda: buffer.copy_(staging)], repeat, device)
+    convert, copy = interleaved(
+        [lambda: postprocess.run(staging, engine), lambda: buffer.copy_(staging)], repeat, device
+    )
     return nbytes / convert / 1e9, staging.numel() / copy / 1e9
 
 
@@ -164,14 +164,16 @@ class NixlPull:
     _serial = 0
 
     def __init__(self, plan: PullPlan, remote: dict[int, EngineView], local: EngineView) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 - optional
+        from nixl._api import nixl_agent, nixl_agent_config
 
         NixlPull._serial += 1
         config = nixl_agent_config(backends=["UCX"])
         self.holder = nixl_agent(f"bench-holder-{NixlPull._serial}", config)
         self.puller = nixl_agent(f"bench-puller-{NixlPull._serial}", config)
         self.plan = plan
-        self.remote_mem = {rank: torch.randint(0, 256, (v.spec.total_bytes,), dtype=torch.uint8) for rank, v in remote.items()}
+        self.remote_mem = {
+            rank: torch.randint(0, 256, (v.spec.total_bytes,), dtype=torch.uint8) for rank, v in remote.items()
+        }
         self.local_mem = torch.zeros(local.spec.total_bytes, dtype=torch.uint8)
         self.staging = torch.zeros(max(plan.staging_bytes, 1), dtype=torch.uint8)
         self.registrations = [(self.holder, self.holder.register_memory(t)) for t in self.remote_mem.values()]
@@ -231,7 +233,7 @@ class NixlPull:
 
 def nixl_available() -> bool:
     try:
-        import nixl._api  # noqa: F401, PLC0415
+        import nixl._api  # noqa: F401
     except ImportError:
         return False
     return True
@@ -248,13 +250,17 @@ def main() -> None:
     device = torch.device(args.device)
     use_nixl = device.type == "cpu" and not args.no_nixl and nixl_available()
     if use_nixl:
-        import logging  # noqa: PLC0415
+        import logging
 
         logging.getLogger("nixl").setLevel(logging.WARNING)
     print(
         f"{args.tokens}-token request, Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, bf16), "
         f"direct_read_min_bytes {args.threshold}, device {device}"
-        + (f" ({torch.get_num_threads()} torch threads)" if device.type == "cpu" else f" ({torch.cuda.get_device_name(device)})")
+        + (
+            f" ({torch.get_num_threads()} torch threads)"
+            if device.type == "cpu"
+            else f" ({torch.cuda.get_device_name(device)})"
+        )
     )
     header = (
         f"{'pair':32} {'remote':>12} {'local':>12} {'mode':>7} {'descs':>6} {'avg B':>8} {'MB':>6} "
@@ -277,7 +283,8 @@ def main() -> None:
             if baseline is None:
                 baseline = rig
             mine, same = interleaved([rig.pull, baseline.pull], args.repeat, device)
-            pull = f" {plan.total_bytes / mine / 1e9:>9.1f} {(plan.total_bytes / mine) / (baseline.plan.total_bytes / same):>7.2f}"
+            speedup = (plan.total_bytes / mine) / (baseline.plan.total_bytes / same)
+            pull = f" {plan.total_bytes / mine / 1e9:>9.1f} {speedup:>7.2f}"
             if rig is not baseline:
                 rig.close()
         print(

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
 from kvtest import ShmEngine, llama_spec, metric_value
-from kvd.v1 import common_pb2
+
 from kvd_client import errors
+from kvd_client.v1 import common_pb2
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
@@ -85,7 +85,11 @@ def test_link_cut_mid_read_fails_in_time_and_no_late_byte_lands(spawn_daemon) ->
             ).kv_transfer_params
             deadline_s = 3.0
             started = reader.client.start_pull(
-                engine_id="d", tp_rank=0, request_id="cut", local_block_ids=blocks, remote=params,
+                engine_id="d",
+                tp_rank=0,
+                request_id="cut",
+                local_block_ids=blocks,
+                remote=params,
                 deadline_ms=int(deadline_s * 1000),
             )
             t0 = time.monotonic()
@@ -121,8 +125,12 @@ def test_link_cut_mid_read_fails_in_time_and_no_late_byte_lands(spawn_daemon) ->
             # The next pull over the restored link works, byte-exact, into the re-mapped memory.
             again = holder.client.hold_blocks(engine_id="p", request_id="again", block_ids=[0, 1], num_tokens=32)
             pulled = reader.client.start_pull(
-                engine_id="d", tp_rank=0, request_id="again", local_block_ids=[5, 6],
-                remote=again.kv_transfer_params, deadline_ms=20000,
+                engine_id="d",
+                tp_rank=0,
+                request_id="again",
+                local_block_ids=[5, 6],
+                remote=again.kv_transfer_params,
+                deadline_ms=20000,
             )
             done = reader.client.wait_transfer(pulled.transfer_id, timeout_s=30)
             assert done.state == common_pb2.TRANSFER_STATE_DONE
@@ -148,5 +156,7 @@ def _wait_until_bytes_arrive(reader: ShmEngine, timeout_s: float = 10.0) -> None
 def _scrape_in(namespace: str, address: str) -> str:
     """/metrics of a daemon whose metrics port is on its namespace's loopback."""
     code = f"from kvd.core import metrics_text; print(metrics_text.fetch({address!r}))"
-    run = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", code], check=True, capture_output=True)
+    run = subprocess.run(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c", code], check=True, capture_output=True
+    )
     return run.stdout.decode()

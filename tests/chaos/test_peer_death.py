@@ -9,8 +9,8 @@ import pytest
 from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 
 from kvd.cli.spawn import child_env
-from kvd.v1 import common_pb2
 from kvd_client import errors
+from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.chaos
 
@@ -48,7 +48,12 @@ def test_holder_killed_mid_transfer_fails_the_pull_and_a_restart_is_rehandshaken
             engine_id="p", request_id="big", block_ids=list(range(256)), num_tokens=256 * 16
         ).kv_transfer_params
         started = reader.client.start_pull(
-            engine_id="d", tp_rank=0, request_id="big", local_block_ids=list(range(256)), remote=params, deadline_ms=20000
+            engine_id="d",
+            tp_rank=0,
+            request_id="big",
+            local_block_ids=list(range(256)),
+            remote=params,
+            deadline_ms=20000,
         )
         deadline = time.monotonic() + 10
         while reader.client.get_transfer(started.transfer_id).state != common_pb2.TRANSFER_STATE_READING:
@@ -66,8 +71,12 @@ def test_holder_killed_mid_transfer_fails_the_pull_and_a_restart_is_rehandshaken
         assert not _poll_until(stream, "finished_recving", timeout_s=0.5), "a failed load was reported loaded"
 
         # Other transfers go on: a pull from another holder succeeds on the same reader daemon.
-        other = bystander.client.hold_blocks(engine_id="q", request_id="ok", block_ids=[3], num_tokens=10).kv_transfer_params
-        ok = small_reader.client.start_pull(engine_id="d2", tp_rank=0, request_id="ok", local_block_ids=[7], remote=other)
+        other = bystander.client.hold_blocks(
+            engine_id="q", request_id="ok", block_ids=[3], num_tokens=10
+        ).kv_transfer_params
+        ok = small_reader.client.start_pull(
+            engine_id="d2", tp_rank=0, request_id="ok", local_block_ids=[7], remote=other
+        )
         assert small_reader.client.wait_transfer(ok.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
         assert small_reader.token_bytes([7], 10).equal(bystander.token_bytes([3], 10))
         assert metric_value(scrape(reader_daemon.metrics), "kvd_peer_drops_total") >= 1
@@ -81,11 +90,16 @@ def test_holder_killed_mid_transfer_fails_the_pull_and_a_restart_is_rehandshaken
         try:
             holder2.register()
             holder2.fill_random(9)
-            again = holder2.client.hold_blocks(engine_id="p", request_id="again", block_ids=[0, 1], num_tokens=20).kv_transfer_params
+            again = holder2.client.hold_blocks(
+                engine_id="p", request_id="again", block_ids=[0, 1], num_tokens=20
+            ).kv_transfer_params
             pulled = small_reader.client.start_pull(
                 engine_id="d2", tp_rank=0, request_id="again", local_block_ids=[0, 1], remote=again
             )
-            assert small_reader.client.wait_transfer(pulled.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+            assert (
+                small_reader.client.wait_transfer(pulled.transfer_id, timeout_s=30).state
+                == common_pb2.TRANSFER_STATE_DONE
+            )
             assert small_reader.token_bytes([0, 1], 20).equal(holder2.token_bytes([0, 1], 20))
             # The stale lease from the dead incarnation is refused, naming the restart.
             stale = small_reader.client.start_pull(
@@ -119,7 +133,9 @@ def test_frozen_holder_hits_the_deadline(spawn_daemon) -> None:
     try:
         holder.register()
         reader.register()
-        params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=[0], num_tokens=8).kv_transfer_params
+        params = holder.client.hold_blocks(
+            engine_id="p", request_id="r", block_ids=[0], num_tokens=8
+        ).kv_transfer_params
         holder_daemon.process.send_signal(signal.SIGSTOP)
         try:
             started = reader.client.start_pull(

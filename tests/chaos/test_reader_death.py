@@ -5,6 +5,7 @@ Over UCX TCP so that a 512 MiB pull is slow enough to be interrupted mid-read.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -15,8 +16,8 @@ from kvtest import ShmEngine, llama_spec, metric_value, scrape
 
 from kvd.cli.spawn import child_env
 from kvd.core.memory import unlink_shm
-from kvd.v1 import common_pb2
 from kvd_client import KvdClient, errors
+from kvd_client.v1 import common_pb2
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
@@ -51,7 +52,9 @@ def test_reader_engine_killed_mid_read(spawn_daemon) -> None:
     holder = ShmEngine(holder_daemon.unix_target, "p", llama_spec(num_blocks=256))
     # The reader engine is its own process (llama-shaped, one rank), so it can be SIGKILLed.
     engine = subprocess.Popen(
-        [sys.executable, "-c", _READER_ENGINE, reader_daemon.unix_target], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-c", _READER_ENGINE, reader_daemon.unix_target],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     client = KvdClient(reader_daemon.unix_target, timeout_s=30)
     shm_name = ""
@@ -64,7 +67,11 @@ def test_reader_engine_killed_mid_read(spawn_daemon) -> None:
         stream = holder.client.open_engine_stream("p", 0)
         params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=BLOCKS, num_tokens=256 * 16)
         started = client.start_pull(
-            engine_id="d", tp_rank=0, request_id="r", local_block_ids=BLOCKS, remote=params.kv_transfer_params,
+            engine_id="d",
+            tp_rank=0,
+            request_id="r",
+            local_block_ids=BLOCKS,
+            remote=params.kv_transfer_params,
             deadline_ms=20000,
         )
         _wait_reading(client, started.transfer_id)
@@ -75,16 +82,15 @@ def test_reader_engine_killed_mid_read(spawn_daemon) -> None:
         assert isinstance(caught.value, (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded)), caught.value
         assert reader_daemon.process.poll() is None, "the reader daemon died with its engine"
         left = _gauges_settle(
-            reader_daemon, ("kvd_transfers_in_flight", "kvd_nixl_reads_in_flight", "kvd_engines_registered", "kvd_quarantined_bytes")
+            reader_daemon,
+            ("kvd_transfers_in_flight", "kvd_nixl_reads_in_flight", "kvd_engines_registered", "kvd_quarantined_bytes"),
         )
         assert not left, f"the reader daemon kept {left}"
         # The holder: the aborted read was abandoned once fenced (the lease is still held) or it
         # had completed (the lease ended as read); either way nothing is admitted any more.
         assert not _gauges_settle(holder_daemon, ("kvd_admitted_reads",)), "the holder still counts the dead read"
-        try:
+        with contextlib.suppress(errors.UnknownLease):
             holder.client.release_lease(lease_id=params.lease.lease_id)
-        except errors.UnknownLease:
-            pass
         ended = [m for m in _drain(stream, 5.0) if m.WhichOneof("kind") == "finished_sending"]
         assert len(ended) == 1, "the holder engine was not told exactly once"
         # The reader daemon still serves: a new engine under the same id pulls fine.
@@ -113,7 +119,9 @@ def test_puller_daemon_killed_mid_read(spawn_daemon) -> None:
     """The reading daemon is SIGKILLed mid-read: the holder's lease drains and ends, its engine is
     told once, and nothing stays pinned for the dead peer (its memory is retired, not unmapped
     under a read that may still be in flight)."""
-    holder_daemon = spawn_daemon("--read-admission-margin-s", "1", "--transfer-deadline-s", "3", name="holder", env=SLOW)
+    holder_daemon = spawn_daemon(
+        "--read-admission-margin-s", "1", "--transfer-deadline-s", "3", name="holder", env=SLOW
+    )
     reader_daemon = spawn_daemon(name="reader", env=SLOW)
     holder = ShmEngine(holder_daemon.unix_target, "p", llama_spec(num_blocks=256))
     reader = ShmEngine(reader_daemon.unix_target, "d", llama_spec(num_blocks=256))
@@ -124,7 +132,11 @@ def test_puller_daemon_killed_mid_read(spawn_daemon) -> None:
         stream = holder.client.open_engine_stream("p", 0)
         params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=BLOCKS, num_tokens=256 * 16)
         started = reader.client.start_pull(
-            engine_id="d", tp_rank=0, request_id="r", local_block_ids=BLOCKS, remote=params.kv_transfer_params,
+            engine_id="d",
+            tp_rank=0,
+            request_id="r",
+            local_block_ids=BLOCKS,
+            remote=params.kv_transfer_params,
             deadline_ms=20000,
         )
         _wait_reading(reader.client, started.transfer_id)
@@ -133,8 +145,12 @@ def test_puller_daemon_killed_mid_read(spawn_daemon) -> None:
         text = scrape(holder_daemon.metrics)
         assert metric_value(text, "kvd_admitted_reads") == 1
         holder.client.release_lease(lease_id=params.lease.lease_id)
-        assert metric_value(scrape(holder_daemon.metrics), "kvd_leases_draining") == 1, "a released lease under read must drain"
-        assert not [m for m in stream.poll() if m.WhichOneof("kind") == "finished_sending"], "told before the read was over"
+        assert metric_value(scrape(holder_daemon.metrics), "kvd_leases_draining") == 1, (
+            "a released lease under read must drain"
+        )
+        assert not [m for m in stream.poll() if m.WhichOneof("kind") == "finished_sending"], (
+            "told before the read was over"
+        )
         # Admission deadline (3 s) + margin (1 s): then the lease ends and the engine is told, once.
         ended = [m for m in _drain(stream, 10.0) if m.WhichOneof("kind") == "finished_sending"]
         assert len(ended) == 1 and ended[0].finished_sending.lease_id == params.lease.lease_id
@@ -161,13 +177,13 @@ def _drain(stream, timeout_s: float) -> list:
     return got
 
 
-_READER_ENGINE = r"""
+_READER_ENGINE = rf"""
 import sys, time
-sys.path.insert(0, %r)
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
 from kvtest import ShmEngine, llama_spec
 engine = ShmEngine(sys.argv[1], "d", llama_spec(num_blocks=256))
 engine.register()
 print(engine.shm_name, flush=True)
 while True:
     time.sleep(3600)
-""" % str(Path(__file__).resolve().parents[1])
+"""

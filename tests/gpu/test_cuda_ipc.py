@@ -7,6 +7,7 @@ registers it with NIXL as VRAM. Skipped without CUDA (see tests/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -15,8 +16,8 @@ import torch
 from kvd.core.memory import cuda_ipc_spec_of
 from kvd.layout.spec import contiguous_placements
 from kvd.server import convert
-from kvd.v1 import common_pb2
 from kvd_client import KvdClient, errors
+from kvd_client.v1 import common_pb2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -56,10 +57,8 @@ class CudaEngine:
         )
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(errors.KvdError):
             self.client.unregister_kv_cache(engine_id=self.engine_id, tp_rank=0)
-        except errors.KvdError:
-            pass
         self.client.close()
 
 
@@ -74,10 +73,16 @@ def test_vram_registration_is_zero_copy_and_pulls_between_daemons(spawn_daemon) 
         holder.register()
         reader.register()
         generator = torch.Generator(device="cuda").manual_seed(3)
-        holder.buffer.copy_(torch.randint(0, 256, holder.buffer.shape, dtype=torch.uint8, device="cuda", generator=generator))
+        holder.buffer.copy_(
+            torch.randint(0, 256, holder.buffer.shape, dtype=torch.uint8, device="cuda", generator=generator)
+        )
         torch.cuda.synchronize()
-        params = holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[4, 5, 6], num_tokens=40).kv_transfer_params
-        started = reader.client.start_pull(engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[10, 11, 12], remote=params)
+        params = holder.client.hold_blocks(
+            engine_id="holder", request_id="r", block_ids=[4, 5, 6], num_tokens=40
+        ).kv_transfer_params
+        started = reader.client.start_pull(
+            engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[10, 11, 12], remote=params
+        )
         status = reader.client.wait_transfer(started.transfer_id, timeout_s=60)
         assert status.state == common_pb2.TRANSFER_STATE_DONE
         torch.cuda.synchronize()
@@ -111,7 +116,9 @@ def test_cuda_ipc_handle_for_a_missing_device_is_refused(spawn_daemon) -> None:
                     common_pb2.MemoryRegion(
                         kind=common_pb2.MEMORY_KIND_CUDA_IPC,
                         size_bytes=spec.total_bytes,
-                        cuda_ipc=common_pb2.CudaIpcHandle(device_index=99, handle=ipc.handle, storage_size_bytes=ipc.storage_size_bytes),
+                        cuda_ipc=common_pb2.CudaIpcHandle(
+                            device_index=99, handle=ipc.handle, storage_size_bytes=ipc.storage_size_bytes
+                        ),
                     )
                 ],
                 layers=[convert.placement_to_pb(p) for p in contiguous_placements(spec)],

@@ -8,8 +8,8 @@ import pytest
 from kvtest import ShmEngine, small_spec
 
 from kvd.server import convert
-from kvd.v1 import common_pb2
 from kvd_client import errors
+from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +61,9 @@ def test_block_ids_out_of_range_are_invalid_argument(pair) -> None:
     with pytest.raises(errors.InvalidArgument, match="out of range"):
         holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[0, 99], num_tokens=20)
     assert _snapshot(holder) == before
-    params = holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[0, 1], num_tokens=20).kv_transfer_params
+    params = holder.client.hold_blocks(
+        engine_id="holder", request_id="r", block_ids=[0, 1], num_tokens=20
+    ).kv_transfer_params
     reader_before = _snapshot(reader)
     with pytest.raises(errors.InvalidArgument, match="out of range"):
         reader.client.start_pull(engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[3, 32], remote=params)
@@ -72,7 +74,9 @@ def test_lengths_that_disagree_are_invalid_argument(pair) -> None:
     _, _, holder, reader = pair
     with pytest.raises(errors.InvalidArgument, match="need 2 blocks"):
         holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[0], num_tokens=20)
-    params = holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[0, 1], num_tokens=20).kv_transfer_params
+    params = holder.client.hold_blocks(
+        engine_id="holder", request_id="r", block_ids=[0, 1], num_tokens=20
+    ).kv_transfer_params
     with pytest.raises(errors.InvalidArgument, match="need 2 local blocks"):
         reader.client.start_pull(engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[5], remote=params)
     # A forged token count larger than the lease is refused by the holder, naming the lease.
@@ -83,7 +87,9 @@ def test_lengths_that_disagree_are_invalid_argument(pair) -> None:
 
 def test_unknown_and_expired_leases(pair) -> None:
     _, _, holder, reader = pair
-    params = holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[0], num_tokens=4, ttl_ms=300).kv_transfer_params
+    params = holder.client.hold_blocks(
+        engine_id="holder", request_id="r", block_ids=[0], num_tokens=4, ttl_ms=300
+    ).kv_transfer_params
     forged = common_pb2.KvTransferParams()
     forged.CopyFrom(params)
     forged.lease_id = "not-a-lease"
@@ -104,7 +110,9 @@ def test_layout_the_daemon_cannot_serve_is_failed_precondition(spawn_daemon) -> 
     try:
         holder.register()
         reader.register()
-        params = holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[0], num_tokens=8).kv_transfer_params
+        params = holder.client.hold_blocks(
+            engine_id="holder", request_id="r", block_ids=[0], num_tokens=8
+        ).kv_transfer_params
         err = _pull_error(reader, params, [0])
         assert isinstance(err, errors.FailedPrecondition)
         assert "dtype: remote float16 vs local bfloat16" in err.message
@@ -182,7 +190,9 @@ def test_unknown_transfer_and_unreachable_peer(pair, spawn_daemon) -> None:
     _, _, holder, reader = pair
     with pytest.raises(errors.UnknownTransfer):
         reader.client.get_transfer("nope")
-    params = holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[0], num_tokens=4).kv_transfer_params
+    params = holder.client.hold_blocks(
+        engine_id="holder", request_id="r", block_ids=[0], num_tokens=4
+    ).kv_transfer_params
     params.daemon_address = "127.0.0.1:1"  # nothing listens there
     err = _pull_error(reader, params, [1])
     assert isinstance(err, errors.Unavailable) and "127.0.0.1:1" in err.message

@@ -33,7 +33,9 @@ def test_selftest_against_a_running_peer(spawn_daemon) -> None:
 
 def test_selftest_fails_non_zero_when_the_peer_is_unreachable(spawn_daemon) -> None:
     local = spawn_daemon(name="local")
-    result = _kvd("selftest", "--target", local.unix_target, "--peer", "127.0.0.1:1", "--size-mb", "8", "--iterations", "1")
+    result = _kvd(
+        "selftest", "--target", local.unix_target, "--peer", "127.0.0.1:1", "--size-mb", "8", "--iterations", "1"
+    )
     assert result.returncode != 0
     assert "FAIL" in result.stdout and "127.0.0.1:1" in result.stdout
 

@@ -16,15 +16,17 @@ from kvtest import ShmEngine
 from kvd.layout import oracle
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec
-from kvd.v1 import common_pb2
 from kvd_client import errors
+from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.integration
 
 TOTAL_HEADS = 4
 
 
-def _spec(kv_format: KvFormat, layout: KvLayout, block_size: int, tp_size: int, rank: int, num_blocks: int) -> LayoutSpec:
+def _spec(
+    kv_format: KvFormat, layout: KvLayout, block_size: int, tp_size: int, rank: int, num_blocks: int
+) -> LayoutSpec:
     mla = kv_format is KvFormat.MLA
     return LayoutSpec(
         num_layers=3,
@@ -72,10 +74,12 @@ def test_heterogeneous_pull_matches_the_oracle(spawn_daemon, case: str) -> None:
     num_tokens = 150  # partial last blocks on both sides
     r_blocks_n, l_blocks_n = 24 * 64 // r_bs, 24 * 64 // l_bs
     holders = [
-        ShmEngine(holder_daemon.unix_target, "p", _spec(r_fmt, r_layout, r_bs, r_tp, r, r_blocks_n)) for r in range(r_tp)
+        ShmEngine(holder_daemon.unix_target, "p", _spec(r_fmt, r_layout, r_bs, r_tp, r, r_blocks_n))
+        for r in range(r_tp)
     ]
     readers = [
-        ShmEngine(reader_daemon.unix_target, "d", _spec(l_fmt, l_layout, l_bs, l_tp, r, l_blocks_n)) for r in range(l_tp)
+        ShmEngine(reader_daemon.unix_target, "d", _spec(l_fmt, l_layout, l_bs, l_tp, r, l_blocks_n))
+        for r in range(l_tp)
     ]
     try:
         for engine in holders:
@@ -87,12 +91,18 @@ def test_heterogeneous_pull_matches_the_oracle(spawn_daemon, case: str) -> None:
         rng = random.Random(case)
         remote_blocks = rng.sample(range(r_blocks_n), -(-num_tokens // r_bs))
         local_blocks = rng.sample(range(l_blocks_n), -(-num_tokens // l_bs))
-        params = holders[0].client.hold_blocks(
-            engine_id="p", request_id="req", block_ids=remote_blocks, num_tokens=num_tokens
-        ).kv_transfer_params
+        params = (
+            holders[0]
+            .client.hold_blocks(engine_id="p", request_id="req", block_ids=remote_blocks, num_tokens=num_tokens)
+            .kv_transfer_params
+        )
         transfers = [
             reader.client.start_pull(
-                engine_id="d", tp_rank=reader.spec.tp_rank, request_id="req", local_block_ids=local_blocks, remote=params
+                engine_id="d",
+                tp_rank=reader.spec.tp_rank,
+                request_id="req",
+                local_block_ids=local_blocks,
+                remote=params,
             )
             for reader in readers
         ]
@@ -131,8 +141,12 @@ def test_refused_pairs_fail_with_failed_precondition(spawn_daemon, field: str, v
     try:
         holder.register()
         reader.register()
-        params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=[0, 1], num_tokens=20).kv_transfer_params
-        started = reader.client.start_pull(engine_id="d", tp_rank=0, request_id="r", local_block_ids=[2, 3], remote=params)
+        params = holder.client.hold_blocks(
+            engine_id="p", request_id="r", block_ids=[0, 1], num_tokens=20
+        ).kv_transfer_params
+        started = reader.client.start_pull(
+            engine_id="d", tp_rank=0, request_id="r", local_block_ids=[2, 3], remote=params
+        )
         with pytest.raises(errors.FailedPrecondition, match=message):
             reader.client.wait_transfer(started.transfer_id, timeout_s=30)
         assert bool((reader.buffer == 0).all())
@@ -151,8 +165,12 @@ def test_a_pull_that_cannot_get_staging_is_resource_exhausted(spawn_daemon) -> N
         holder.register()
         reader.register()
         reader.fill(0x11)
-        params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=[0, 1, 2], num_tokens=40).kv_transfer_params
-        started = reader.client.start_pull(engine_id="d", tp_rank=0, request_id="r", local_block_ids=[3, 4, 5], remote=params)
+        params = holder.client.hold_blocks(
+            engine_id="p", request_id="r", block_ids=[0, 1, 2], num_tokens=40
+        ).kv_transfer_params
+        started = reader.client.start_pull(
+            engine_id="d", tp_rank=0, request_id="r", local_block_ids=[3, 4, 5], remote=params
+        )
         with pytest.raises(errors.ResourceExhausted, match="staging"):
             reader.client.wait_transfer(started.transfer_id, timeout_s=30)
         assert bool((reader.buffer == 0x11).all()), "a failed pull wrote into the engine's blocks"

@@ -13,8 +13,8 @@ import time
 import pytest
 from kvtest import ShmEngine, metric_value, scrape, small_spec
 
-from kvd.v1 import common_pb2
 from kvd_client import KvdClient, errors
+from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -40,14 +40,20 @@ def test_pull_never_reads_past_the_commit_watermark(spawn_daemon) -> None:
         holder.fill_random(11)
         stream = holder.client.open_engine_stream("holder", 0)
         stream.send_commit("req", 16)  # only the first block is final
-        params = holder.client.hold_blocks(engine_id="holder", request_id="req", block_ids=[4, 5], num_tokens=32).kv_transfer_params
+        params = holder.client.hold_blocks(
+            engine_id="holder", request_id="req", block_ids=[4, 5], num_tokens=32
+        ).kv_transfer_params
 
-        started = reader.client.start_pull(engine_id="reader", tp_rank=0, request_id="req", local_block_ids=[0, 1], remote=params)
+        started = reader.client.start_pull(
+            engine_id="reader", tp_rank=0, request_id="req", local_block_ids=[0, 1], remote=params
+        )
         with pytest.raises(errors.FailedPrecondition, match="only 16 of 32 tokens committed"):
             reader.client.wait_transfer(started.transfer_id, timeout_s=20)
 
         # A pull that arrives before the commit waits for it and then succeeds.
-        started = reader.client.start_pull(engine_id="reader", tp_rank=0, request_id="req", local_block_ids=[0, 1], remote=params)
+        started = reader.client.start_pull(
+            engine_id="reader", tp_rank=0, request_id="req", local_block_ids=[0, 1], remote=params
+        )
         time.sleep(0.3)
         assert reader.client.get_transfer(started.transfer_id).state == common_pb2.TRANSFER_STATE_PLANNED
         stream.send_commit("req", 32)
@@ -180,7 +186,11 @@ def test_concurrent_pulls_from_one_holder(spawn_daemon) -> None:
                 engine_id="holder", request_id=f"r{i}", block_ids=[i * 2, i * 2 + 1], num_tokens=30
             ).kv_transfer_params
             started = reader.client.start_pull(
-                engine_id="reader", tp_rank=0, request_id=f"r{i}", local_block_ids=[40 + i * 2, 41 + i * 2], remote=params
+                engine_id="reader",
+                tp_rank=0,
+                request_id=f"r{i}",
+                local_block_ids=[40 + i * 2, 41 + i * 2],
+                remote=params,
             )
             results.append(reader.client.wait_transfer(started.transfer_id, timeout_s=30).state)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from kvtest import ShmEngine, make_pki, small_spec
 
-from kvd.v1 import common_pb2
 from kvd_client import KvdClient, TlsConfig, errors
+from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,14 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _tls_flags(pki: Path, node: str) -> list[str]:
-    return ["--tls-cert", str(pki / f"{node}.pem"), "--tls-key", str(pki / f"{node}.key"), "--tls-ca", str(pki / "ca.pem")]
+    return [
+        "--tls-cert",
+        str(pki / f"{node}.pem"),
+        "--tls-key",
+        str(pki / f"{node}.key"),
+        "--tls-ca",
+        str(pki / "ca.pem"),
+    ]
 
 
 def test_daemons_pull_over_mtls_and_refuse_clients_without_a_certificate(spawn_daemon, pki: Path) -> None:
@@ -35,8 +42,12 @@ def test_daemons_pull_over_mtls_and_refuse_clients_without_a_certificate(spawn_d
         holder.register()
         reader.register()
         holder.fill_random(4)
-        params = holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[2, 3], num_tokens=30).kv_transfer_params
-        started = reader.client.start_pull(engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[5, 6], remote=params)
+        params = holder.client.hold_blocks(
+            engine_id="holder", request_id="r", block_ids=[2, 3], num_tokens=30
+        ).kv_transfer_params
+        started = reader.client.start_pull(
+            engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[5, 6], remote=params
+        )
         assert reader.client.wait_transfer(started.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
         assert reader.token_bytes([5, 6], 30).equal(holder.token_bytes([2, 3], 30))
 
@@ -45,13 +56,13 @@ def test_daemons_pull_over_mtls_and_refuse_clients_without_a_certificate(spawn_d
         )
         with KvdClient(a.tcp, tls=router_tls, timeout_s=10) as router:
             assert router.get_status().incarnation == a.incarnation
-        with KvdClient(a.tcp, timeout_s=3) as stranger:  # plaintext against a TLS port
-            with pytest.raises(errors.Unavailable):
-                stranger.get_status()
+        # Plaintext against a TLS port.
+        with KvdClient(a.tcp, timeout_s=3) as stranger, pytest.raises(errors.Unavailable):
+            stranger.get_status()
         no_cert = TlsConfig.from_files(root_cert=pki / "ca.pem")
-        with KvdClient(a.tcp, tls=no_cert, timeout_s=3) as anonymous:  # TLS but no client certificate
-            with pytest.raises(errors.Unavailable):
-                anonymous.get_status()
+        # TLS but no client certificate.
+        with KvdClient(a.tcp, tls=no_cert, timeout_s=3) as anonymous, pytest.raises(errors.Unavailable):
+            anonymous.get_status()
     finally:
         holder.close()
         reader.close()

@@ -7,7 +7,7 @@ import random
 import pytest
 from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 
-from kvd.v1 import common_pb2
+from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,9 @@ def test_pull_moves_exact_bytes_both_directions(spawn_daemon, direction: str) ->
         rng = random.Random(3)
         held_blocks = rng.sample(range(48), 10)
         local_blocks = rng.sample(range(48), 10)
-        hold = holder.client.hold_blocks(engine_id="holder", request_id="req-1", block_ids=held_blocks, num_tokens=num_tokens)
+        hold = holder.client.hold_blocks(
+            engine_id="holder", request_id="req-1", block_ids=held_blocks, num_tokens=num_tokens
+        )
         params = hold.kv_transfer_params
         assert params.lease_id and params.daemon_address == a.tcp and params.num_tokens == num_tokens
 

@@ -9,6 +9,7 @@ notices a SIGKILL), prints ``ready``, and sleeps until killed; SIGTERM unregiste
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -17,13 +18,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/kvtest.py
 
-from kvtest import small_spec  # noqa: E402
-from kvd.layout.spec import LayoutSpec  # noqa: E402
-from kvd.core.memory import create_shm_tensor  # noqa: E402
-from kvd.layout.spec import contiguous_placements  # noqa: E402
-from kvd.server import convert  # noqa: E402
-from kvd.v1 import common_pb2  # noqa: E402
-from kvd_client import KvdClient  # noqa: E402
+from kvtest import small_spec
+
+from kvd.core.memory import create_shm_tensor
+from kvd.layout.spec import (
+    LayoutSpec,
+    contiguous_placements,
+)
+from kvd.server import convert
+from kvd_client import KvdClient
+from kvd_client.v1 import common_pb2
 
 
 def engine_spec(num_blocks: int, tp_rank: int, tp_size: int) -> LayoutSpec:
@@ -44,17 +48,17 @@ def main() -> None:
         client.register_kv_cache(
             engine_id=engine_id,
             layout=convert.layout_to_pb(spec),
-            regions=[common_pb2.MemoryRegion(kind=common_pb2.MEMORY_KIND_SHM, size_bytes=spec.total_bytes, shm_name=name)],
+            regions=[
+                common_pb2.MemoryRegion(kind=common_pb2.MEMORY_KIND_SHM, size_bytes=spec.total_bytes, shm_name=name)
+            ],
             layers=[convert.placement_to_pb(p) for p in contiguous_placements(spec)],
             engine_pid=os.getpid(),
         )
 
     def stop(*_: object) -> None:
         for rank in range(int(tp_size)):
-            try:
+            with contextlib.suppress(Exception):  # the daemon may be gone
                 client.unregister_kv_cache(engine_id=engine_id, tp_rank=rank)
-            except Exception:  # noqa: BLE001 - the daemon may be gone
-                pass
         os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)

@@ -19,6 +19,7 @@ Seeded (``KVD_STRESS_SEED``) and bounded: ``KVD_STRESS_S`` seconds of churn per 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import random
@@ -33,16 +34,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from engine_proc import engine_spec
 from kvtest import metric_value, scrape
+
 from kvd.cli.spawn import DaemonProcess, child_env
 from kvd.core.memory import unlink_shm
 from kvd.layout import oracle
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import contiguous_placements
-from kvd.v1 import common_pb2
 from kvd_client import KvdClient, errors
+from kvd_client.v1 import common_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.slow]
 
@@ -89,7 +90,9 @@ class Engine:
 
     def logical(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
         """The held tokens as model-global heads (TP ranks concatenated along the head axis)."""
-        parts = [oracle.gather([buf], view, blocks, num_tokens) for buf, view in zip(self.buffers, self.views, strict=True)]
+        parts = [
+            oracle.gather([buf], view, blocks, num_tokens) for buf, view in zip(self.buffers, self.views, strict=True)
+        ]
         return torch.cat(parts, dim=3)
 
     def scribble(self, blocks: list[int], rng: random.Random) -> None:
@@ -101,7 +104,11 @@ class Engine:
                     for b in blocks:
                         start = plane + b * stride
                         buf[start : start + stride] = torch.randint(
-                            0, 256, (stride,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rng.getrandbits(31))
+                            0,
+                            256,
+                            (stride,),
+                            dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(rng.getrandbits(31)),
                         )
 
 
@@ -125,7 +132,15 @@ class World:
         deadline = time.monotonic() + 20
         while True:  # the daemon may not have noticed the previous holder of the id died yet
             process = subprocess.Popen(
-                [sys.executable, str(ENGINE_PROC), daemon.unix_target, engine_id, str(tp_size), str(NUM_BLOCKS), prefix],
+                [
+                    sys.executable,
+                    str(ENGINE_PROC),
+                    daemon.unix_target,
+                    engine_id,
+                    str(tp_size),
+                    str(NUM_BLOCKS),
+                    prefix,
+                ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
             )
@@ -221,7 +236,11 @@ def _one_pull(world: World, tally: Tally, rng: random.Random) -> None:
     try:
         with holder.lock:
             response = world.clients[i].hold_blocks(
-                engine_id=holder.engine_id, request_id=uuid.uuid4().hex[:8], block_ids=held, num_tokens=num_tokens, ttl_ms=ttl_ms
+                engine_id=holder.engine_id,
+                request_id=uuid.uuid4().hex[:8],
+                block_ids=held,
+                num_tokens=num_tokens,
+                ttl_ms=ttl_ms,
             )
             holder.leases[response.lease.lease_id] = held
     except errors.KvdError as exc:
@@ -237,7 +256,11 @@ def _one_pull(world: World, tally: Tally, rng: random.Random) -> None:
         k = world.daemons.index(target.daemon)
         try:
             transfer = world.clients[k].start_pull(
-                engine_id=target.engine_id, tp_rank=0, request_id="stress", local_block_ids=local, remote=params,
+                engine_id=target.engine_id,
+                tp_rank=0,
+                request_id="stress",
+                local_block_ids=local,
+                remote=params,
                 deadline_ms=int(DEADLINE_S * 1000),
             )
         except errors.KvdError as exc:
@@ -247,10 +270,8 @@ def _one_pull(world: World, tally: Tally, rng: random.Random) -> None:
         tally.add("started")
         started.append((target, k, local, transfer.transfer_id))
     if started and rng.random() < 0.08:  # released while it is being read
-        try:
+        with contextlib.suppress(errors.KvdError):
             world.clients[i].release_lease(lease_id=params.lease_id)
-        except errors.KvdError:
-            pass
     for target, k, local, transfer_id in started:
         t0 = time.monotonic()
         try:
@@ -363,12 +384,10 @@ def test_pulls_stay_correct_while_engines_and_leases_churn(spawn_daemon, transpo
         assert tally.done_verified > 20, "too few pulls completed to mean anything"
 
         # Quiet: every lease released, nothing in flight, pinned, draining or staged anywhere.
-        for i, client in world.clients.items():
+        for client in world.clients.values():
             for params in client.lookup_held().held:
-                try:
+                with contextlib.suppress(errors.KvdError):
                     client.release_lease(lease_id=params.lease_id)
-                except errors.KvdError:
-                    pass
         gauges = (
             "kvd_transfers_in_flight",
             "kvd_leases_held",
@@ -388,7 +407,10 @@ def test_pulls_stay_correct_while_engines_and_leases_churn(spawn_daemon, transpo
         for d in daemons:
             fds, threads = _fds_and_threads(d.process.pid)
             fds0, threads0 = baseline[d.name]
-            print(f"{d.name}: fds {fds0} -> {fds}, threads {threads0} -> {threads}, RSS {rss0[d.name]:.0f} -> {_rss_mib(d.process.pid):.0f} MiB")
+            rss = _rss_mib(d.process.pid)
+            print(
+                f"{d.name}: fds {fds0} -> {fds}, threads {threads0} -> {threads}, RSS {rss0[d.name]:.0f} -> {rss:.0f} M"
+            )
             assert fds <= fds0 + 8, f"{d.name} leaks fds: {fds0} -> {fds}"
             assert threads <= threads0 + 2, f"{d.name} leaks threads: {threads0} -> {threads}"
     finally:

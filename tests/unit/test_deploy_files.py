@@ -19,7 +19,9 @@ def test_example_config_loads() -> None:
 
 def test_systemd_unit_command_parses() -> None:
     exec_start = next(
-        line.split("=", 1)[1] for line in (DEPLOY / "kvd.service").read_text().splitlines() if line.startswith("ExecStart=")
+        line.split("=", 1)[1]
+        for line in (DEPLOY / "kvd.service").read_text().splitlines()
+        if line.startswith("ExecStart=")
     )
     argv = shlex.split(exec_start)
     assert argv[0].endswith("/kvd") and argv[1:3] == ["serve", "--config"]

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvd.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 END = object()
 """Put on a FakeStream's outbound queue: the server ends the stream with OK."""
@@ -30,9 +30,7 @@ END = object()
 INCARNATION = "kvd-test-0000"
 
 
-def abort_with_class(
-    context: grpc.ServicerContext, code: grpc.StatusCode, details: str, class_name: str = ""
-) -> None:
+def abort_with_class(context: grpc.ServicerContext, code: grpc.StatusCode, details: str, class_name: str = "") -> None:
     """Abort like the daemon's edge does: the exact class in trailing metadata (when given)."""
     if class_name:
         context.set_trailing_metadata((("kvd-error-class", class_name),))
@@ -71,7 +69,8 @@ class FakeEngineService(engine_pb2_grpc.EngineServiceServicer):
         if request.engine_id == "dup":
             abort_with_class(context, grpc.StatusCode.ALREADY_EXISTS, "dup registered", "")
         return engine_pb2.RegisterKvCacheResponse(
-            daemon_incarnation=INCARNATION, agent_name="agent-0",
+            daemon_incarnation=INCARNATION,
+            agent_name="agent-0",
             registration_id=len(request.layers),
         )
 
@@ -88,14 +87,21 @@ class FakeEngineService(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.HoldBlocksResponse:
         self.requests["HoldBlocks"] = request
         lease = common_pb2.LeaseInfo(
-            lease_id=f"lease-{request.request_id}", engine_id=request.engine_id,
-            request_id=request.request_id, block_ids=request.block_ids,
-            num_tokens=request.num_tokens, expires_unix_ms=1000 + request.ttl_ms,
+            lease_id=f"lease-{request.request_id}",
+            engine_id=request.engine_id,
+            request_id=request.request_id,
+            block_ids=request.block_ids,
+            num_tokens=request.num_tokens,
+            expires_unix_ms=1000 + request.ttl_ms,
         )
         params = common_pb2.KvTransferParams(
-            daemon_address="127.0.0.1:7070", daemon_incarnation=INCARNATION,
-            engine_id=request.engine_id, lease_id=lease.lease_id, block_ids=request.block_ids,
-            num_tokens=request.num_tokens, request_id=request.request_id,
+            daemon_address="127.0.0.1:7070",
+            daemon_incarnation=INCARNATION,
+            engine_id=request.engine_id,
+            lease_id=lease.lease_id,
+            block_ids=request.block_ids,
+            num_tokens=request.num_tokens,
+            request_id=request.request_id,
         )
         return engine_pb2.HoldBlocksResponse(lease=lease, kv_transfer_params=params)
 
@@ -164,7 +170,9 @@ class FakeRouterService(router_pb2_grpc.RouterServiceServicer):
         status = self.transfers.get(request.transfer_id)
         if status is None:
             abort_with_class(
-                context, grpc.StatusCode.NOT_FOUND, f"no transfer {request.transfer_id}",
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"no transfer {request.transfer_id}",
                 "UnknownTransfer",
             )
         assert status is not None  # abort raised
@@ -188,8 +196,10 @@ class FakeRouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> common_pb2.TransferStatus:
         self.requests["CancelTransfer"] = request
         return common_pb2.TransferStatus(
-            transfer_id=request.transfer_id, state=common_pb2.TRANSFER_STATE_ABORTED,
-            error_code="CANCELLED", error_message="cancelled by the caller",
+            transfer_id=request.transfer_id,
+            state=common_pb2.TRANSFER_STATE_ABORTED,
+            error_code="CANCELLED",
+            error_message="cancelled by the caller",
         )
 
     def LookupHeld(
@@ -198,20 +208,14 @@ class FakeRouterService(router_pb2_grpc.RouterServiceServicer):
         self.requests["LookupHeld"] = request
         return router_pb2.LookupHeldResponse(
             held=[
-                common_pb2.KvTransferParams(
-                    engine_id=request.engine_id, request_id=request.request_id, lease_id="l1"
-                )
+                common_pb2.KvTransferParams(engine_id=request.engine_id, request_id=request.request_id, lease_id="l1")
             ]
         )
 
-    def RenewLease(
-        self, request: router_pb2.RenewLeaseRequest, context: grpc.ServicerContext
-    ) -> common_pb2.LeaseInfo:
+    def RenewLease(self, request: router_pb2.RenewLeaseRequest, context: grpc.ServicerContext) -> common_pb2.LeaseInfo:
         self.requests["RenewLease"] = request
         if request.lease_id == "expired":
-            abort_with_class(
-                context, grpc.StatusCode.DEADLINE_EXCEEDED, "lease expired", "LeaseExpired"
-            )
+            abort_with_class(context, grpc.StatusCode.DEADLINE_EXCEEDED, "lease expired", "LeaseExpired")
         return common_pb2.LeaseInfo(lease_id=request.lease_id, expires_unix_ms=request.ttl_ms)
 
     def ReleaseLease(
@@ -238,7 +242,10 @@ class FakeRouterService(router_pb2_grpc.RouterServiceServicer):
         if self.status_delay_s:
             self.release.wait(self.status_delay_s)
         return router_pb2.GetStatusResponse(
-            incarnation=INCARNATION, agent_name="agent-0", serving=True, leases_held=3,
+            incarnation=INCARNATION,
+            agent_name="agent-0",
+            serving=True,
+            leases_held=3,
             engines=[router_pb2.EngineSummary(engine_id="e0", tp_size=2)],
         )
 

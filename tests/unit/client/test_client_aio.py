@@ -11,8 +11,8 @@ import pytest
 from client_fakes import END, INCARNATION, FakeDaemon
 from grpc_health.v1 import health_pb2
 
-from kvd.v1 import common_pb2, engine_pb2, router_pb2
 from kvd_client import AsyncEngineStream, AsyncKvdClient, errors
+from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 
 
 def run_with(
@@ -37,8 +37,10 @@ def target(request: pytest.FixtureRequest, daemon: FakeDaemon) -> str:
 def test_every_unary_method_round_trips(target: str, daemon: FakeDaemon) -> None:
     async def body(kvd: AsyncKvdClient) -> None:
         reg = await kvd.register_kv_cache(
-            engine_id="e0", layout=common_pb2.KvLayoutSpec(num_layers=1),
-            layers=[common_pb2.LayerPlacement()], require_commits=True,
+            engine_id="e0",
+            layout=common_pb2.KvLayoutSpec(num_layers=1),
+            layers=[common_pb2.LayerPlacement()],
+            require_commits=True,
         )
         assert reg.daemon_incarnation == INCARNATION and reg.registration_id == 1
         await kvd.unregister_kv_cache(engine_id="e0", tp_rank=1)
@@ -52,9 +54,7 @@ def test_every_unary_method_round_trips(target: str, daemon: FakeDaemon) -> None
             transfer_id="xfer-r1", state=common_pb2.TRANSFER_STATE_DONE
         )
         assert (await kvd.get_transfer("xfer-r1")).state == common_pb2.TRANSFER_STATE_DONE
-        cancelled = await kvd.cancel_transfer(request=router_pb2.CancelTransferRequest(
-            transfer_id="xfer-r1"
-        ))
+        cancelled = await kvd.cancel_transfer(request=router_pb2.CancelTransferRequest(transfer_id="xfer-r1"))
         assert cancelled.state == common_pb2.TRANSFER_STATE_ABORTED
         assert (await kvd.lookup_held(engine_id="e0")).held[0].lease_id == "l1"
         assert (await kvd.renew_lease("l1", ttl_ms=42)).expires_unix_ms == 42
@@ -107,19 +107,17 @@ def test_unavailable_when_nothing_listens(nowhere: str) -> None:
 
 def test_watch_and_wait_transfer(daemon: FakeDaemon) -> None:
     states = [common_pb2.TRANSFER_STATE_READING, common_pb2.TRANSFER_STATE_DONE]
-    daemon.router.watch_scripts["t1"] = [
-        common_pb2.TransferStatus(transfer_id="t1", state=s) for s in states
-    ]
+    daemon.router.watch_scripts["t1"] = [common_pb2.TransferStatus(transfer_id="t1", state=s) for s in states]
     daemon.router.watch_scripts["t2"] = [
         common_pb2.TransferStatus(
-            transfer_id="t2", state=common_pb2.TRANSFER_STATE_FAILED,
-            error_code="UNAVAILABLE", error_message="peer 10.0.0.9 died",
+            transfer_id="t2",
+            state=common_pb2.TRANSFER_STATE_FAILED,
+            error_code="UNAVAILABLE",
+            error_message="peer 10.0.0.9 died",
         )
     ]
     daemon.router.watch_scripts["t3"] = [30.0]
-    daemon.router.watch_scripts["t404"] = [
-        (grpc.StatusCode.NOT_FOUND, "no t404", "UnknownTransfer")
-    ]
+    daemon.router.watch_scripts["t404"] = [(grpc.StatusCode.NOT_FOUND, "no t404", "UnknownTransfer")]
 
     async def body(kvd: AsyncKvdClient) -> None:
         assert [s.state async for s in kvd.watch_transfer("t1")] == states
@@ -164,9 +162,9 @@ def test_engine_stream_hello_commits_and_poll(daemon: FakeDaemon) -> None:
         assert received[0].hello.engine_id == "e0" and received[0].hello.tp_rank == 3
         assert [m.commit.committed_tokens for m in received[1:51]] == list(range(50))
         assert received[51].post_forward.finished_request_ids == ["r"]
-        fake.outbound.put(engine_pb2.DaemonMessage(
-            finished_sending=engine_pb2.FinishedSending(request_id="r", lease_id="l")
-        ))
+        fake.outbound.put(
+            engine_pb2.DaemonMessage(finished_sending=engine_pb2.FinishedSending(request_id="r", lease_id="l"))
+        )
         got = await poll_until(stream, 1)
         assert got[0].finished_sending.lease_id == "l"
         await stream.close()
@@ -181,9 +179,7 @@ def test_engine_stream_async_iteration_and_error(daemon: FakeDaemon) -> None:
         stream = kvd.open_engine_stream("e0", 0)
         fake = await asyncio.to_thread(daemon.engine.wait_stream)
         for rid in ("a", "b"):
-            fake.outbound.put(engine_pb2.DaemonMessage(
-                finished_recving=engine_pb2.FinishedRecving(request_id=rid)
-            ))
+            fake.outbound.put(engine_pb2.DaemonMessage(finished_recving=engine_pb2.FinishedRecving(request_id=rid)))
         fake.outbound.put((grpc.StatusCode.UNAVAILABLE, "daemon going away"))
         got = [m.finished_recving.request_id async for m in stream]
         assert got == ["a", "b"]

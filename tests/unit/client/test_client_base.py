@@ -7,15 +7,13 @@ import math
 import grpc
 import pytest
 
-from kvd.v1 import common_pb2, engine_pb2, router_pb2
 from kvd_client import _base, errors
-from kvd_client._errors_map import to_kvd_error
+from kvd_client.grpc_errors import error_code, error_metadata, status_code, to_kvd_error
+from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 
 
 def test_build_request_sets_only_given_fields() -> None:
-    req = _base.build_request(
-        engine_pb2.HoldBlocksRequest, None, engine_id="e", request_id=None, block_ids=[1, 2]
-    )
+    req = _base.build_request(engine_pb2.HoldBlocksRequest, None, engine_id="e", request_id=None, block_ids=[1, 2])
     assert req == engine_pb2.HoldBlocksRequest(engine_id="e", block_ids=[1, 2])
 
 
@@ -48,8 +46,12 @@ def test_time_left() -> None:
 
 @pytest.mark.parametrize(
     "state",
-    [common_pb2.TRANSFER_STATE_PLANNED, common_pb2.TRANSFER_STATE_READING,
-     common_pb2.TRANSFER_STATE_POSTPROCESSING, common_pb2.TRANSFER_STATE_DONE],
+    [
+        common_pb2.TRANSFER_STATE_PLANNED,
+        common_pb2.TRANSFER_STATE_READING,
+        common_pb2.TRANSFER_STATE_POSTPROCESSING,
+        common_pb2.TRANSFER_STATE_DONE,
+    ],
 )
 def test_no_error_for_live_or_done_transfers(state: common_pb2.TransferState) -> None:
     assert _base.transfer_error(common_pb2.TransferStatus(state=state, error_code="X")) is None
@@ -57,8 +59,10 @@ def test_no_error_for_live_or_done_transfers(state: common_pb2.TransferState) ->
 
 def test_transfer_error_maps_code_names() -> None:
     status = common_pb2.TransferStatus(
-        transfer_id="t", state=common_pb2.TRANSFER_STATE_FAILED,
-        error_code="DEADLINE_EXCEEDED", error_message="pull of t ran past its deadline",
+        transfer_id="t",
+        state=common_pb2.TRANSFER_STATE_FAILED,
+        error_code="DEADLINE_EXCEEDED",
+        error_message="pull of t ran past its deadline",
     )
     err = _base.transfer_error(status)
     assert type(err) is errors.DeadlineExceeded and "deadline" in str(err)
@@ -67,9 +71,7 @@ def test_transfer_error_maps_code_names() -> None:
 
 
 def test_transfer_error_with_unknown_code_falls_back() -> None:
-    failed = common_pb2.TransferStatus(
-        transfer_id="t", state=common_pb2.TRANSFER_STATE_FAILED, error_code="NONSENSE"
-    )
+    failed = common_pb2.TransferStatus(transfer_id="t", state=common_pb2.TRANSFER_STATE_FAILED, error_code="NONSENSE")
     err = _base.transfer_error(failed)
     assert type(err) is errors.Internal and "TRANSFER_STATE_FAILED" in str(err)
     aborted = common_pb2.TransferStatus(state=common_pb2.TRANSFER_STATE_ABORTED)
@@ -98,7 +100,8 @@ def test_to_kvd_error_reads_class_from_either_metadata_shape() -> None:
     )
     assert type(to_kvd_error(as_tuple)) is errors.UnknownLease
     as_aio = _FakeRpcError(
-        grpc.StatusCode.NOT_FOUND, "no engine",
+        grpc.StatusCode.NOT_FOUND,
+        "no engine",
         grpc.aio.Metadata(("kvd-error-class", "UnknownEngine")),
     )
     assert type(to_kvd_error(as_aio)) is errors.UnknownEngine
@@ -109,4 +112,20 @@ def test_to_kvd_error_reads_class_from_either_metadata_shape() -> None:
 
 def test_to_kvd_error_of_a_bare_rpc_error() -> None:
     err = to_kvd_error(grpc.RpcError())
-    assert type(err) is errors.KvdError and err.code == grpc.StatusCode.UNKNOWN
+    assert type(err) is errors.KvdError and err.code == errors.ErrorCode.UNKNOWN
+
+
+@pytest.mark.parametrize("code", list(errors.ErrorCode))
+def test_every_error_code_maps_to_the_grpc_code_of_its_name_and_back(code: errors.ErrorCode) -> None:
+    """The edges map codes by name: kvd's codes are exactly gRPC's, numbers included."""
+    status = status_code(code)
+    assert status.name == code.name and status.value[0] == code.value
+    assert error_code(status) is code
+
+
+def test_every_grpc_code_has_a_kvd_code() -> None:
+    assert {error_code(s) for s in grpc.StatusCode} == set(errors.ErrorCode)
+
+
+def test_error_metadata_names_the_exact_class() -> None:
+    assert error_metadata(errors.LeaseExpired("x")) == (("kvd-error-class", "LeaseExpired"),)

@@ -12,14 +12,14 @@ import pytest
 from client_fakes import FakeDaemon, FakeRouterService
 from kvtest import make_pki
 
-from kvd.v1 import router_pb2_grpc
 from kvd_client import KvdClient, TlsConfig, errors
-from kvd_client._channel import (
+from kvd_client.channel import (
     MAX_MESSAGE_BYTES,
     channel_options,
     is_unix_target,
     normalize_target,
 )
+from kvd_client.v1 import router_pb2_grpc
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ from kvd_client._channel import (
     [
         ("unix:///run/kvd.sock", "unix:///run/kvd.sock"),
         ("unix:/run/kvd.sock", "unix:/run/kvd.sock"),
-        ("/run/kvd.sock", "unix:/run/kvd.sock"),
+        ("/run/kvd.sock", "unix:///run/kvd.sock"),
         ("10.0.0.1:7070", "10.0.0.1:7070"),
         ("[::1]:7070", "[::1]:7070"),
         ("dns:///kvd.local:7070", "dns:///kvd.local:7070"),
@@ -103,21 +103,17 @@ def mtls_target(pki: Path) -> Iterator[str]:
 
 
 def test_mtls_round_trip(pki: Path, mtls_target: str) -> None:
-    tls = TlsConfig.from_files(
-        root_cert=pki / "ca.pem", client_cert=pki / "client.pem", client_key=pki / "client.key"
-    )
+    tls = TlsConfig.from_files(root_cert=pki / "ca.pem", client_cert=pki / "client.pem", client_key=pki / "client.key")
     with KvdClient(mtls_target, tls=tls) as kvd:
         assert kvd.get_status().serving
 
 
 def test_mtls_refuses_a_client_without_certificate(pki: Path, mtls_target: str) -> None:
     tls = TlsConfig.from_files(root_cert=pki / "ca.pem")
-    with KvdClient(mtls_target, tls=tls, timeout_s=5) as kvd:
-        with pytest.raises(errors.Unavailable):
-            kvd.get_status()
+    with KvdClient(mtls_target, tls=tls, timeout_s=5) as kvd, pytest.raises(errors.Unavailable):
+        kvd.get_status()
 
 
 def test_plaintext_client_cannot_talk_to_a_tls_server(mtls_target: str) -> None:
-    with KvdClient(mtls_target, timeout_s=5) as kvd:
-        with pytest.raises(errors.Unavailable):
-            kvd.get_status()
+    with KvdClient(mtls_target, timeout_s=5) as kvd, pytest.raises(errors.Unavailable):
+        kvd.get_status()

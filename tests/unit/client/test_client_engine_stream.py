@@ -8,19 +8,15 @@ import grpc
 import pytest
 from client_fakes import END, FakeDaemon
 
-from kvd.v1 import engine_pb2
 from kvd_client import EngineStream, KvdClient, errors
+from kvd_client.v1 import engine_pb2
 
 
 def finished_recving(request_id: str) -> engine_pb2.DaemonMessage:
-    return engine_pb2.DaemonMessage(
-        finished_recving=engine_pb2.FinishedRecving(request_id=request_id, transfer_id="t")
-    )
+    return engine_pb2.DaemonMessage(finished_recving=engine_pb2.FinishedRecving(request_id=request_id, transfer_id="t"))
 
 
-def poll_until(
-    stream: EngineStream, count: int, timeout_s: float = 5.0
-) -> list[engine_pb2.DaemonMessage]:
+def poll_until(stream: EngineStream, count: int, timeout_s: float = 5.0) -> list[engine_pb2.DaemonMessage]:
     """Poll (as an engine loop would) until ``count`` messages came or time ran out."""
     got: list[engine_pb2.DaemonMessage] = []
     deadline = time.monotonic() + timeout_s

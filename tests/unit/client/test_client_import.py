@@ -19,9 +19,7 @@ def test_import_leaves_torch_and_nixl_out() -> None:
         assert pb.common_pb2.TransferStatus and pb.router_pb2_grpc.RouterServiceStub
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
 
@@ -30,7 +28,17 @@ def test_public_names_are_exported() -> None:
 
     for name in kvd_client.__all__:
         assert hasattr(kvd_client, name), name
-    for name in ("KvdClient", "AsyncKvdClient", "EngineStream", "AsyncEngineStream", "errors",
-                 "pb", "KvdError", "UnknownLease", "from_status", "TlsConfig"):
+    for name in (
+        "KvdClient",
+        "AsyncKvdClient",
+        "EngineStream",
+        "AsyncEngineStream",
+        "errors",
+        "pb",
+        "KvdError",
+        "UnknownLease",
+        "from_status",
+        "TlsConfig",
+    ):
         assert name in kvd_client.__all__, name
     assert kvd_client.UnknownLease is kvd_client.errors.UnknownLease

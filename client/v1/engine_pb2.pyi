@@ -1,0 +1,144 @@
+from kvd_client.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterKvCacheRequest(_message.Message):
+    __slots__ = ("engine_id", "layout", "regions", "layers", "require_commits", "engine_pid")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REQUIRE_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    layout: _common_pb2.KvLayoutSpec
+    regions: _containers.RepeatedCompositeFieldContainer[_common_pb2.MemoryRegion]
+    layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.LayerPlacement]
+    require_commits: bool
+    engine_pid: int
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., require_commits: _Optional[bool] = ..., engine_pid: _Optional[int] = ...) -> None: ...
+
+class RegisterKvCacheResponse(_message.Message):
+    __slots__ = ("daemon_incarnation", "agent_name", "registration_id")
+    DAEMON_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    daemon_incarnation: str
+    agent_name: str
+    registration_id: int
+    def __init__(self, daemon_incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., registration_id: _Optional[int] = ...) -> None: ...
+
+class UnregisterKvCacheRequest(_message.Message):
+    __slots__ = ("engine_id", "tp_rank")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+
+class UnregisterKvCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("request_id", "committed_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    committed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., committed_tokens: _Optional[int] = ...) -> None: ...
+
+class PostForward(_message.Message):
+    __slots__ = ("step", "finished_request_ids")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EngineHello(_message.Message):
+    __slots__ = ("engine_id", "tp_rank")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+
+class EngineMessage(_message.Message):
+    __slots__ = ("hello", "commit", "post_forward")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    POST_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    hello: EngineHello
+    commit: Commit
+    post_forward: PostForward
+    def __init__(self, hello: _Optional[_Union[EngineHello, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., post_forward: _Optional[_Union[PostForward, _Mapping]] = ...) -> None: ...
+
+class FinishedSending(_message.Message):
+    __slots__ = ("request_id", "lease_id", "expired")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    expired: bool
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., expired: _Optional[bool] = ...) -> None: ...
+
+class FinishedRecving(_message.Message):
+    __slots__ = ("request_id", "transfer_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+
+class LoadFailed(_message.Message):
+    __slots__ = ("request_id", "transfer_id", "error_code", "error_message", "block_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: str
+    error_code: str
+    error_message: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DaemonMessage(_message.Message):
+    __slots__ = ("finished_sending", "finished_recving", "load_failed")
+    FINISHED_SENDING_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_RECVING_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
+    finished_sending: FinishedSending
+    finished_recving: FinishedRecving
+    load_failed: LoadFailed
+    def __init__(self, finished_sending: _Optional[_Union[FinishedSending, _Mapping]] = ..., finished_recving: _Optional[_Union[FinishedRecving, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ...) -> None: ...
+
+class HoldBlocksRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "ttl_ms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    ttl_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class HoldBlocksResponse(_message.Message):
+    __slots__ = ("lease", "kv_transfer_params")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    lease: _common_pb2.LeaseInfo
+    kv_transfer_params: _common_pb2.KvTransferParams
+    def __init__(self, lease: _Optional[_Union[_common_pb2.LeaseInfo, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ...) -> None: ...

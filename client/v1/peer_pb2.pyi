@@ -1,0 +1,104 @@
+from kvd_client.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("caller_incarnation", "caller_address")
+    CALLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CALLER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    caller_incarnation: str
+    caller_address: str
+    def __init__(self, caller_incarnation: _Optional[str] = ..., caller_address: _Optional[str] = ...) -> None: ...
+
+class RegionDescriptor(_message.Message):
+    __slots__ = ("address", "size_bytes", "vram", "device_index")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VRAM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    size_bytes: int
+    vram: bool
+    device_index: int
+    def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., vram: _Optional[bool] = ..., device_index: _Optional[int] = ...) -> None: ...
+
+class EngineDescriptor(_message.Message):
+    __slots__ = ("engine_id", "layout", "regions", "layers", "registration_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    layout: _common_pb2.KvLayoutSpec
+    regions: _containers.RepeatedCompositeFieldContainer[RegionDescriptor]
+    layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.LayerPlacement]
+    registration_id: int
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., registration_id: _Optional[int] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("incarnation", "agent_name", "agent_metadata", "engines")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    agent_name: str
+    agent_metadata: bytes
+    engines: _containers.RepeatedCompositeFieldContainer[EngineDescriptor]
+    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ...) -> None: ...
+
+class PreparePullRequest(_message.Message):
+    __slots__ = ("lease_id", "engine_id", "block_ids", "num_tokens", "reader_incarnation", "reader_tp_rank", "reader_tp_size", "remote_tp_ranks", "reader_address", "reader_transfer_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    READER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    READER_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    READER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    READER_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    engine_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    reader_incarnation: str
+    reader_tp_rank: int
+    reader_tp_size: int
+    remote_tp_ranks: _containers.RepeatedScalarFieldContainer[int]
+    reader_address: str
+    reader_transfer_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_tp_size: _Optional[int] = ..., remote_tp_ranks: _Optional[_Iterable[int]] = ..., reader_address: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ...) -> None: ...
+
+class PreparePullResponse(_message.Message):
+    __slots__ = ("registration_ids", "notif_tag")
+    REGISTRATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    NOTIF_TAG_FIELD_NUMBER: _ClassVar[int]
+    registration_ids: _containers.RepeatedScalarFieldContainer[int]
+    notif_tag: str
+    def __init__(self, registration_ids: _Optional[_Iterable[int]] = ..., notif_tag: _Optional[str] = ...) -> None: ...
+
+class AbandonPullRequest(_message.Message):
+    __slots__ = ("lease_id", "reader_tp_rank", "reason", "reader_incarnation", "reader_transfer_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    READER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    READER_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    reader_tp_rank: int
+    reason: str
+    reader_incarnation: str
+    reader_transfer_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reason: _Optional[str] = ..., reader_incarnation: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ...) -> None: ...
+
+class AbandonPullResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,150 @@
+from kvd_client.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SelftestHoldRequest(_message.Message):
+    __slots__ = ("size_bytes", "seed")
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    seed: int
+    def __init__(self, size_bytes: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SelftestHoldResponse(_message.Message):
+    __slots__ = ("kv_transfer_params", "layout")
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    kv_transfer_params: _common_pb2.KvTransferParams
+    layout: _common_pb2.KvLayoutSpec
+    def __init__(self, kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ...) -> None: ...
+
+class StartPullRequest(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "request_id", "local_block_ids", "remote", "deadline_ms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    request_id: str
+    local_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    remote: _common_pb2.KvTransferParams
+    deadline_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[int]] = ..., remote: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+
+class StartPullResponse(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class GetTransferRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class CancelTransferRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
+
+class LookupHeldRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class LookupHeldResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedCompositeFieldContainer[_common_pb2.KvTransferParams]
+    def __init__(self, held: _Optional[_Iterable[_Union[_common_pb2.KvTransferParams, _Mapping]]] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "ttl_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    ttl_ms: int
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineSummary(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "tp_size", "registered_bytes", "stream_connected", "layout")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    registered_bytes: int
+    stream_connected: bool
+    layout: _common_pb2.KvLayoutSpec
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., stream_connected: _Optional[bool] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ...) -> None: ...
+
+class PeerSummary(_message.Message):
+    __slots__ = ("address", "incarnation", "agent_name")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    incarnation: str
+    agent_name: str
+    def __init__(self, address: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ...) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "admitted_reads", "quarantined_bytes", "remote_agents")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    LEASES_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_READS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_AGENTS_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    agent_name: str
+    peer_address: str
+    engines: _containers.RepeatedCompositeFieldContainer[EngineSummary]
+    peers: _containers.RepeatedCompositeFieldContainer[PeerSummary]
+    transfers_in_flight: int
+    leases_held: int
+    serving: bool
+    uptime_s: float
+    leases_draining: int
+    admitted_reads: int
+    quarantined_bytes: int
+    remote_agents: int
+    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ...) -> None: ...

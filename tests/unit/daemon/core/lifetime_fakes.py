@@ -1,0 +1,535 @@
+"""Fakes for deterministic lifetime tests of the daemon core: no NIXL, no gRPC, no threads of ours.
+
+* :class:`FakeDataPlane` has :class:`kvd.core.dataplane.DataPlane`'s async API. ``read()`` returns a
+  real :class:`~kvd.core.dataplane.Xfer` that stays IN_PROGRESS until the test calls
+  :meth:`FakeDataPlane.finish` (DONE; the READ's notification reaches the holder daemon, as NIXL
+  delivers it) or :meth:`FakeDataPlane.fail` (ERR). Every call is recorded in ``log`` and checked
+  against the lifetime rules (docs: "no byte can still move"): memory deregistered, a list released
+  or a peer agent removed while a READ into or out of it is not final is a *violation*.
+* :class:`FakePeerTransport` implements :class:`kvd.core.peers.PeerTransport` by calling the holder
+  :class:`~kvd.core.daemon.Daemon` object in the same event loop (or test-set answers).
+* :class:`Fabric` wires daemons, their fake data planes and transports together, and owns a fake
+  clock for lease tables.
+
+Everything here runs on the test's event loop, except ``prepare_table`` (called from the daemon's
+worker pool, as in production), which only takes a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvd.config import KvdConfig
+from kvd.core.dataplane import LOCAL, Xfer, XferState
+from kvd.core.memory import MemoryKind, RegionRequest, create_shm_tensor, unlink_shm
+from kvd.core.metrics import Metrics
+from kvd.core.peers import HandshakeInfo, PrepareResult
+from kvd.core.registry import EngineRank
+from kvd.layout.spec import LayoutSpec, contiguous_placements
+from kvd_client.errors import KvdError, PeerUnavailable, Unavailable
+
+SAFETY_TIMEOUT_S = 5.0  # only guards against a hang: no test outcome depends on it
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (for lease tables)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Tally:
+    """A counter a test can await: ``await tally.reach(n)``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+
+    def bump(self) -> None:
+        self.count += 1
+        for n, future in self._waiters:
+            if self.count >= n and not future.done():
+                future.set_result(None)
+
+    async def reach(self, n: int) -> None:
+        if self.count >= n:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, future))
+        async with asyncio.timeout(SAFETY_TIMEOUT_S):
+            await future
+
+
+class Gate:
+    """Calls that pass through it block until the test opens it; ``arrived`` counts them."""
+
+    def __init__(self) -> None:
+        self.arrived = Tally()
+        self._open = asyncio.Event()
+
+    async def passage(self) -> None:
+        self.arrived.bump()
+        await self._open.wait()
+
+    def open(self) -> None:
+        self._open.set()
+
+
+@dataclasses.dataclass(eq=False)
+class FakeRegistration:
+    reg_id: int
+    address: int
+    size: int
+    mem_type: str
+    live: bool = True
+
+    def overlaps(self, lo: int, hi: int) -> bool:
+        return lo < self.address + self.size and self.address < hi
+
+
+@dataclasses.dataclass(eq=False)
+class FakeTable:
+    """A prepared descriptor list: whose (LOCAL or a peer's agent name) and which addresses."""
+
+    table_id: int
+    agent: str
+    lo: int
+    hi: int
+    mem_type: str
+    released: bool = False
+
+
+@dataclasses.dataclass(eq=False)
+class FakeRead:
+    """What a posted READ touches: kept after NIXL would have dropped the handle."""
+
+    xfer: Xfer
+    local: FakeTable
+    remote: FakeTable
+    message: bytes
+    local_indices: np.ndarray
+    remote_indices: np.ndarray
+
+
+class FakeDataPlane:
+    """DataPlane's async API over in-memory bookkeeping; the test decides when READs end."""
+
+    def __init__(
+        self,
+        agent_name: str,
+        fabric: Fabric,
+        on_reads_in_flight: Callable[[int], None] = lambda _: None,
+    ) -> None:
+        self.name = agent_name
+        self.fabric = fabric
+        self._on_reads_in_flight = on_reads_in_flight
+        self._on_notifications: Callable[[dict[str, list[bytes]]], None] = lambda _: None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # prepare_table runs in the daemon's worker threads
+        self._ids = itertools.count(1)
+        self.fast_poll_until = 0.0
+        self.started = False
+        self.stopped = False
+        self.log: list[tuple[str, Any]] = []  # ("register", reg) ("deregister", reg) ("add_remote", name) ...
+        self.registrations: list[FakeRegistration] = []
+        self.tables: list[FakeTable] = []
+        self.remotes: dict[str, int] = {}  # agent name -> times loaded (present while loaded)
+        self.posted: list[Xfer] = []
+        self.reads: dict[Xfer, FakeRead] = {}
+        self.posts = Tally()
+        self.register_gate: Gate | None = None  # set by a test to hold register() calls
+        self.register_errors: list[BaseException] = []  # raised, one per register() call, first
+        self.refuse_reads: KvdError | None = None
+
+    # --- life cycle -------------------------------------------------------------------------------
+
+    async def start(self, on_notifications: Callable[[dict[str, list[bytes]]], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._on_notifications = on_notifications
+        self.started = True
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    def _require_started(self) -> None:
+        if not self.started or self.stopped:
+            raise Unavailable("the NIXL data plane is stopped")
+
+    def metadata(self) -> bytes:
+        return f"fake-nixl|{self.name}".encode()
+
+    def _violation(self, what: str) -> None:
+        self.fabric.violations.append(f"{self.name[-8:]}: {what}")
+
+    # --- memory -----------------------------------------------------------------------------------
+
+    async def register(self, address: int, size: int, device_index: int, mem_type: str) -> FakeRegistration:
+        self._require_started()
+        if self.register_gate is not None:
+            await self.register_gate.passage()
+        if self.register_errors:
+            raise self.register_errors.pop(0)
+        registration = FakeRegistration(next(self._ids), address, size, mem_type)
+        self.registrations.append(registration)
+        self.log.append(("register", registration))
+        return registration
+
+    async def deregister(self, registration: FakeRegistration) -> None:
+        self._require_started()
+        if not registration.live:
+            self._violation(f"registration {registration.reg_id} deregistered twice")
+        for read in self.fabric.live_reads():
+            touches_local = (
+                read.xfer in self.reads
+                and read.local.agent == LOCAL
+                and registration.overlaps(read.local.lo, read.local.hi)
+            )
+            touches_remote = read.remote.agent == self.name and registration.overlaps(read.remote.lo, read.remote.hi)
+            if touches_local or touches_remote:
+                self._violation(f"registration {registration.reg_id} deregistered while a READ through it is not final")
+        registration.live = False
+        self.log.append(("deregister", registration))
+
+    def live_registrations(self) -> list[FakeRegistration]:
+        return [r for r in self.registrations if r.live]
+
+    def deregistered(self, registration: Any) -> bool:
+        return ("deregister", registration) in self.log
+
+    # --- peers --------------------------------------------------------------------------------
+
+    async def add_remote(self, metadata: bytes) -> str:
+        self._require_started()
+        prefix, _, name = metadata.decode().partition("|")
+        if prefix != "fake-nixl" or not name:
+            raise PeerUnavailable(f"fake NIXL rejected metadata {metadata[:32]!r}")
+        self.remotes[name] = self.remotes.get(name, 0) + 1
+        self.log.append(("add_remote", name))
+        return name
+
+    async def remove_remote(self, agent_name: str, tables: Sequence[FakeTable]) -> None:
+        self._require_started()
+        for read in self._live_reads():
+            if read.remote.agent == agent_name:
+                self._violation(f"agent {agent_name[-8:]} removed while a READ through it is not final")
+        self._release(tables)
+        self.remotes.pop(agent_name, None)
+        self.log.append(("remove_remote", agent_name))
+
+    def removals(self, agent_name: str) -> int:
+        return self.log.count(("remove_remote", agent_name))
+
+    # --- tables ---------------------------------------------------------------------------------
+
+    def prepare_table(self, agent_name: str, rows: np.ndarray, mem_type: str) -> FakeTable:
+        if not self.started or self.stopped:
+            raise Unavailable("the NIXL data plane is not started")
+        lo = int(rows[:, 0].min()) if len(rows) else 0
+        hi = int((rows[:, 0] + rows[:, 1]).max()) if len(rows) else 0
+        with self._lock:
+            table = FakeTable(next(self._ids), agent_name, lo, hi, mem_type)
+            self.tables.append(table)
+        return table
+
+    async def release_tables(self, tables: Sequence[FakeTable]) -> None:
+        if tables:
+            self._require_started()
+            self._release(tables)
+
+    def _release(self, tables: Sequence[FakeTable]) -> None:
+        for table in tables:
+            if table.released:
+                self._violation(f"list {table.table_id} released twice")
+            for read in self._live_reads():
+                if table is read.local or table is read.remote:
+                    self.fabric.table_violations.append(
+                        f"list {table.table_id} ({table.agent[-8:]}) released under a live READ"
+                    )
+            table.released = True
+            self.log.append(("release_table", table))
+
+    # --- transfers ----------------------------------------------------------------------------
+
+    async def read(
+        self,
+        local_table: FakeTable,
+        local_indices: np.ndarray,
+        remote_table: FakeTable,
+        remote_indices: np.ndarray,
+        notif_message: bytes,
+        peer: str,
+        nbytes: int,
+    ) -> Xfer:
+        self._require_started()
+        assert self._loop is not None
+        if self.refuse_reads is not None:
+            raise self.refuse_reads
+        if local_table.released or remote_table.released:
+            self._violation("READ posted on a released list")
+        if remote_table.agent not in self.remotes:
+            self._violation(f"READ posted through agent {remote_table.agent[-8:]}, which is not loaded")
+        if local_table.agent == LOCAL and not any(
+            r.overlaps(local_table.lo, local_table.hi) for r in self.live_registrations()
+        ):
+            self._violation("READ posted into memory that is not registered")
+        xfer = Xfer(object(), peer, nbytes, 0.0, self._loop.create_future())
+        self.reads[xfer] = FakeRead(
+            xfer, local_table, remote_table, notif_message, np.array(local_indices), np.array(remote_indices)
+        )
+        self.posted.append(xfer)
+        self._on_reads_in_flight(self.in_flight())
+        self.log.append(("read", xfer))
+        self.posts.bump()
+        return xfer
+
+    async def wait(self, xfers: Sequence[Xfer]) -> None:
+        """As DataPlane.wait: cancelling the wait leaves the reads running."""
+        for xfer in xfers:
+            await asyncio.shield(xfer.settled)
+            if xfer.error is not None:
+                raise xfer.error
+
+    def in_flight(self) -> int:
+        return sum(1 for x in self.posted if not x.final)
+
+    def _live_reads(self) -> list[FakeRead]:
+        return [read for read in self.reads.values() if not read.xfer.final]
+
+    # --- the test's hand on NIXL ----------------------------------------------------------------
+
+    def live(self) -> list[Xfer]:
+        return [x for x in self.posted if not x.final]
+
+    def finish(self, xfer: Xfer, *, notify: bool = True) -> None:
+        """NIXL says DONE: the bytes moved, and the READ's notification reaches the holder."""
+        self._end(xfer, XferState.DONE, None)
+        if notify:
+            self.deliver(xfer)
+
+    def fail(self, xfer: Xfer, error: KvdError | None = None) -> None:
+        """NIXL says ERR (the peer went away): nothing more of this READ can land."""
+        self._end(
+            xfer, XferState.ERROR, error or PeerUnavailable(f"NIXL read from peer {xfer.peer} failed: peer gone?")
+        )
+
+    def deliver(self, xfer: Xfer) -> None:
+        """Hand the READ's notification to the holder daemon's notification callback."""
+        read = self.reads[xfer]
+        holder = self.fabric.dataplanes.get(read.remote.agent)
+        if holder is not None and not holder.stopped:
+            holder._on_notifications({self.name: [read.message]})
+
+    def _end(self, xfer: Xfer, state: XferState, error: KvdError | None) -> None:
+        assert not xfer.final, "the fake ends a READ once"
+        xfer.state, xfer.error = state, error
+        xfer.handle = None
+        if not xfer.settled.done():
+            xfer.settled.set_result(None)
+        self._on_reads_in_flight(self.in_flight())
+        self.log.append(("final", xfer))
+
+
+class FakePeerTransport:
+    """PeerTransport that calls the holder Daemon object directly (or returns test-set answers)."""
+
+    def __init__(self, fabric: Fabric, own_address: str, own_incarnation: Callable[[], str]) -> None:
+        self.fabric = fabric
+        self.own_address = own_address
+        self.own_incarnation = own_incarnation
+        self.handshakes: list[str] = []
+        self.prepares: list[dict[str, Any]] = []
+        self.abandons: list[dict[str, Any]] = []
+        self.abandoned = Tally()
+        self.forgets: list[str] = []
+        self.closed = False
+        self.handshake_answers: dict[str, HandshakeInfo] = {}
+        self.prepare_answers: dict[str, PrepareResult] = {}
+        self.prepare_gate: Gate | None = None  # holds PreparePull before it reaches the holder
+        self._tags: dict[str, list[str]] = {}  # reader transfer id -> notification tags it was given
+
+    def _holder(self, address: str) -> Any:
+        daemon = self.fabric.daemons.get(address)
+        if daemon is None:
+            raise PeerUnavailable(f"no daemon answers at {address}")
+        return daemon
+
+    async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo:
+        self.handshakes.append(address)
+        if address in self.handshake_answers:
+            return self.handshake_answers[address]
+        holder = self._holder(address)
+        holder.require_serving()
+        return holder.handshake_info()
+
+    async def prepare_pull(
+        self,
+        address: str,
+        *,
+        lease_id: str,
+        engine_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        reader_tp_rank: int,
+        reader_tp_size: int,
+        remote_tp_ranks: tuple[int, ...],
+        reader_transfer_id: str,
+        timeout_s: float,
+    ) -> PrepareResult:
+        self.prepares.append(dict(address=address, lease_id=lease_id, reader_transfer_id=reader_transfer_id))
+        if self.prepare_gate is not None:
+            await self.prepare_gate.passage()
+        if address in self.prepare_answers:
+            result = self.prepare_answers[address]
+        else:
+            result = await self._holder(address).prepare_pull(
+                lease_id=lease_id,
+                engine_id=engine_id,
+                block_ids=list(block_ids),
+                num_tokens=num_tokens,
+                reader_tp_rank=reader_tp_rank,
+                reader_tp_size=reader_tp_size,
+                remote_tp_ranks=list(remote_tp_ranks),
+                reader_address=self.own_address,
+                reader_incarnation=self.own_incarnation(),
+                reader_transfer_id=reader_transfer_id,
+            )
+        self._tags.setdefault(reader_transfer_id, []).append(result.notif_tag)
+        return result
+
+    async def abandon_pull(
+        self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float
+    ) -> None:
+        own = self.fabric.node_at(self.own_address).dataplane
+        tags = tuple(f"{t}|".encode() for t in self._tags.get(reader_transfer_id, []))
+        live = [x for x, read in own.reads.items() if read.message.startswith(tags) and not x.final] if tags else []
+        if live:
+            self.fabric.violations.append(
+                f"AbandonPull of {reader_transfer_id[:8]} sent with {len(live)} READs not final"
+            )
+        self.abandons.append(dict(address=address, lease_id=lease_id, transfer_id=reader_transfer_id, reason=reason))
+        self.abandoned.bump()
+        self._holder(address).abandon_pull(
+            lease_id,
+            reader_tp_rank,
+            reason,
+            reader_incarnation=self.own_incarnation(),
+            reader_transfer_id=reader_transfer_id,
+        )
+
+    async def forget(self, address: str) -> None:
+        self.forgets.append(address)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    """One daemon in the fabric, with its fake data plane and transport."""
+
+    address: str
+    daemon: Any  # kvd.core.daemon.Daemon
+    transport: FakePeerTransport
+
+    @property
+    def dataplane(self) -> FakeDataPlane:
+        dataplane = self.daemon.dataplane
+        assert isinstance(dataplane, FakeDataPlane)
+        return dataplane
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.daemon.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+class Fabric:
+    """Daemons with fake data planes, wired to each other in one event loop."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.dataplanes: dict[str, FakeDataPlane] = {}  # by agent name
+        self.daemons: dict[str, Any] = {}  # by address
+        self.nodes: dict[str, Node] = {}
+        self.violations: list[str] = []
+        self.table_violations: list[str] = []
+        self.shm_names: list[str] = []
+
+    def make_dataplane(
+        self,
+        agent_name: str,
+        backends: Sequence[str] = ("UCX",),
+        progress_thread: bool = False,
+        on_reads_in_flight: Callable[[int], None] = lambda _: None,
+    ) -> FakeDataPlane:
+        """Stands in for the DataPlane class in kvd.core.daemon."""
+        dataplane = FakeDataPlane(agent_name, self, on_reads_in_flight)
+        self.dataplanes[agent_name] = dataplane
+        return dataplane
+
+    def node_at(self, address: str) -> Node:
+        return self.nodes[address]
+
+    def live_reads(self) -> list[FakeRead]:
+        return [read for dp in self.dataplanes.values() for read in dp._live_reads()]
+
+    async def start_node(self, address: str, **config: Any) -> Node:
+        from kvd.core.daemon import Daemon
+
+        fields: dict[str, Any] = dict(
+            unix_socket=f"/tmp/kvd-lifetimes-{os.getpid()}.sock",
+            advertise_address=address,
+            metrics_port=-1,
+            transfer_deadline_s=30.0,
+            handshake_timeout_s=5.0,
+            commit_wait_s=1.0,
+            fence_timeout_s=5.0,
+            read_admission_margin_s=5.0,
+            staging_pool_bytes=0,
+        )
+        fields.update(config)
+        holder: dict[str, Any] = {}
+        transport = FakePeerTransport(self, address, lambda: holder["daemon"].incarnation)
+        daemon = Daemon(KvdConfig(**fields), transport, Metrics())
+        holder["daemon"] = daemon
+        await daemon.start()
+        daemon.leases._clock = self.clock  # lease and admission deadlines on the test's clock
+        self.daemons[address] = daemon
+        node = Node(address, daemon, transport)
+        self.nodes[address] = node
+        return node
+
+    async def register(self, node: Node, engine_id: str, spec: LayoutSpec) -> EngineRank:
+        """An engine rank over real shared memory (the test plays the engine)."""
+        name = f"kvdlt-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        self.shm_names.append(name)
+        create_shm_tensor(name, spec.total_bytes)
+        return await node.daemon.register_engine(
+            engine_id,
+            spec,
+            [RegionRequest(MemoryKind.SHM, spec.total_bytes, shm_name=name)],
+            contiguous_placements(spec),
+        )
+
+    async def close(self) -> None:
+        """End every READ still in flight, then shut every daemon down."""
+        for dataplane in self.dataplanes.values():
+            for xfer in dataplane.live():
+                dataplane.fail(xfer)
+        for node in self.nodes.values():
+            await node.daemon.shutdown(0.0)
+        for name in self.shm_names:
+            unlink_shm(name)

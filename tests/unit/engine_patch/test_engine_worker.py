@@ -1,0 +1,288 @@
+"""The worker half and its daemon link, against a fake daemon: registration, signals, pulls, restarts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import pytest
+import torch
+from engine_fakes import FakeDaemon, wait_until
+
+from kvd_client import errors
+from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
+from kvd_engine.config import KvdConnectorConfig
+from kvd_engine.daemon_link import DaemonLink, SchedulerLink
+from kvd_engine.metadata import KvdConnectorMetadata, PullSpec
+from kvd_engine.nwor import DeferredWriteManager
+from kvd_engine.registration import build_registration, geometry_from_vllm_views
+from kvd_engine.shm import create_shm_region, move_storage_to_shm
+from kvd_engine.worker import KvdWorker
+
+GEOMETRY = CacheGeometry(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+CONFIG = KvdConnectorConfig(reconnect_initial_s=0.01, reconnect_max_s=0.05, pull_timeout_slack_s=0.5)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def daemon() -> FakeDaemon:
+    return FakeDaemon()
+
+
+@pytest.fixture
+def caches() -> Any:
+    region = create_shm_region(GEOMETRY.total_bytes, prefix="kvd-test")
+    yield {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(GEOMETRY.layer_views(region.tensor))}
+    region.unlink()
+
+
+def _worker(
+    daemon: FakeDaemon, caches: Any, clock: Clock | None = None, config: KvdConnectorConfig = CONFIG, **kw: Any
+) -> KvdWorker:
+    link = DaemonLink(
+        "unix:///fake", "eng", 0, reconnect_initial_s=0.01, reconnect_max_s=0.05, client_factory=daemon.client
+    )
+    worker = KvdWorker(config, "eng", 0, geometry=GEOMETRY, link=link, clock=clock or Clock(), **kw)
+    worker.register_kv_caches(caches)
+    assert wait_until(lambda: link.connected)
+    return worker
+
+
+def _step(worker: KvdWorker, meta: KvdConnectorMetadata | None = None, finished: set[str] = frozenset()) -> Any:
+    worker.bind_connector_metadata(meta or KvdConnectorMetadata())
+    worker.start_load_kv()
+    results = worker.get_transfer_results(set(finished))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    return results
+
+
+def test_registration_describes_the_shm_region_and_layers(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    reg = daemon.registrations[("eng", 0)]
+    assert reg.require_commits and reg.engine_pid == os.getpid()
+    assert reg.layout.kv_format == 1 and reg.layout.layout == 1 and reg.layout.num_blocks == 16
+    (region,) = reg.regions
+    assert os.path.exists(f"/dev/shm/{region.shm_name}") and region.size_bytes == GEOMETRY.total_bytes
+    offsets = [(p.k_offset, p.v_offset) for p in reg.layers]
+    assert offsets == GEOMETRY.placements()
+    worker.shutdown()
+    assert ("eng", 0) not in daemon.registrations  # unregistered on shutdown
+
+
+def test_cpu_tensors_move_into_shm_in_place_and_every_view_follows() -> None:
+    backing = torch.zeros(GEOMETRY.total_bytes, dtype=torch.uint8)
+    layers = GEOMETRY.layer_views(backing)
+    other_view = backing[:16]  # a view the connector is not given (vLLM binds its own)
+    layers[0].view(torch.uint8).flatten()[:4] = 7
+    region = move_storage_to_shm(layers)
+    assert region.name and os.path.exists(f"/dev/shm/{region.name}")
+    mapped = torch.from_file(f"/dev/shm/{region.name}", shared=True, size=region.size_bytes, dtype=torch.uint8)
+    data = mapped[region.data_offset :]
+    assert int(data[0]) == 7  # contents kept
+    other_view[5] = 9
+    assert int(data[5]) == 9  # a view that was not passed in writes into shm too
+    assert move_storage_to_shm([backing]) is region  # once: a second call finds the same region
+
+
+def test_vllm_033_views_are_read_as_packed_kv() -> None:
+    blocks, heads, bs, d = 6, 2, 4, 8
+    raw = torch.zeros(3 * blocks * heads * bs * 2 * d * 2, dtype=torch.int8)
+    per_layer = blocks * heads * bs * 2 * d
+    views = {
+        f"model.layers.{i}.attn": raw.view(torch.float16)[i * per_layer : (i + 1) * per_layer].view(
+            blocks, heads, bs, 2 * d
+        )
+        for i in range(3)
+    }
+    g = geometry_from_vllm_views(views, tp_rank=0, tp_size=1)
+    assert (g.kv_format, g.layout, g.block_size, g.num_kv_heads, g.head_dim) == (KvFormat.PACKED, KvLayout.HND, 4, 2, 8)
+    nhd = {k: v.view(blocks, bs, heads, 2 * d).transpose(1, 2) for k, v in views.items()}
+    assert geometry_from_vllm_views(nhd, tp_rank=0, tp_size=1).layout is KvLayout.NHD
+    req = build_registration("e", views, g)
+    assert [p.k_offset for p in req.layers] == [64 + i * per_layer * 2 for i in range(3)]  # torch shm header
+
+
+def test_commits_then_post_forward_in_step_order(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches, config=dataclasses.replace(CONFIG, commit_every_steps=1))
+    meta = KvdConnectorMetadata(host_commits={"a": 16, "b": 3}, finished_req_ids=frozenset({"z"}))
+    _step(worker, meta)
+    worker.set_step_watermarks(["a", "c"], torch.tensor([20, 5]))
+    _step(worker, KvdConnectorMetadata(host_commits={"b": 3}))
+    sent = daemon.stream("eng").sent
+    assert sent == [
+        ("commit", "a", 16),
+        ("commit", "b", 3),
+        ("post_forward", 1, ("z",)),
+        ("commit", "a", 20),  # b unchanged: not resent
+        ("commit", "c", 5),
+        ("post_forward", 2, ()),
+    ]
+
+
+def test_running_requests_commits_are_batched_finished_ones_go_at_once(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches, config=dataclasses.replace(CONFIG, commit_every_steps=4))
+    ids = [f"r{i}" for i in range(8)]
+    for step in range(1, 5):
+        worker.set_step_watermarks(ids, torch.arange(8) + 10 * step)
+        _step(worker)
+        commits = [m for m in daemon.stream("eng").sent if m[0] == "commit"]
+        assert len(commits) == 2 * step  # one slice of 8 / 4 requests per step
+    # After commit_every_steps steps every request was committed once, none twice.
+    assert sorted(m[1] for m in commits) == sorted(ids)
+    before = len(daemon.stream("eng").sent)
+    worker.set_step_watermarks(ids, torch.arange(8) + 50)
+    _step(worker, KvdConnectorMetadata(finished_req_ids=frozenset({"r7"}), final_watermarks={"r7": 57}))
+    step5 = daemon.stream("eng").sent[before:]
+    # The finished request's exact count goes at once, first; the signal closes the step.
+    assert step5[0] == ("commit", "r7", 57) and step5[-1] == ("post_forward", 5, ("r7",))
+    assert len(step5) == 1 + 2 + 1  # final, one slice of the running requests, the signal
+
+
+def test_post_forward_is_refused_while_the_nwor_window_is_open(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    nwor = DeferredWriteManager("stage")
+    worker.bind_nwor(nwor)
+    nwor.begin_window(4)
+    worker.bind_connector_metadata(KvdConnectorMetadata(finished_req_ids=frozenset({"f"}), final_watermarks={"f": 9}))
+    worker.wait_for_save()  # the proposer has not run: refused
+    assert daemon.stream("eng").sent == [] and worker.stats.ordering_refusals == 1
+    nwor.commit(torch.ones(4, dtype=torch.bool))
+    worker.bind_connector_metadata(KvdConnectorMetadata())
+    worker.wait_for_save()
+    assert daemon.stream("eng").sent == [("commit", "f", 9), ("post_forward", 1, ("f",))]
+
+
+def test_a_pull_completes_through_the_stream(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    pull = PullSpec("r1", (3, 4), {"lease_id": "L", "block_ids": [9, 10], "num_tokens": 8, "engine_id": "p"})
+    _step(worker, KvdConnectorMetadata(pulls=[pull]))
+    assert wait_until(lambda: len(daemon.pulls) == 1)
+    (fake,) = daemon.pulls
+    assert fake.local_block_ids == [3, 4] and list(fake.remote.block_ids) == [9, 10]
+    _step(worker)  # learn the transfer id
+    daemon.finish_pull(fake)
+    res = _step(worker)
+    assert res.finished_recving == {"r1"} and res.failed_recving == set()
+    assert worker.get_block_ids_with_load_errors() == set()
+
+
+def test_a_failed_load_is_received_failed_and_its_blocks_reported(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    _step(
+        worker,
+        KvdConnectorMetadata(pulls=[PullSpec("r1", (3, 4), {"lease_id": "L", "block_ids": [1], "num_tokens": 4})]),
+    )
+    assert wait_until(lambda: len(daemon.pulls) == 1)
+    _step(worker)
+    daemon.finish_pull(daemon.pulls[0], error="peer died")
+    res = _step(worker)
+    assert res.finished_recving == {"r1"} and res.failed_recving == {"r1"}
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+
+
+def test_a_pull_the_daemon_refuses_fails_over_to_recompute(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    daemon.pull_error = errors.NotFound("no such lease")
+    _step(
+        worker, KvdConnectorMetadata(pulls=[PullSpec("r1", (3,), {"lease_id": "L", "block_ids": [1], "num_tokens": 4})])
+    )
+    assert wait_until(lambda: _step(worker).failed_recving == {"r1"}, timeout_s=2)
+
+
+def test_a_pull_without_an_answer_fails_after_its_deadline(daemon: FakeDaemon, caches: Any) -> None:
+    clock = Clock()
+    worker = _worker(daemon, caches, clock)
+    _step(
+        worker,
+        KvdConnectorMetadata(
+            pulls=[PullSpec("r1", (3,), {"lease_id": "L", "block_ids": [1], "num_tokens": 4}, deadline_ms=1000)]
+        ),
+    )
+    assert _step(worker).finished_recving == set()
+    clock.now += 1.6
+    res = _step(worker)
+    assert res.failed_recving == {"r1"}
+
+
+def test_daemon_restart_fails_pulls_releases_holds_and_reregisters(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    _step(worker, KvdConnectorMetadata(held={"h1": 0}, host_commits={"live": 12}))
+    _step(
+        worker, KvdConnectorMetadata(pulls=[PullSpec("r1", (3,), {"lease_id": "L", "block_ids": [1], "num_tokens": 4})])
+    )
+    assert wait_until(lambda: len(daemon.pulls) == 1)
+    old = daemon.incarnation
+    daemon.restart()
+    assert wait_until(lambda: daemon.register_calls == 2 and ("eng", 0) in daemon.streams)
+    results = [_step(worker) for _ in range(3)]
+    assert any(r.failed_recving == {"r1"} for r in results)
+    assert any(r.finished_sending == {"h1"} for r in results)  # its lease died with the daemon
+    assert daemon.incarnation != old and worker.stats.reconnects == 1
+    # The new daemon learns the live watermark again without waiting for a new step.
+    assert ("commit", "live", 12) in daemon.stream("eng").sent
+
+
+def test_pulls_fail_at_once_while_the_daemon_is_down(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    daemon.stop()
+    assert wait_until(lambda: not worker.link.connected)
+    res = _step(
+        worker, KvdConnectorMetadata(pulls=[PullSpec("r1", (3,), {"lease_id": "L", "block_ids": [1], "num_tokens": 4})])
+    )
+    assert res.failed_recving == {"r1"}  # in the same step: no waiting on a dead daemon
+    # Commits and signals while down are dropped, not raised; the engine goes on.
+    _step(worker, KvdConnectorMetadata(host_commits={"x": 3}))
+    daemon.start()
+    assert wait_until(lambda: worker.link.connected)
+    worker.shutdown()
+
+
+def test_registration_waits_for_a_daemon_that_starts_later(caches: Any) -> None:
+    daemon = FakeDaemon()
+    daemon.down = True
+    link = DaemonLink(
+        "unix:///fake", "eng", 0, reconnect_initial_s=0.01, reconnect_max_s=0.02, client_factory=daemon.client
+    )
+    worker = KvdWorker(CONFIG, "eng", 0, geometry=GEOMETRY, link=link)
+    worker.register_kv_caches(caches)  # returns at once, the daemon is down
+    _step(worker, KvdConnectorMetadata(host_commits={"a": 1}))
+    daemon.down = False
+    assert wait_until(lambda: link.connected and daemon.register_calls == 1)
+    worker.shutdown()
+
+
+def test_release_messages_wait_for_the_hold_announcement(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    from kvd_client.v1 import engine_pb2
+
+    daemon.stream("eng").push(
+        engine_pb2.DaemonMessage(finished_sending=engine_pb2.FinishedSending(request_id="h", lease_id="L"))
+    )
+    assert _step(worker).finished_sending == set()  # not known as held yet
+    assert _step(worker, KvdConnectorMetadata(held={"h": 0})).finished_sending == {"h"}
+
+
+def test_scheduler_link_trips_a_circuit_breaker() -> None:
+    daemon = FakeDaemon()
+    clock = Clock()
+    link = SchedulerLink("unix:///fake", retry_after_s=5, client_factory=daemon.client, clock=clock)
+    held = link.hold_blocks("eng", "r", [1, 2], 7)
+    assert held["num_tokens"] == 7 and held["block_ids"] == [1, 2] and held["daemon_address"] == "fake:1"
+    daemon.down = True
+    with pytest.raises(errors.Unavailable):
+        link.hold_blocks("eng", "r", [1], 3)
+    daemon.down = False
+    assert not link.available()
+    with pytest.raises(errors.Unavailable, match="retrying later"):
+        link.hold_blocks("eng", "r", [1], 3)
+    clock.now += 5
+    assert link.hold_blocks("eng", "r", [1], 3)["num_tokens"] == 3
