@@ -37,7 +37,7 @@ from kvd.core.registry import EngineRank
 from kvd.layout.spec import LayoutSpec, contiguous_placements
 from kvd_client.errors import KvdError, PeerUnavailable, Unavailable
 
-SAFETY_TIMEOUT_S = 5.0  # only guards against a hang: no test outcome depends on it
+SAFETY_TIMEOUT_S = 20.0  # only turns a hang into a failure: no test outcome depends on it
 
 
 class FakeClock:
