@@ -54,7 +54,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ...) -> None: ...
 
 class PreparePullRequest(_message.Message):
-    __slots__ = ("lease_id", "engine_id", "block_ids", "num_tokens", "reader_incarnation", "reader_tp_rank", "reader_tp_size", "remote_tp_ranks", "reader_address", "reader_transfer_id")
+    __slots__ = ("lease_id", "engine_id", "block_ids", "num_tokens", "reader_incarnation", "reader_tp_rank", "reader_tp_size", "remote_tp_ranks", "reader_address", "reader_transfer_id", "read_timeout_ms")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class PreparePullRequest(_message.Message):
     REMOTE_TP_RANKS_FIELD_NUMBER: _ClassVar[int]
     READER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     READER_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    READ_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     engine_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +76,8 @@ class PreparePullRequest(_message.Message):
     remote_tp_ranks: _containers.RepeatedScalarFieldContainer[int]
     reader_address: str
     reader_transfer_id: str
-    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_tp_size: _Optional[int] = ..., remote_tp_ranks: _Optional[_Iterable[int]] = ..., reader_address: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ...) -> None: ...
+    read_timeout_ms: int
+    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_tp_size: _Optional[int] = ..., remote_tp_ranks: _Optional[_Iterable[int]] = ..., reader_address: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ..., read_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class PreparePullResponse(_message.Message):
     __slots__ = ("registration_ids", "notif_tag")

@@ -272,6 +272,7 @@ class Daemon:
             rank.wakeup.set()
         self.metrics.engines.set(len(self.registry))
         self.metrics.registered_bytes.remove(rank.engine_id, str(rank.tp_rank))
+        self._lease_gauges()
         logger.info("unregistered engine %s rank %d: %s", rank.engine_id, rank.tp_rank, reason)
         await self._mem.fence(rank.memory)
 
@@ -483,6 +484,7 @@ class Daemon:
         reader_address: str = "",
         reader_incarnation: str = "",
         reader_transfer_id: str = "",
+        read_timeout_s: float = 0.0,
     ) -> PrepareResult:
         """Admit a reader's read of a lease, after waiting (bounded) for committed tokens.
 
@@ -496,6 +498,12 @@ class Daemon:
             raise InvalidArgument(f"block ids {list(block_ids)[:8]} are not a prefix of lease {lease_id!r}'s blocks")
         if not 1 <= num_tokens <= lease.num_tokens:
             raise InvalidArgument(f"the read asks for {num_tokens} tokens, lease {lease_id!r} holds {lease.num_tokens}")
+        hold_s = read_timeout_s or self.config.transfer_deadline_s
+        if hold_s > self.config.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"the read asks to be admitted for {hold_s:.1f}s, longer than max_lease_ttl_s "
+                f"{self.config.max_lease_ttl_s}s: use a shorter pull deadline"
+            )
         if reader_tp_size < 1 or not 0 <= reader_tp_rank < reader_tp_size:
             raise InvalidArgument(f"reader tp_rank {reader_tp_rank} / tp_size {reader_tp_size} is not a rank")
         if lease.reader_tp_size and lease.reader_tp_size != reader_tp_size:
@@ -517,7 +525,7 @@ class Daemon:
         self.require_serving()
         ranks = self._holder_ranks(engine_id, remote_tp_ranks)
         reader = f"{reader_incarnation or reader_address or 'unknown'}/{reader_transfer_id}"
-        admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, self.config.transfer_deadline_s)
+        admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, hold_s)
         memories = self._mem
         for r in remote_tp_ranks:
             memories.pin(ranks[r].memory, holder=True)

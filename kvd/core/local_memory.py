@@ -20,6 +20,7 @@ Everything here runs on the event loop; NIXL calls go through the data plane's t
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import ctypes
 import dataclasses
@@ -64,6 +65,8 @@ class LocalMemory:
     retired: bool = False
     # Reads into this mapping that were given up before NIXL finished them.
     stale: list[Xfer] = dataclasses.field(default_factory=list)
+    # Set while one pull cuts this mapping off (re-map, retire); other pulls fencing on it wait.
+    cut_off: asyncio.Future[None] | None = None
     # kvd-owned duplicate mappings (re-mapped memory), unmapped on release.
     owned_mappings: list[vm.HostMapping] = dataclasses.field(default_factory=list)
 
@@ -209,7 +212,8 @@ class Memories:
                 memory.state = MemoryState.QUARANTINED
                 self.quarantine.append(memory)
                 self._metrics.quarantined_bytes.inc(memory.size_bytes)
-                await memory.tables.release()
+                if not memory.stale:  # no read of ours is built on its lists any more
+                    await memory.tables.release()
                 return
             await self._free(memory)
         finally:

@@ -84,6 +84,7 @@ class PeerTransport(Protocol):
         reader_tp_size: int,
         remote_tp_ranks: tuple[int, ...],
         reader_transfer_id: str,
+        read_timeout_s: float,
         timeout_s: float,
     ) -> PrepareResult: ...
 

@@ -71,6 +71,7 @@ class _PullResources:
     xfers: list[Xfer] = dataclasses.field(default_factory=list)
     staging: StagingChunk | None = None
     one_off_tables: list[Any] = dataclasses.field(default_factory=list)
+    conversion: asyncio.Future[None] | None = None  # a conversion writing the engine's blocks
 
     @property
     def reads_final(self) -> bool:
@@ -157,6 +158,8 @@ class Puller:
         error: KvdError | None,
         fence_s: float,
     ) -> None:
+        if held.conversion is not None and not held.conversion.done():
+            await asyncio.wait([held.conversion])
         if error is None and held.memory.retired:
             error = Aborted(
                 f"engine {rank.engine_id} rank {rank.tp_rank} memory was re-mapped during the pull: recompute"
@@ -165,7 +168,11 @@ class Puller:
             error = Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} unregistered during the pull")
         if error is not None and not held.reads_final:
             transfer.advance(TransferState.FENCING)
-            await self._fence(transfer, rank, held, fence_s)
+            try:
+                await self._fence(transfer, rank, held, fence_s)
+            except Exception:  # a fence that failed must still end the pull: wait the reads out
+                logger.exception("pull %s: fencing failed; waiting for its reads to finish", transfer.transfer_id)
+                await asyncio.gather(*(asyncio.shield(x.settled) for x in held.xfers))
         self._report(transfer, rank, remote, error)
         await self._hand_back(held)
         session = held.session
@@ -189,42 +196,61 @@ class Puller:
         if held.reads_final:
             self.metrics.pull_fences.labels("final").inc()
             return
-        memory = held.memory
-        if memory.retired:  # another pull re-mapped it already
-            self.metrics.pull_fences.labels("remapped").inc()
-            return
-        current = self._current_rank(rank)
-        if current is None or current.memory is not memory:
-            # The rank is gone (or re-mapped): releasing its memory retires it (stale reads).
-            self.metrics.pull_fences.labels("quarantined").inc()
-            return
-        if self._memories.can_remap(memory):
-            await self._remap(current, memory)
-            self.metrics.pull_fences.labels("remapped").inc()
+        outcome = await self._cut_off(rank, held.memory)
+        if outcome:
+            self.metrics.pull_fences.labels(outcome).inc()
             return
         logger.warning(
-            "pull %s: %d NIXL reads into VRAM are not finished; the failure waits for them",
+            "pull %s: %d NIXL reads into %s memory are not finished; the failure waits for them",
             transfer.transfer_id,
             sum(not x.final for x in held.xfers),
+            held.memory.mem_type,
         )
         await asyncio.gather(*(asyncio.shield(x.settled) for x in held.xfers))
         self.metrics.pull_fences.labels("final").inc()
 
-    async def _remap(self, rank: EngineRank, old: LocalMemory) -> None:
-        """Give the rank a new mapping of its pages and retire the old one (module docstring)."""
-        fresh = await self._memories.remap(old, self._next_registration_id())
-        rank.memory = fresh
-        logger.warning(
-            "engine %s rank %d: re-mapped its memory (registration %d -> %d) to fence a read NIXL did not finish",
-            rank.engine_id,
-            rank.tp_rank,
-            old.registration_id,
-            fresh.registration_id,
-        )
-        await self._memories.fence(old)
-        while old.holder_pins:  # remote readers admitted on the old mapping: let them finish
-            await asyncio.sleep(HOLDER_PIN_POLL_S)
-        await self._memories.retire(old)
+    async def _cut_off(self, rank: EngineRank, memory: LocalMemory) -> str:
+        """Retire ``memory`` so a late copy into it cannot reach the engine; "" if it cannot be.
+
+        A rank still mapped through ``memory`` first gets a new mapping of its pages ("remapped");
+        a rank already gone just loses the old one ("quarantined"). Either way the old addresses
+        are retired only once no peer reads out of them (their reads would see zeros). One pull
+        cuts a mapping off; others fencing on it wait for that one.
+        """
+        if memory.retired:
+            return "remapped"
+        if memory.cut_off is not None:
+            await asyncio.shield(memory.cut_off)
+            return "remapped" if memory.retired else ""
+        if not memory.host:
+            return ""
+        current = self._current_rank(rank)
+        mapped = current is not None and current.memory is memory
+        if mapped and not self._memories.can_remap(memory):
+            return ""
+        memory.cut_off = asyncio.get_running_loop().create_future()
+        try:
+            if mapped:
+                fresh = await self._memories.remap(memory, self._next_registration_id())
+                if self._current_rank(rank) is rank and rank.memory is memory:
+                    rank.memory = fresh
+                    logger.warning(
+                        "engine %s rank %d: re-mapped its memory (registration %d -> %d) to fence a read "
+                        "NIXL did not finish",
+                        rank.engine_id,
+                        rank.tp_rank,
+                        memory.registration_id,
+                        fresh.registration_id,
+                    )
+                else:  # the rank unregistered while the new mapping was registered
+                    await self._memories.fence(fresh)
+                await self._memories.fence(memory)
+            while memory.holder_pins:  # peers admitted to read out of the old mapping: let them finish
+                await asyncio.sleep(HOLDER_PIN_POLL_S)
+            await self._memories.retire(memory)
+        finally:
+            memory.cut_off.set_result(None)
+        return "remapped" if mapped else "quarantined"
 
     def _report(self, transfer: Transfer, rank: EngineRank, remote: TransferParams, error: KvdError | None) -> None:
         self.metrics.in_flight.dec()
@@ -367,6 +393,7 @@ class Puller:
                 reader_tp_size=rank.spec.tp_size,
                 remote_tp_ranks=pull_plan.remote_ranks,
                 reader_transfer_id=transfer.transfer_id,
+                read_timeout_s=max(0.001, transfer.started + transfer.deadline_s - time.monotonic()),
                 timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
             )
         except UnknownEngine as exc:  # the holder's ranks changed (re-registered with another TP)
@@ -437,9 +464,12 @@ class Puller:
             assert held.staging is not None
             transfer.advance(TransferState.POSTPROCESSING)
             engine_regions = [region.tensor for region in memory.regions]
-            await asyncio.get_running_loop().run_in_executor(
+            held.conversion = asyncio.get_running_loop().run_in_executor(
                 self._executor, self._postprocess, plan, held.staging, engine_regions
             )
+            # A cancel must not stop the wait while the thread still writes the engine's blocks:
+            # _finish waits for it before anything is reported or handed back.
+            await asyncio.shield(held.conversion)
             transfer.mark("converted")
 
     def _postprocess(self, plan: PullPlan, staging: StagingChunk, engine_regions: list[Any]) -> None:

@@ -81,6 +81,7 @@ class GrpcPeerTransport:
         reader_tp_size: int,
         remote_tp_ranks: tuple[int, ...],
         reader_transfer_id: str,
+        read_timeout_s: float,
         timeout_s: float,
     ) -> PrepareResult:
         request = peer_pb2.PreparePullRequest(
@@ -94,6 +95,7 @@ class GrpcPeerTransport:
             remote_tp_ranks=list(remote_tp_ranks),
             reader_address=self._own_address(),
             reader_transfer_id=reader_transfer_id,
+            read_timeout_ms=max(1, int(read_timeout_s * 1000)),
         )
         response = await self._call(address, "prepare pull", lambda stub: stub.PreparePull(request, timeout=timeout_s))
         return PrepareResult(tuple(response.registration_ids), response.notif_tag)

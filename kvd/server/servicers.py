@@ -166,6 +166,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             reader_address=request.reader_address,
             reader_incarnation=request.reader_incarnation,
             reader_transfer_id=request.reader_transfer_id,
+            read_timeout_s=request.read_timeout_ms / 1000,
         )
         return peer_pb2.PreparePullResponse(registration_ids=list(result.registration_ids), notif_tag=result.notif_tag)
 

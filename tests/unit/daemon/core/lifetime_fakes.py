@@ -388,6 +388,7 @@ class FakePeerTransport:
         reader_tp_size: int,
         remote_tp_ranks: tuple[int, ...],
         reader_transfer_id: str,
+        read_timeout_s: float,
         timeout_s: float,
     ) -> PrepareResult:
         self.prepares.append(dict(address=address, lease_id=lease_id, reader_transfer_id=reader_transfer_id))
@@ -407,6 +408,7 @@ class FakePeerTransport:
                 reader_address=self.own_address,
                 reader_incarnation=self.own_incarnation(),
                 reader_transfer_id=reader_transfer_id,
+                read_timeout_s=read_timeout_s,
             )
         self._tags.setdefault(reader_transfer_id, []).append(result.notif_tag)
         return result
