@@ -5,8 +5,10 @@
 2. The peer holds a scratch KV cache filled with a checksummed pattern (SelftestHold).
 3. This process creates a scratch shm KV cache of the same layout, registers it with the local
    daemon (a real zero-copy registration) and has the daemon pull the peer's cache through NIXL.
-4. Every byte is checked against the pattern. Then a raw NIXL agent in this process reads the
-   same bytes from the peer's registration directly, and the two are compared side by side.
+4. Every byte is checked against the pattern (generated once here, compared in bulk: the
+   selftest measures moving bytes, not checking them). Then a raw NIXL agent in this process
+   reads the same bytes from the peer's registration directly, and the two are compared side by
+   side. Progress is printed as it goes.
 Exit status 0 only if every pull verified.
 """
 
@@ -18,21 +20,26 @@ import dataclasses
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 from kvd_client import KvdClient, errors
 
-from kvd.cli.spawn import start_owned
-from kvd.core import scratch
-from kvd.core.memory import create_shm_tensor, unlink_shm
+from kvd.cli.spawn import launch_owned, wait_ready
 from kvd.layout.spec import contiguous_placements
-from kvd.server import convert
 from kvd.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvd.core import scratch
+
+MAX_SIZE_MB = 1024  # kvd.core.scratch.MAX_SCRATCH_BYTES, which the daemon enforces
 
 
 def _say(message: str) -> None:
@@ -40,27 +47,39 @@ def _say(message: str) -> None:
 
 
 def run_selftest(args: argparse.Namespace) -> int:
+    if not 0 < args.size_mb <= MAX_SIZE_MB:
+        print(f"kvd selftest: --size-mb must be in 1..{MAX_SIZE_MB}, got {args.size_mb}", file=sys.stderr)
+        return 2
+    if args.iterations < 1:
+        print(f"kvd selftest: --iterations must be >= 1, got {args.iterations}", file=sys.stderr)
+        return 2
     seed = args.seed or random.randrange(1, 1 << 30)
     size = args.size_mb << 20
+    t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-selftest-")))
-        local_target = args.target
-        if not local_target:
-            local = start_owned(stack, workdir, "local")
-            local_target = local.unix_target
-            _say(f"started local daemon  {local.tcp} (unix {local.unix_socket})")
-        peer_address = args.peer
-        if not peer_address:
-            peer = start_owned(stack, workdir, "peer")
-            peer_address = peer.tcp
-            _say(f"started peer daemon   {peer.tcp}")
+        wanted = [name for name, given in (("local", args.target), ("peer", args.peer)) if not given]
+        if wanted:
+            _say(f"starting {' and '.join(wanted)} daemon{'s' if len(wanted) > 1 else ''} ...")
+        launches = launch_owned(stack, workdir, *wanted)
+        # torch (~1.5 s to import) loads here while the daemons start, not before
+        from kvd.core import scratch  # noqa: F401, PLC0415
+        from kvd.server import convert  # noqa: F401, PLC0415
+
+        started = {launch.name: wait_ready(launch) for launch in launches}
+        local_target = args.target or started["local"].unix_target
+        peer_address = args.peer or started["peer"].tcp
+        for name, daemon in started.items():
+            _say(f"started {name} daemon {daemon.tcp:>21}  (unix {daemon.unix_socket})")
         local_client = stack.enter_context(KvdClient(local_target, timeout_s=30))
         peer_client = stack.enter_context(KvdClient(peer_address, timeout_s=60))
         try:
-            return _selftest(stack, local_client, peer_client, peer_address, size, seed, args.iterations)
+            code = _selftest(stack, local_client, peer_client, peer_address, size, seed, args.iterations)
         except errors.KvdError as exc:
             _say(f"FAIL: {type(exc).__name__} ({exc.code.name}): {exc.message}")
-            return 1
+            code = 1
+    _say(f"selftest took {time.perf_counter() - t0:.1f} s")
+    return code
 
 
 @dataclasses.dataclass
@@ -90,12 +109,25 @@ class PatternMismatch(Exception):
 
 
 def measure_pull(
-    stack: contextlib.ExitStack, local: KvdClient, peer: KvdClient, peer_address: str, size: int, seed: int, iterations: int
+    stack: contextlib.ExitStack,
+    local: KvdClient,
+    peer: KvdClient,
+    peer_address: str,
+    size: int,
+    seed: int,
+    iterations: int,
+    progress: Callable[[str], None] = lambda _: None,
 ) -> PullMeasurement:
     """Pull the peer's scratch cache ``iterations`` (+1 warm-up) times, verifying every byte."""
+    from kvd.core import scratch  # noqa: PLC0415 - torch: see run_selftest
+    from kvd.core.memory import create_shm_tensor, unlink_shm  # noqa: PLC0415
+    from kvd.server import convert  # noqa: PLC0415
+
+    progress(f"peer fills a {size >> 20} MiB scratch KV cache with pattern {seed} ...")
     held = peer.selftest_hold(size_bytes=size, seed=seed)
     spec = convert.layout_from_pb(held.layout)
     nbytes = spec.total_bytes
+    expected = scratch.Pattern(nbytes, seed)
     shm_name = f"kvd-selftest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     buffer = create_shm_tensor(shm_name, nbytes)
     stack.callback(unlink_shm, shm_name)
@@ -124,13 +156,17 @@ def measure_pull(
         )
         status = local.wait_transfer(started.transfer_id, timeout_s=120)
         elapsed = time.perf_counter() - t0
-        bad = scratch.pattern_mismatches(buffer, seed)
+        bad = expected.mismatches(buffer)
         if bad:
             raise PatternMismatch(f"pull {iteration} delivered {bad} wrong bytes out of {nbytes}")
         descriptors = status.descriptors
         if iteration:
             kvd_times.append(elapsed)
-    raw_times = _raw_nixl_reads(peer_address, held.kv_transfer_params.engine_id, buffer, seed, iterations)
+        what = "warm-up pull" if iteration == 0 else f"kvd pull {iteration}/{iterations}"
+        progress(f"{what:>16}: {elapsed * 1e3:8.2f} ms, {nbytes} bytes verified")
+    raw_times = _raw_nixl_reads(
+        peer_address, held.kv_transfer_params.engine_id, buffer, expected, iterations, progress
+    )
     return PullMeasurement(nbytes, descriptors, kvd_times, raw_times)
 
 
@@ -144,7 +180,7 @@ def _selftest(
     iterations: int,
 ) -> int:
     try:
-        m = measure_pull(stack, local, peer, peer_address, size, seed, iterations)
+        m = measure_pull(stack, local, peer, peer_address, size, seed, iterations, progress=_say)
     except PatternMismatch as exc:
         _say(f"FAIL: {exc}")
         return 1
@@ -158,7 +194,14 @@ def _selftest(
     return 0
 
 
-def _raw_nixl_reads(peer_address: str, scratch_engine: str, buffer, seed: int, iterations: int) -> list[float]:  # type: ignore[no-untyped-def]
+def _raw_nixl_reads(  # type: ignore[no-untyped-def]
+    peer_address: str,
+    scratch_engine: str,
+    buffer,
+    expected: scratch.Pattern,
+    iterations: int,
+    progress: Callable[[str], None],
+) -> list[float]:
     """Read the peer's scratch registration with a bare NIXL agent: the baseline."""
     from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
 
@@ -185,10 +228,12 @@ def _raw_nixl_reads(peer_address: str, scratch_engine: str, buffer, seed: int, i
             handle.release()
             if state != "DONE":
                 raise errors.PeerUnavailable(f"raw NIXL read from {peer_address} failed ({state})")
-            if scratch.pattern_mismatches(buffer, seed):
+            if expected.mismatches(buffer):
                 raise errors.Internal("raw NIXL read delivered wrong bytes")
             if iteration:
                 times.append(elapsed)
+            what = "raw warm-up" if iteration == 0 else f"raw NIXL read {iteration}/{iterations}"
+            progress(f"{what:>16}: {elapsed * 1e3:8.2f} ms, {nbytes} bytes verified")
     finally:
         local_h.release()
         remote_h.release()
