@@ -79,6 +79,8 @@ def run_selftest(args: argparse.Namespace) -> int:
             _say(f"FAIL: {type(exc).__name__} ({exc.code.name}): {exc.message}")
             code = 1
     _say(f"selftest took {time.perf_counter() - t0:.1f} s")
+    if code == 0:
+        _say("PASS")
     return code
 
 
@@ -190,7 +192,6 @@ def _selftest(
     _say(f"kvd pull      median {kvd_ms:8.2f} ms  {m.kvd_gbs:6.2f} GB/s  (StartPull -> DONE, over gRPC)")
     _say(f"raw NIXL read median {raw_ms:8.2f} ms  {m.raw_gbs:6.2f} GB/s  (same bytes, same peer, one agent)")
     _say(f"ratio kvd/raw {m.ratio:.2f}")
-    _say("PASS")
     return 0
 
 
