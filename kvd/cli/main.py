@@ -46,10 +46,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _configure_logging(config.log_level)
     for warning in resolved.warnings:
         logger.warning("%s", warning)
-    from kvd.server.app import serve  # noqa: PLC0415 - heavy imports only for serve
-    from kvd.server.startup import StartupError  # noqa: PLC0415
+    from kvd.server.startup import StartupError, preflight  # noqa: PLC0415
 
     try:
+        preflight(config)  # before the heavy imports: a port in use is reported at once
+        from kvd.server.app import serve  # noqa: PLC0415 - torch, NIXL: only for serve
+
         return asyncio.run(serve(config))
     except StartupError as exc:
         print(f"kvd serve: {exc}", file=sys.stderr)

@@ -87,14 +87,6 @@ def _credentials(config: KvdConfig) -> tuple[grpc.ServerCredentials | None, grpc
     return server, channel
 
 
-def _check_ports(config: KvdConfig) -> None:
-    startup.check_port("TCP", "", config.host, config.port)
-    if config.metrics_port >= 0:
-        startup.check_port("metrics", "metrics-", config.metrics_host, config.metrics_port)
-    if config.health_port >= 0:
-        startup.check_port("health", "health-", config.health_host, config.health_port)
-
-
 def _add_port(server: grpc.aio.Server, what: str, flag: str, host: str, port: int, creds: grpc.ServerCredentials | None) -> int:
     """Bind ``server``; gRPC's bare "Failed to bind" becomes a StartupError (probed again for the reason)."""
     bind = f"{host}:{port}"
@@ -131,7 +123,7 @@ async def start(config: KvdConfig, notifier: Notifier | None = None) -> Running:
 async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     server_creds, channel_creds = _credentials(config)
     gid = startup.resolve_group(config.engine_group)
-    _check_ports(config)
+    startup.check_ports(config)
     startup.prepare_socket_dir(config.unix_socket, gid, undo)
 
     notifier.status("starting: creating the NIXL agent")

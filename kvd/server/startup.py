@@ -23,6 +23,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from kvd.config import KvdConfig
+
 logger = logging.getLogger(__name__)
 
 CONFIG_ERROR = 2
@@ -63,6 +65,37 @@ class Undo:
         self._steps.clear()
 
 
+def preflight(config: KvdConfig) -> None:
+    """Every check that needs no heavy import and creates nothing: `kvd serve` runs it first, so a
+    port in use or a bad path is reported in a fraction of a second, before torch and NIXL load.
+    :func:`kvd.server.app.start` runs the same checks again as it goes (things change)."""
+    if config.tls_enabled:
+        for field in ("tls_cert", "tls_key", "tls_ca"):
+            if getattr(config, field):
+                read_tls_file(field, getattr(config, field))
+    resolve_group(config.engine_group)
+    check_ports(config)
+    sock_path = Path(config.unix_socket)
+    existing = sock_path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise _dir_error(existing, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _dir_error(existing, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+    if existing == sock_path.parent and (sock_path.is_symlink() or sock_path.exists()):
+        _refuse_live_or_foreign(sock_path)
+
+
+def check_ports(config: KvdConfig) -> None:
+    """Probe every TCP port the daemon will listen on (see :func:`check_port`)."""
+    check_port("TCP", "", config.host, config.port)
+    if config.metrics_port >= 0:
+        check_port("metrics", "metrics-", config.metrics_host, config.metrics_port)
+    if config.health_port >= 0:
+        check_port("health", "health-", config.health_host, config.health_port)
+
+
 def read_tls_file(field: str, path: str) -> bytes:
     try:
         return Path(path).read_bytes()
@@ -98,8 +131,8 @@ def check_port(what: str, flag: str, host: str, port: int) -> None:
     second daemon bind the same port and silently take half the connections; kvd's servers turn
     that off, and this probe (no ``SO_REUSEPORT`` either) names the cause first.
     """
-    if port <= 0:
-        return
+    if port < 0:
+        return  # disabled; port 0 is still probed: it checks that the host is this machine's
     bare = host.strip("[]")
     try:
         infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -178,18 +211,19 @@ def prepare_socket_dir(path: str, gid: int | None, undo: Undo) -> None:
                 gid, path, directory, stat.S_IMODE(info.st_mode), info.st_gid,
             )
     if sock_path.is_symlink() or sock_path.exists():
-        _clear_stale_socket(sock_path)
+        _refuse_live_or_foreign(sock_path)
+        sock_path.unlink()  # stale: its daemon is gone
 
 
-def _clear_stale_socket(sock_path: Path) -> None:
+def _refuse_live_or_foreign(sock_path: Path) -> None:
+    """A path that is not a socket, or a socket a daemon still answers on, is not ours to remove."""
     if not stat.S_ISSOCK(sock_path.lstat().st_mode):
         raise StartupError(f"{sock_path} exists and is not a socket", "remove it or choose another --unix-socket", CONFIG_ERROR)
     probe = socket.socket(socket.AF_UNIX)
     try:
         probe.connect(str(sock_path))
     except OSError:
-        sock_path.unlink()  # stale: its daemon is gone
-        return
+        return  # stale
     finally:
         probe.close()
     raise StartupError(
