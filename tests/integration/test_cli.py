@@ -23,6 +23,8 @@ def test_selftest_moves_and_verifies_a_pattern_between_two_daemons() -> None:
     result = _kvd("selftest", "--size-mb", "16", "--iterations", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all bytes match" in result.stdout
+    for step in ("starting local and peer daemons", "warm-up pull", "kvd pull 2/2", "raw NIXL read 2/2", "selftest took"):
+        assert step in result.stdout  # progress, as it goes
     assert "ratio kvd/raw" in result.stdout and result.stdout.rstrip().endswith("PASS")
 
 
@@ -31,6 +33,12 @@ def test_selftest_against_a_running_peer(spawn_daemon) -> None:
     result = _kvd("selftest", "--target", local.unix_target, "--peer", peer.tcp, "--size-mb", "8", "--iterations", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "started" not in result.stdout  # it used the daemons it was given
+
+
+def test_selftest_refuses_a_size_out_of_range() -> None:
+    result = _kvd("selftest", "--size-mb", "0", timeout=60)
+    assert result.returncode == 2 and "--size-mb must be in 1..1024" in result.stderr
+    assert "starting" not in result.stdout  # refused before any daemon started
 
 
 def test_selftest_fails_non_zero_when_the_peer_is_unreachable(spawn_daemon) -> None:
