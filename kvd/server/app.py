@@ -260,16 +260,16 @@ async def stop(running: Running, grace_s: float) -> None:
 async def serve(config: KvdConfig) -> int:
     """Run until SIGTERM/SIGINT; returns the exit code. Start-up failures raise StartupError."""
     notifier = Notifier(config.notify_socket)
+    stop_event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a SIGTERM while starting stops cleanly after it
+        loop.add_signal_handler(sig, stop_event.set)
     try:
         running = await start(config, notifier)
     except StartupError as exc:
         notifier.status(f"failed to start: {exc.cause}")
         notifier.close()
         raise
-    stop_event = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_event.set)
     notifier.ready(status_line(running))
     pinger = None
     if config.watchdog_s > 0:
