@@ -46,6 +46,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _configure_logging(config.log_level)
     for warning in resolved.warnings:
         logger.warning("%s", warning)
+    from kvd.server.notify import Notifier  # noqa: PLC0415
     from kvd.server.startup import StartupError, preflight  # noqa: PLC0415
 
     try:
@@ -55,6 +56,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return asyncio.run(serve(config))
     except StartupError as exc:
         print(f"kvd serve: {exc}", file=sys.stderr)
+        notifier = Notifier(config.notify_socket)  # systemctl status shows why, next to the exit code
+        notifier.status(f"failed to start: {exc.cause}")
+        notifier.close()
         return exc.exit_code
 
 

@@ -258,7 +258,8 @@ async def stop(running: Running, grace_s: float) -> None:
 
 
 async def serve(config: KvdConfig) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code. Start-up failures raise StartupError."""
+    """Run until SIGTERM/SIGINT; returns the exit code. Start-up failures raise StartupError
+    (`kvd serve` prints it and sends it to systemd as STATUS=)."""
     notifier = Notifier(config.notify_socket)
     stop_event = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -266,10 +267,8 @@ async def serve(config: KvdConfig) -> int:
         loop.add_signal_handler(sig, stop_event.set)
     try:
         running = await start(config, notifier)
-    except StartupError as exc:
-        notifier.status(f"failed to start: {exc.cause}")
-        notifier.close()
-        raise
+    finally:
+        notifier.close()  # reopened on the next send; a failure's STATUS= is sent by the CLI
     notifier.ready(status_line(running))
     pinger = None
     if config.watchdog_s > 0:
