@@ -153,11 +153,16 @@ def launch_owned(stack: contextlib.ExitStack, workdir: Path, *names: str) -> lis
     return launches
 
 
-def stop_launches(launches: Sequence[Launch], timeout_s: float = 20.0) -> None:
-    """SIGTERM every still-running launch, then wait for all; SIGKILL the ones that outstay ``timeout_s``."""
+def stop_launches(launches: Sequence[Launch], timeout_s: float = 20.0, wait: bool = True) -> None:
+    """SIGTERM every still-running launch, then wait for all; SIGKILL the ones that outstay ``timeout_s``.
+
+    ``wait=False`` only signals (a later call waits): the daemon shuts down while the caller works.
+    """
     for launch in launches:
         if launch.process.poll() is None:
             launch.process.send_signal(signal.SIGTERM)
+    if not wait:
+        return
     deadline = time.monotonic() + timeout_s
     for launch in launches:
         try:
