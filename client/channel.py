@@ -50,7 +50,9 @@ PEER_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 """Options of the daemon's channels to peer daemons, and of the daemon's own servers."""
 
-SERVER_OPTIONS = PEER_OPTIONS
+SERVER_OPTIONS = [*PEER_OPTIONS, ("grpc.so_reuseport", 0)]
+"""The daemon's servers. gRPC turns SO_REUSEPORT on by default; two daemons on one port must be an
+error, not a coin toss."""
 
 
 @dataclasses.dataclass(frozen=True)

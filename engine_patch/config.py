@@ -5,15 +5,23 @@ In vLLM it comes from ``--kv-transfer-config``'s ``kv_connector_extra_config``::
     {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd_engine.connector",
      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
      "kv_connector_extra_config": {"kvd_socket": "/run/kvd/engine.sock", "pull_threshold_tokens": 256}}
+
+Types are strict, because the extra config is JSON and a value of the wrong JSON type is a
+mistake, not a hint: ``7.9`` for an integer, ``true`` for a number, ``null`` or ``"256"`` for
+anything are refused with the key's name instead of being turned into ``7``, ``1``, ``'None'``
+(then used as a socket path) or ``256``. The one widening is an integer where a float is
+expected (``"rpc_timeout_s": 2``). Every key and its default is listed in docs/operations.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, get_type_hints
 
 from kvd_client.channel import normalize_target
+from kvd_client.paths import default_engine_socket
 
 from .nwor import NworMode
 
@@ -24,8 +32,9 @@ __all__ = ["KvdConnectorConfig"]
 class KvdConnectorConfig:
     """Every knob of the engine side of kvd. Unknown keys are refused (typos fail loudly)."""
 
-    kvd_socket: str = "/run/kvd/engine.sock"
-    """The local daemon's engine socket: a path (Unix socket) or a full grpc target."""
+    kvd_socket: str = dataclasses.field(default_factory=default_engine_socket)
+    """The local daemon's engine socket: a path (Unix socket) or a full grpc target. The default,
+    ``/tmp/kvd-<uid>/engine.sock``, is also `kvd serve`'s; deployments use ``/run/kvd/engine.sock``."""
 
     pull_threshold_tokens: int = 64
     """Prefill pulls a conversation's KV back from decode only when at least this many tokens
@@ -67,6 +76,9 @@ class KvdConnectorConfig:
     a failed request."""
 
     def __post_init__(self) -> None:
+        type_problems = [p for f in dataclasses.fields(self) if (p := _type_problem(f.name, getattr(self, f.name)))]
+        if type_problems:
+            raise ValueError("invalid kvd connector config: " + "; ".join(type_problems))
         problems = []
         if not self.kvd_socket:
             problems.append("kvd_socket must name the daemon's engine socket")
@@ -78,8 +90,8 @@ class KvdConnectorConfig:
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("rpc_timeout_s", "reconnect_initial_s", "reconnect_max_s", "pull_timeout_slack_s"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0 (and finite), got {getattr(self, name)}")
         if self.reconnect_max_s < self.reconnect_initial_s:
             problems.append("reconnect_max_s must be >= reconnect_initial_s")
         try:
@@ -96,30 +108,31 @@ class KvdConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KvdConnectorConfig:
-        """Build from vLLM's ``kv_connector_extra_config`` (values may arrive as strings)."""
+        """Build from vLLM's ``kv_connector_extra_config``: known keys only, JSON types as declared."""
         extra = dict(extra or {})
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - set(fields))
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - fields)
         if unknown:
             raise ValueError(f"unknown kvd connector option(s) {unknown}; known: {sorted(fields)}")
-        values: dict[str, Any] = {}
-        for name, raw in extra.items():
-            default = fields[name].default
-            values[name] = _coerce(name, raw, type(default))
-        return cls(**values)
+        return cls(**{name: _widen(name, value) for name, value in extra.items()})
 
 
-def _coerce(name: str, raw: Any, kind: type) -> Any:
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"kvd connector option {name} wants a boolean, got {raw!r}")
-    try:
-        return kind(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"kvd connector option {name} wants a {kind.__name__}, got {raw!r}") from None
+_TYPES: dict[str, Any] = get_type_hints(KvdConnectorConfig)
+_JSON_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+
+
+def _widen(name: str, value: Any) -> Any:
+    """An integer where a float is expected becomes that float; nothing else is converted."""
+    if _TYPES[name] is float and type(value) is int:
+        return float(value)
+    return value
+
+
+def _type_problem(name: str, value: Any) -> str:
+    """Why ``value`` is not of ``name``'s declared type ("" when it is); bool is not an int here."""
+    kind = _TYPES[name]
+    ok = type(value) is kind or (kind is float and type(value) is int)
+    if ok:
+        return ""
+    shown = "null" if value is None else repr(value)
+    return f"{name} must be {_JSON_NAMES[kind]}, got {shown} ({type(value).__name__})"

@@ -2,26 +2,45 @@
 
 Precedence, lowest first: field defaults < TOML file (``--config``) < ``KVD_*`` environment
 variables < command-line flags. :func:`load_config` is the only place that reads the
-environment; everything else receives a :class:`KvdConfig`.
+environment; everything else receives a :class:`KvdConfig`. That includes what systemd hands
+the daemon through its environment (``NOTIFY_SOCKET``, ``WATCHDOG_USEC``): they become the
+``notify_socket`` and ``watchdog_s`` fields, so the server never reads the process environment.
+
+:func:`resolve_config` also says where each value came from (``kvd serve --print-config``) and
+which ``KVD_*`` variables it did not recognise (a typo is warned about, not silently ignored).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from kvd_client.paths import default_engine_socket
+
 ENV_PREFIX = "KVD_"
+
+NOT_CONFIG_ENV = frozenset({"KVD_SETUP_VLLM"})
+"""``KVD_*`` variables that belong to other tools (scripts/setup.sh): never warned about."""
+
+SYSTEMD_ENV = {"notify_socket": "NOTIFY_SOCKET", "watchdog_s": "WATCHDOG_USEC"}
+"""Fields systemd sets through its own variables (see :func:`_systemd_values`)."""
+
+_GROUP_RE = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_.-]*\$?|[0-9]+)$")
 
 
 def _default_unix_socket() -> str:
-    """Owner-private default path, so a fresh machine needs no config at all."""
-    return f"/tmp/kvd-{os.getuid()}/engine.sock"
+    """Owner-private default path, so a fresh machine needs no config at all.
+
+    The engine connector defaults to the same path (both use :mod:`kvd_client.paths`)."""
+    return default_engine_socket()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,13 +49,22 @@ class KvdConfig:
 
     unix_socket: str = dataclasses.field(
         default_factory=_default_unix_socket,
-        metadata={"help": "Unix socket engines connect to (created owner-only, 0600)."},
+        metadata={"help": "Unix socket engines connect to (0600 in a 0700 directory unless engine_group is set)."},
+    )
+    engine_group: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "Group (name or gid) whose members may use the engine socket: the socket becomes 0660 and "
+            "the directory kvd creates for it 0750, both of that group. Empty: owner-only."
+        },
     )
     host: str = dataclasses.field(
         default="127.0.0.1",
         metadata={"help": "TCP address for peers and routers; loopback unless you mean otherwise."},
     )
-    port: int = dataclasses.field(default=50151, metadata={"help": "TCP port for peers and routers (0: any free port)."})
+    port: int = dataclasses.field(
+        default=50151, metadata={"help": "TCP port for peers and routers (0: any free port)."}
+    )
     advertise_address: str = dataclasses.field(
         default="",
         metadata={"help": "host:port peers should use to reach this daemon (default: host and bound port)."},
@@ -44,6 +72,17 @@ class KvdConfig:
     metrics_host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "Prometheus /metrics address."})
     metrics_port: int = dataclasses.field(
         default=9464, metadata={"help": "Prometheus /metrics port (0: any free port; -1: disabled)."}
+    )
+    health_host: str = dataclasses.field(
+        default="127.0.0.1",
+        metadata={"help": "Address of the plaintext health-only gRPC listener (for kubelet probes when TCP has mTLS)."},
+    )
+    health_port: int = dataclasses.field(
+        default=-1,
+        metadata={
+            "help": "Port of the health-only listener: grpc.health.v1 and nothing else, never TLS "
+            "(0: any free port; -1: disabled)."
+        },
     )
     lease_ttl_s: float = dataclasses.field(
         default=30.0, metadata={"help": "Default lifetime of a hold on blocks for a remote reader."}
@@ -115,6 +154,20 @@ class KvdConfig:
         metadata={"help": "Write a JSON line with the bound addresses here once serving (for supervisors, tests)."},
     )
     log_level: str = dataclasses.field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR."})
+    notify_socket: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "sd_notify socket for READY=1/STATUS=/WATCHDOG=1/STOPPING=1 (systemd sets NOTIFY_SOCKET "
+            "for Type=notify units; empty: no notifications)."
+        },
+    )
+    watchdog_s: float = dataclasses.field(
+        default=0.0,
+        metadata={
+            "help": "Watchdog period in seconds: WATCHDOG=1 is sent from the event loop every half of it "
+            "(systemd sets WATCHDOG_USEC from WatchdogSec=; 0: off)."
+        },
+    )
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -124,6 +177,17 @@ class KvdConfig:
             problems.append(f"port {self.port} is not in 0..65535")
         if not -1 <= self.metrics_port <= 65535:
             problems.append(f"metrics_port {self.metrics_port} is not in -1..65535")
+        if not -1 <= self.health_port <= 65535:
+            problems.append(f"health_port {self.health_port} is not in -1..65535")
+        fixed = [(n, getattr(self, n)) for n in ("port", "metrics_port", "health_port") if getattr(self, n) > 0]
+        for i, (name, value) in enumerate(fixed):
+            for other, other_value in fixed[i + 1 :]:
+                if value == other_value:
+                    problems.append(f"{name} and {other} are both {value}: each listener needs its own port")
+        if self.engine_group and not _GROUP_RE.match(self.engine_group):
+            problems.append(f"engine_group {self.engine_group!r} is neither a group name nor a numeric gid")
+        if not math.isfinite(self.watchdog_s) or self.watchdog_s < 0:
+            problems.append(f"watchdog_s must be >= 0 (and finite), got {self.watchdog_s}")
         for name in (
             "lease_ttl_s",
             "max_lease_ttl_s",
@@ -209,6 +273,17 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig:
+    """A config, where each field's value came from, and what the environment got wrong."""
+
+    config: KvdConfig
+    sources: dict[str, str]
+    """Field name -> "default", "file PATH", "env KVD_X", "systemd NOTIFY_SOCKET" or "flag --x"."""
+    warnings: tuple[str, ...]
+    """Unknown ``KVD_*`` variables, each with the nearest field name when there is one."""
+
+
 def load_config(
     file: Path | None = None,
     env: Mapping[str, str] | None = None,
@@ -216,10 +291,24 @@ def load_config(
 ) -> KvdConfig:
     """Merge defaults < file < env < flags into a validated config.
 
-    ``env`` defaults to ``os.environ``; pass a dict in tests.
+    ``env`` defaults to the process environment; pass a dict in tests.
+    """
+    return resolve_config(file, env, flags).config
+
+
+def resolve_config(
+    file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> ResolvedConfig:
+    """:func:`load_config`, keeping the source of every value and the environment's warnings.
+
+    ``env`` defaults to ``os.environ``: this is the one function of kvd that reads the environment.
     """
     names = set(_field_names())
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    warnings: list[str] = []
     if file is not None:
         try:
             data = tomllib.loads(Path(file).read_text())
@@ -237,22 +326,78 @@ def load_config(
             raise ValueError(f"config file {file}: unknown keys {unknown}; known: {sorted(names)}")
         for key, value in section.items():
             values[key] = _coerce(key, value, f"config file {file}")
-    environ = os.environ if env is None else env
-    for key, value in environ.items():
+            sources[key] = f"file {file}"
+    environ: Mapping[str, str] = os.environ if env is None else env
+    for name, value in _systemd_values(environ).items():
+        values[name] = value
+        sources[name] = f"systemd {SYSTEMD_ENV[name]}"
+    for key, value in sorted(environ.items()):
         if not key.startswith(ENV_PREFIX):
             continue
         name = key[len(ENV_PREFIX) :].lower()
         if name in names:
             values[name] = _coerce(name, value, f"environment {key}")
+            sources[name] = f"env {key}"
+        elif key not in NOT_CONFIG_ENV:
+            near = difflib.get_close_matches(name, sorted(names), n=1)
+            hint = f" (did you mean {ENV_PREFIX}{near[0].upper()}?)" if near else ""
+            warnings.append(f"environment variable {key} is not a kvd setting and is ignored{hint}")
     for key, value in (flags or {}).items():
         if key in names and value is not None:
             values[key] = _coerce(key, value, f"flag --{key.replace('_', '-')}")
-    return KvdConfig(**values)
+            sources[key] = f"flag --{key.replace('_', '-')}"
+    config = KvdConfig(**values)
+    return ResolvedConfig(config, {n: sources.get(n, "default") for n in _field_names()}, tuple(warnings))
+
+
+def _systemd_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``NOTIFY_SOCKET`` and ``WATCHDOG_USEC`` as config values (``KVD_*`` and flags override them).
+
+    ``WATCHDOG_PID``, when set, names the process the watchdog is meant for: another pid
+    (a child that inherited the environment) does not ping.
+    """
+    out: dict[str, Any] = {}
+    if environ.get("NOTIFY_SOCKET"):
+        out["notify_socket"] = environ["NOTIFY_SOCKET"]
+    usec = environ.get("WATCHDOG_USEC", "")
+    pid = environ.get("WATCHDOG_PID", "")
+    if usec and (not pid or pid == str(os.getpid())):
+        try:
+            out["watchdog_s"] = int(usec) / 1e6
+        except ValueError as exc:
+            raise ValueError(f"environment WATCHDOG_USEC={usec!r} is not a number of microseconds") from exc
+    return out
+
+
+def format_config(resolved: ResolvedConfig) -> str:
+    """The effective config as a TOML ``[kvd]`` table, each value commented with its source."""
+    lines = ["[kvd]"]
+    for f in dataclasses.fields(KvdConfig):
+        value = getattr(resolved.config, f.name)
+        if isinstance(value, tuple):
+            text = "[" + ", ".join(_toml_string(v) for v in value) + "]"
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = repr(value)
+        else:
+            text = _toml_string(value)
+        lines.append(f"{f.name} = {text}".ljust(56) + f"  # {resolved.sources[f.name]}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> KvdConfig:
     """Build the config from parsed CLI arguments (see :func:`add_config_flags`)."""
     return load_config(getattr(args, "config", None), env, vars(args))
+
+
+def resolve_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ResolvedConfig:
+    """:func:`config_from_args` with sources and warnings; ``env`` defaults to the process environment."""
+    return resolve_config(getattr(args, "config", None), env, vars(args))
 
 
 def flags_for(config: KvdConfig, base: KvdConfig | None = None) -> list[str]:

@@ -22,6 +22,17 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install "${PIP_FLAGS[@]}" nixl
 "${PIP[@]}" install "${PIP_FLAGS[@]}" -e ".[test,lint]"
 
+# systemd-analyze checks deploy/kvd.service (verify, security exposure). Where we are root and
+# apt is there (CI containers), install it; elsewhere those two tests skip and say why.
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd) \
+            >/dev/null || echo "setup: could not install systemd (systemd-analyze); its tests will skip" >&2
+    else
+        echo "setup: systemd-analyze not found and not root with apt-get; the unit's verify/security tests will skip" >&2
+    fi
+fi
+
 if [ "${KVD_SETUP_VLLM:-1}" = "1" ]; then
     bash scripts/setup_vllm.sh "$VENV"
 fi

@@ -110,17 +110,19 @@ class EngineSummary(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., stream_connected: _Optional[bool] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ...) -> None: ...
 
 class PeerSummary(_message.Message):
-    __slots__ = ("address", "incarnation", "agent_name")
+    __slots__ = ("address", "incarnation", "agent_name", "last_contact_s_ago")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAST_CONTACT_S_AGO_FIELD_NUMBER: _ClassVar[int]
     address: str
     incarnation: str
     agent_name: str
-    def __init__(self, address: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ...) -> None: ...
+    last_contact_s_ago: float
+    def __init__(self, address: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., last_contact_s_ago: _Optional[float] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "admitted_reads", "quarantined_bytes", "remote_agents")
+    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "metrics_address", "admitted_reads", "quarantined_bytes", "remote_agents")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +133,7 @@ class GetStatusResponse(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     LEASES_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_READS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_AGENTS_FIELD_NUMBER: _ClassVar[int]
@@ -144,7 +147,8 @@ class GetStatusResponse(_message.Message):
     serving: bool
     uptime_s: float
     leases_draining: int
+    metrics_address: str
     admitted_reads: int
     quarantined_bytes: int
     remote_agents: int
-    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ...) -> None: ...
+    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., metrics_address: _Optional[str] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ...) -> None: ...

@@ -27,15 +27,20 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"{'MiB':>6} {'descs':>6} {'kvd ms':>9} {'kvd GB/s':>9} {'raw ms':>9} {'raw GB/s':>9} {'ratio':>6}")
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-")))
-        local = start_owned(stack, workdir, "local")
-        peer = start_owned(stack, workdir, "peer")
+        local, peer = start_owned(stack, workdir, "local", "peer")
         local_client = stack.enter_context(KvdClient(local.unix_target, timeout_s=60))
         peer_client = stack.enter_context(KvdClient(peer.tcp, timeout_s=120))
         for size_mb in sizes:
             with contextlib.ExitStack() as per_size:
                 try:
                     m = measure_pull(
-                        per_size, local_client, peer_client, peer.tcp, size_mb << 20, random.randrange(1, 1 << 30), args.iterations
+                        per_size,
+                        local_client,
+                        peer_client,
+                        peer.tcp,
+                        size_mb << 20,
+                        random.randrange(1, 1 << 30),
+                        args.iterations,
                     )
                 except PatternMismatch as exc:
                     print(f"FAIL: {exc}")

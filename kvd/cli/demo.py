@@ -22,8 +22,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-demo-")))
-        prefill_node = start_owned(stack, workdir, "prefill-node")
-        decode_node = start_owned(stack, workdir, "decode-node")
+        prefill_node, decode_node = start_owned(stack, workdir, "prefill-node", "decode-node")
         print(f"daemons: prefill node {prefill_node.tcp}, decode node {decode_node.tcp}")
         before = {d.name: counters_that_moved(d.metrics, {}) for d in (prefill_node, decode_node)}
         report = run_conversation(prefill_node.unix_socket, decode_node.unix_socket, log=print)

@@ -1,10 +1,11 @@
 """`kvd`: the daemon and its operator tools.
 
-    kvd serve      run the daemon (config: defaults < --config TOML < KVD_* env < flags)
-    kvd selftest   move a checksummed pattern between two daemons through NIXL and verify it
-    kvd status     print a daemon's status
-    kvd bench      kvd pull vs a raw NIXL read of the same bytes, side by side
-    kvd demo       prefill -> decode -> next turn with two daemons and two reference engines
+kvd serve      run the daemon (config: defaults < --config TOML < KVD_* env < flags);
+               --print-config shows the effective config and where each value came from
+kvd selftest   move a checksummed pattern between two daemons through NIXL and verify it
+kvd status     what a daemon is doing (--json for machines, --watch to refresh)
+kvd bench      kvd pull vs a raw NIXL read of the same bytes, side by side
+kvd demo       prefill -> decode -> next turn with two daemons and two reference engines
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import asyncio
 import logging
 import sys
 
-from kvd.config import add_config_flags, config_from_args
+from kvd.cli.status import add_status_arguments
+from kvd.config import add_config_flags, format_config, resolve_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +31,35 @@ def _configure_logging(level: str) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    """Exit 2 for a config problem, 1 for a runtime one; either way one line on stderr."""
     try:
-        config = config_from_args(args)
+        resolved = resolve_from_args(args)
     except ValueError as exc:
         print(f"kvd serve: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        for warning in resolved.warnings:
+            print(f"kvd serve: warning: {warning}", file=sys.stderr)
+        print(format_config(resolved), end="")
+        return 0
+    config = resolved.config
     _configure_logging(config.log_level)
-    from kvd.server.app import serve  # noqa: PLC0415 - heavy imports only for serve
+    for warning in resolved.warnings:
+        logger.warning("%s", warning)
+    from kvd.server.notify import Notifier  # noqa: PLC0415
+    from kvd.server.startup import StartupError, preflight  # noqa: PLC0415
 
-    return asyncio.run(serve(config))
+    try:
+        preflight(config)  # before the heavy imports: a port in use is reported at once
+        from kvd.server.app import serve  # noqa: PLC0415 - torch, NIXL: only for serve
+
+        return asyncio.run(serve(config))
+    except StartupError as exc:
+        print(f"kvd serve: {exc}", file=sys.stderr)
+        notifier = Notifier(config.notify_socket)  # systemctl status shows why, next to the exit code
+        notifier.status(f"failed to start: {exc.cause}")
+        notifier.close()
+        return exc.exit_code
 
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
@@ -48,17 +70,9 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format  # noqa: PLC0415
+    from kvd.cli.status import run_status  # noqa: PLC0415
 
-    from kvd_client import KvdClient, errors  # noqa: PLC0415
-
-    try:
-        with KvdClient(args.target, timeout_s=args.timeout) as client:
-            print(json_format.MessageToJson(client.get_status(), preserving_proto_field_name=True))
-    except errors.KvdError as exc:
-        print(f"kvd status: {args.target}: {type(exc).__name__}: {exc.message}", file=sys.stderr)
-        return 1
-    return 0
+    return run_status(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -76,24 +90,30 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="kvd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon")
     add_config_flags(serve)
+    serve.add_argument(
+        "--print-config", action="store_true", help="print the effective config, each value with its source, and exit"
+    )
     serve.set_defaults(func=_cmd_serve)
 
     selftest = sub.add_parser("selftest", help="check that two daemons move KV correctly through NIXL")
     selftest.add_argument("--target", default="", help="local daemon (default: start one for the test)")
     selftest.add_argument("--peer", default="", help="peer daemon host:port (default: start one for the test)")
-    selftest.add_argument("--size-mb", type=int, default=128, help="bytes to move per pull, in MiB (default 128)")
+    selftest.add_argument(
+        "--size-mb", type=int, default=128, help="bytes to move per pull, in MiB (1..1024, default 128)"
+    )
     selftest.add_argument("--iterations", type=int, default=5, help="timed pulls (default 5)")
     selftest.add_argument("--seed", type=int, default=0, help="pattern seed (default: random)")
     selftest.set_defaults(func=_cmd_selftest)
 
-    status = sub.add_parser("status", help="print a daemon's status as JSON")
-    status.add_argument("--target", default="127.0.0.1:50151", help="daemon address (host:port or unix:///path)")
-    status.add_argument("--timeout", type=float, default=5.0)
+    status = sub.add_parser("status", help="what a daemon is doing (person-readable; --json, --watch)")
+    add_status_arguments(status)
     status.set_defaults(func=_cmd_status)
 
     bench = sub.add_parser("bench", help="kvd pull vs a raw NIXL read of the same bytes, side by side in one run")

@@ -5,8 +5,10 @@
 2. The peer holds a scratch KV cache filled with a checksummed pattern (SelftestHold).
 3. This process creates a scratch shm KV cache of the same layout, registers it with the local
    daemon (a real zero-copy registration) and has the daemon pull the peer's cache through NIXL.
-4. Every byte is checked against the pattern. Then a raw NIXL agent in this process reads the
-   same bytes from the peer's registration directly, and the two are compared side by side.
+4. Every byte is checked against the pattern (generated once here, compared in bulk: the
+   selftest measures moving bytes, not checking them). Then a raw NIXL agent in this process
+   reads the same bytes from the peer's registration directly, and the two are compared side by
+   side. Progress is printed as it goes.
 Exit status 0 only if every pull verified.
 """
 
@@ -18,21 +20,26 @@ import dataclasses
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
-from kvd.cli.spawn import start_owned
-from kvd.core import scratch
+from kvd.cli.spawn import launch_owned, stop_launches, wait_ready
 from kvd.layout.spec import contiguous_placements
-from kvd.server import convert
 from kvd_client import KvdClient, errors
-from kvd_client.shm import create_shm_tensor, unlink_shm
 from kvd_client.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvd.core import scratch
+
+MAX_SIZE_MB = 1024  # kvd.core.scratch.MAX_SCRATCH_BYTES, which the daemon enforces
 
 
 def _say(message: str) -> None:
@@ -40,27 +47,43 @@ def _say(message: str) -> None:
 
 
 def run_selftest(args: argparse.Namespace) -> int:
+    if not 0 < args.size_mb <= MAX_SIZE_MB:
+        print(f"kvd selftest: --size-mb must be in 1..{MAX_SIZE_MB}, got {args.size_mb}", file=sys.stderr)
+        return 2
+    if args.iterations < 1:
+        print(f"kvd selftest: --iterations must be >= 1, got {args.iterations}", file=sys.stderr)
+        return 2
     seed = args.seed or random.randrange(1, 1 << 30)
     size = args.size_mb << 20
+    t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-selftest-")))
-        local_target = args.target
-        if not local_target:
-            local = start_owned(stack, workdir, "local")
-            local_target = local.unix_target
-            _say(f"started local daemon  {local.tcp} (unix {local.unix_socket})")
-        peer_address = args.peer
-        if not peer_address:
-            peer = start_owned(stack, workdir, "peer")
-            peer_address = peer.tcp
-            _say(f"started peer daemon   {peer.tcp}")
+        wanted = [name for name, given in (("local", args.target), ("peer", args.peer)) if not given]
+        if wanted:
+            _say(f"starting {' and '.join(wanted)} daemon{'s' if len(wanted) > 1 else ''} ...")
+        launches = launch_owned(stack, workdir, *wanted)
+        # torch (~1.5 s to import) loads here while the daemons start, not before
+        from kvd.core import scratch  # noqa: F401, PLC0415
+        from kvd.server import convert  # noqa: F401, PLC0415
+
+        started = {launch.name: wait_ready(launch) for launch in launches}
+        local_target = args.target or started["local"].unix_target
+        peer_address = args.peer or started["peer"].tcp
+        for name, daemon in started.items():
+            _say(f"started {name} daemon {daemon.tcp:>21}  (unix {daemon.unix_socket})")
         local_client = stack.enter_context(KvdClient(local_target, timeout_s=30))
         peer_client = stack.enter_context(KvdClient(peer_address, timeout_s=60))
         try:
-            return _selftest(stack, local_client, peer_client, peer_address, size, seed, args.iterations)
+            ours = [launch for launch in launches if launch.name == "local"]  # only a daemon we started
+            local_done = lambda: stop_launches(ours, wait=False)  # noqa: E731
+            code = _selftest(stack, local_client, peer_client, peer_address, size, seed, args.iterations, local_done)
         except errors.KvdError as exc:
             _say(f"FAIL: {type(exc).__name__} ({exc.code.name}): {exc.message}")
-            return 1
+            code = 1
+    _say(f"selftest took {time.perf_counter() - t0:.1f} s")
+    if code == 0:
+        _say("PASS")
+    return code
 
 
 @dataclasses.dataclass
@@ -90,12 +113,31 @@ class PatternMismatch(Exception):
 
 
 def measure_pull(
-    stack: contextlib.ExitStack, local: KvdClient, peer: KvdClient, peer_address: str, size: int, seed: int, iterations: int
+    stack: contextlib.ExitStack,
+    local: KvdClient,
+    peer: KvdClient,
+    peer_address: str,
+    size: int,
+    seed: int,
+    iterations: int,
+    progress: Callable[[str], None] = lambda _: None,
+    local_done: Callable[[], None] = lambda: None,
 ) -> PullMeasurement:
-    """Pull the peer's scratch cache ``iterations`` (+1 warm-up) times, verifying every byte."""
+    """Pull the peer's scratch cache ``iterations`` (+1 warm-up) times, verifying every byte.
+
+    ``local_done`` runs once the local daemon is no longer needed (its scratch engine
+    unregistered, before the raw NIXL reads): `kvd selftest` stops a daemon it started there,
+    so its exit overlaps the raw reads instead of adding to the wall time.
+    """
+    from kvd.core import scratch  # noqa: PLC0415 - torch: see run_selftest
+    from kvd.server import convert  # noqa: PLC0415
+    from kvd_client.shm import create_shm_tensor, unlink_shm  # noqa: PLC0415
+
+    progress(f"peer fills a {size >> 20} MiB scratch KV cache with pattern {seed} ...")
     held = peer.selftest_hold(size_bytes=size, seed=seed)
     spec = convert.layout_from_pb(held.layout)
     nbytes = spec.total_bytes
+    expected = scratch.Pattern(nbytes, seed)
     shm_name = f"kvd-selftest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     buffer = create_shm_tensor(shm_name, nbytes)
     stack.callback(unlink_shm, shm_name)
@@ -107,12 +149,22 @@ def measure_pull(
         layers=[convert.placement_to_pb(p) for p in contiguous_placements(spec)],
         engine_pid=os.getpid(),
     )
-    stack.callback(lambda: local.unregister_kv_cache(engine_id=engine_id, tp_rank=0))
+    registered = [True]
+
+    def unregister() -> None:
+        if registered.pop():
+            local.unregister_kv_cache(engine_id=engine_id, tp_rank=0)
+
+    stack.callback(lambda: unregister() if registered else None)
 
     kvd_times: list[float] = []
     descriptors = 0
     for iteration in range(iterations + 1):  # the first pull warms up (handshake, table preparation)
-        params = held.kv_transfer_params if iteration == 0 else peer.selftest_hold(size_bytes=size, seed=seed).kv_transfer_params
+        params = (
+            held.kv_transfer_params
+            if iteration == 0
+            else peer.selftest_hold(size_bytes=size, seed=seed).kv_transfer_params
+        )
         buffer.zero_()
         t0 = time.perf_counter()
         started = local.start_pull(
@@ -124,13 +176,17 @@ def measure_pull(
         )
         status = local.wait_transfer(started.transfer_id, timeout_s=120)
         elapsed = time.perf_counter() - t0
-        bad = scratch.pattern_mismatches(buffer, seed)
+        bad = expected.mismatches(buffer)
         if bad:
             raise PatternMismatch(f"pull {iteration} delivered {bad} wrong bytes out of {nbytes}")
         descriptors = status.descriptors
         if iteration:
             kvd_times.append(elapsed)
-    raw_times = _raw_nixl_reads(peer_address, held.kv_transfer_params.engine_id, buffer, seed, iterations)
+        what = "warm-up pull" if iteration == 0 else f"kvd pull {iteration}/{iterations}"
+        progress(f"{what:>16}: {elapsed * 1e3:8.2f} ms, {nbytes} bytes verified")
+    unregister()
+    local_done()
+    raw_times = _raw_nixl_reads(peer_address, held.kv_transfer_params.engine_id, buffer, expected, iterations, progress)
     return PullMeasurement(nbytes, descriptors, kvd_times, raw_times)
 
 
@@ -142,9 +198,10 @@ def _selftest(
     size: int,
     seed: int,
     iterations: int,
+    local_done: Callable[[], None],
 ) -> int:
     try:
-        m = measure_pull(stack, local, peer, peer_address, size, seed, iterations)
+        m = measure_pull(stack, local, peer, peer_address, size, seed, iterations, progress=_say, local_done=local_done)
     except PatternMismatch as exc:
         _say(f"FAIL: {exc}")
         return 1
@@ -154,11 +211,17 @@ def _selftest(
     _say(f"kvd pull      median {kvd_ms:8.2f} ms  {m.kvd_gbs:6.2f} GB/s  (StartPull -> DONE, over gRPC)")
     _say(f"raw NIXL read median {raw_ms:8.2f} ms  {m.raw_gbs:6.2f} GB/s  (same bytes, same peer, one agent)")
     _say(f"ratio kvd/raw {m.ratio:.2f}")
-    _say("PASS")
     return 0
 
 
-def _raw_nixl_reads(peer_address: str, scratch_engine: str, buffer, seed: int, iterations: int) -> list[float]:  # type: ignore[no-untyped-def]
+def _raw_nixl_reads(  # type: ignore[no-untyped-def]
+    peer_address: str,
+    scratch_engine: str,
+    buffer,
+    expected: scratch.Pattern,
+    iterations: int,
+    progress: Callable[[str], None],
+) -> list[float]:
     """Read the peer's scratch registration with a bare NIXL agent: the baseline."""
     from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
 
@@ -170,14 +233,18 @@ def _raw_nixl_reads(peer_address: str, scratch_engine: str, buffer, seed: int, i
     registration = agent.register_memory(buffer)
     remote_name = agent.add_remote_agent(info.agent_metadata)
     nbytes = buffer.numel()
-    local_h = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[buffer.data_ptr(), nbytes, 0]], dtype=np.int64), "DRAM")
+    local_h = agent.prep_xfer_dlist(
+        "NIXL_INIT_AGENT", np.array([[buffer.data_ptr(), nbytes, 0]], dtype=np.int64), "DRAM"
+    )
     remote_h = agent.prep_xfer_dlist(remote_name, np.array([[region.address, nbytes, 0]], dtype=np.int64), "DRAM")
     times: list[float] = []
     try:
         for iteration in range(iterations + 1):
             buffer.zero_()
             t0 = time.perf_counter()
-            handle = agent.make_prepped_xfer("READ", local_h, np.array([0], np.int32), remote_h, np.array([0], np.int32))
+            handle = agent.make_prepped_xfer(
+                "READ", local_h, np.array([0], np.int32), remote_h, np.array([0], np.int32)
+            )
             state = agent.transfer(handle)
             while state == "PROC":
                 state = agent.check_xfer_state(handle)
@@ -185,10 +252,12 @@ def _raw_nixl_reads(peer_address: str, scratch_engine: str, buffer, seed: int, i
             handle.release()
             if state != "DONE":
                 raise errors.PeerUnavailable(f"raw NIXL read from {peer_address} failed ({state})")
-            if scratch.pattern_mismatches(buffer, seed):
+            if expected.mismatches(buffer):
                 raise errors.Internal("raw NIXL read delivered wrong bytes")
             if iteration:
                 times.append(elapsed)
+            what = "raw warm-up" if iteration == 0 else f"raw NIXL read {iteration}/{iterations}"
+            progress(f"{what:>16}: {elapsed * 1e3:8.2f} ms, {nbytes} bytes verified")
     finally:
         local_h.release()
         remote_h.release()

@@ -54,17 +54,28 @@ class DaemonProcess:
             self.process.wait()
 
 
-def start_daemon(
+@dataclasses.dataclass
+class Launch:
+    """A `kvd serve` child that was started but may not be ready yet (see :func:`wait_ready`)."""
+
+    process: subprocess.Popen[bytes]
+    name: str
+    ready: Path
+    log_path: Path
+
+
+def launch_daemon(
     workdir: Path,
     name: str,
     extra_flags: Sequence[str] = (),
     env: dict[str, str] | None = None,
-    ready_timeout_s: float = 60.0,
     command_prefix: Sequence[str] = (),
-) -> DaemonProcess:
-    """Start a daemon on a free TCP port, a private Unix socket and a free metrics port.
+) -> Launch:
+    """Start a daemon on a free TCP port, a private Unix socket and a free metrics port; don't wait.
 
-    ``command_prefix`` runs it under another command (``ip netns exec NS`` in partition tests).
+    Several launches followed by their :func:`wait_ready` start daemons in parallel (each spends
+    seconds importing torch and creating its NIXL agent). ``command_prefix`` runs the daemon under
+    another command (``ip netns exec NS`` in partition tests).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     ready = workdir / f"{name}.ready.json"
@@ -90,6 +101,12 @@ def start_daemon(
     log = open(log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env if env is not None else None)
     log.close()
+    return Launch(process, name, ready, log_path)
+
+
+def wait_ready(launch: Launch, ready_timeout_s: float = 60.0) -> DaemonProcess:
+    """Wait for a launched daemon's ready file; a daemon that exits or hangs first is an error."""
+    process, name, ready, log_path = launch.process, launch.name, launch.ready, launch.log_path
     deadline = time.monotonic() + ready_timeout_s
     while not ready.exists():
         if process.poll() is not None:
@@ -99,10 +116,25 @@ def start_daemon(
             )
         if time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(f"kvd serve ({name}) not ready after {ready_timeout_s}s:\n" + log_path.read_text()[-4000:])
+            process.wait()
+            raise RuntimeError(
+                f"kvd serve ({name}) not ready after {ready_timeout_s}s:\n" + log_path.read_text()[-4000:]
+            )
         time.sleep(0.05)
     info = json.loads(ready.read_text())
     return DaemonProcess(process, name, info["unix"], info["tcp"], info["metrics"], info["incarnation"], log_path)
+
+
+def start_daemon(
+    workdir: Path,
+    name: str,
+    extra_flags: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 60.0,
+    command_prefix: Sequence[str] = (),
+) -> DaemonProcess:
+    """Start a daemon (see :func:`launch_daemon`) and wait until it is ready."""
+    return wait_ready(launch_daemon(workdir, name, extra_flags, env, command_prefix), ready_timeout_s)
 
 
 @contextlib.contextmanager
@@ -114,11 +146,39 @@ def running_daemon(workdir: Path, name: str, extra_flags: Sequence[str] = ()) ->
         daemon.terminate()
 
 
-def start_owned(stack: contextlib.ExitStack, workdir: Path, name: str) -> DaemonProcess:
-    """Start a daemon that ``stack`` stops (SIGTERM) on exit: for selftest, bench and demo."""
-    daemon = start_daemon(workdir, name, ["--log-level", "WARNING"])
-    stack.callback(daemon.terminate)
-    return daemon
+def start_owned(stack: contextlib.ExitStack, workdir: Path, *names: str) -> list[DaemonProcess]:
+    """Start daemons in parallel that ``stack`` stops (SIGTERM, also in parallel) on exit.
+
+    For selftest, bench and demo: both the start (imports, NIXL agent) and the exit (interpreter
+    teardown) take about a second each, so doing them side by side halves the wait.
+    """
+    return [wait_ready(launch) for launch in launch_owned(stack, workdir, *names)]
+
+
+def launch_owned(stack: contextlib.ExitStack, workdir: Path, *names: str) -> list[Launch]:
+    """:func:`start_owned` without the wait: the caller does other work, then :func:`wait_ready`."""
+    launches = [launch_daemon(workdir, name, ["--log-level", "WARNING"]) for name in names]
+    stack.callback(stop_launches, launches)
+    return launches
+
+
+def stop_launches(launches: Sequence[Launch], timeout_s: float = 20.0, wait: bool = True) -> None:
+    """SIGTERM every still-running launch, then wait for all; SIGKILL the ones that outstay ``timeout_s``.
+
+    ``wait=False`` only signals (a later call waits): the daemon shuts down while the caller works.
+    """
+    for launch in launches:
+        if launch.process.poll() is None:
+            launch.process.send_signal(signal.SIGTERM)
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout_s
+    for launch in launches:
+        try:
+            launch.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            launch.process.kill()
+            launch.process.wait()
 
 
 def child_env(**overrides: str) -> dict[str, str]:

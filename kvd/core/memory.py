@@ -9,7 +9,6 @@ and its address, and never copies them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -161,23 +160,3 @@ def cuda_ipc_spec_of(tensor: torch.Tensor) -> CudaIpcSpec:
         event_handle=bytes(event_handle) if event_handle else b"",
         event_sync_required=bool(event_sync),
     )
-
-
-def create_shm_tensor(name: str, size: int) -> torch.Tensor:
-    """Create (or truncate) ``/dev/shm/<name>`` owner-only and map it: the engine side of SHM regions."""
-    if not _SHM_NAME.match(name):
-        raise InvalidArgument(f"shm name {name!r} is not a plain file name")
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-    storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=size)
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
-
-
-def unlink_shm(name: str) -> None:
-    """Remove ``/dev/shm/<name>`` if present (mappings stay valid until unmapped)."""
-    with contextlib.suppress(FileNotFoundError):
-        (SHM_DIR / name).unlink()

@@ -1,9 +1,18 @@
-"""Start-up and shutdown of `kvd serve`: two gRPC servers, metrics, signals.
+"""Start-up and shutdown of `kvd serve`: gRPC servers, metrics, systemd notifications, signals.
 
-* Unix socket (owner-only): EngineService + RouterService + health, for engines on this node.
+* Unix socket (owner-only, or shared with ``engine_group``): EngineService + RouterService +
+  health, for engines on this node.
 * TCP (loopback unless configured; mTLS optional): PeerService + RouterService + health +
-  reflection, for peer daemons and routers.
+  reflection, for peer daemons and routers. Never ``SO_REUSEPORT``: a second daemon on the same
+  port fails to start instead of silently taking half the connections.
+* Optional health-only listener (plaintext, grpc.health.v1 only): for kubelet probes, which
+  cannot present a client certificate once TCP has mTLS.
 * Prometheus ``/metrics`` over HTTP.
+* systemd (``Type=notify``): READY=1 once every listener serves, STATUS= lines, WATCHDOG=1 from
+  the event loop, STOPPING=1 on SIGTERM (see :mod:`kvd.server.notify`).
+
+Start-up either completes or fails with a :class:`~kvd.server.startup.StartupError` (one line,
+cause and fix) after undoing everything it created: no stale socket, no half-started agent.
 
 SIGTERM / SIGINT: health goes NOT_SERVING, in-flight pulls finish or are aborted within the
 grace period, every lease and registration is released, exit code 0.
@@ -19,20 +28,25 @@ import logging
 import os
 import signal
 import socket
-import stat
+import threading
 from pathlib import Path
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvd.config import KvdConfig
 from kvd.core.daemon import Daemon
 from kvd.core.metrics import Metrics
+from kvd.server import startup
+from kvd.server.notify import Notifier, watchdog
 from kvd.server.peer_client import GrpcPeerTransport
 from kvd.server.servicers import EngineServicer, PeerServicer, RouterServicer
+from kvd.server.startup import CONFIG_ERROR, StartupError, Undo
 from kvd_client.channel import SERVER_OPTIONS
 from kvd_client.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -56,60 +70,93 @@ class Running:
     tcp_address: str
     unix_socket: str
     metrics_address: str
-    metrics_server: object | None
+    metrics_server: WSGIServer | None
+    health_server: grpc.aio.Server | None = None
+    health_address: str = ""
 
 
 def _credentials(config: KvdConfig) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
     if not config.tls_enabled:
         return None, None
-    cert = Path(config.tls_cert).read_bytes()
-    key = Path(config.tls_key).read_bytes()
-    ca = Path(config.tls_ca).read_bytes() if config.tls_ca else None
-    server = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
-    channel = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    cert = startup.read_tls_file("tls_cert", config.tls_cert)
+    key = startup.read_tls_file("tls_key", config.tls_key)
+    ca = startup.read_tls_file("tls_ca", config.tls_ca) if config.tls_ca else None
+    try:
+        server = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        channel = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise StartupError(
+            f"the TLS files are not usable: {exc}", "check tls_cert, tls_key and tls_ca", CONFIG_ERROR
+        ) from exc
     return server, channel
 
 
-def _prepare_unix_socket(path: str) -> None:
-    """Owner-only directory; refuse to steal a live daemon's socket, remove a stale one."""
-    sock_path = Path(path)
-    sock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not sock_path.exists():
-        return
-    if not stat.S_ISSOCK(sock_path.stat().st_mode):
-        raise SystemExit(f"kvd: {path} exists and is not a socket; choose another --unix-socket")
-    probe = socket.socket(socket.AF_UNIX)
+def _add_port(
+    server: grpc.aio.Server, what: str, flag: str, host: str, port: int, creds: grpc.ServerCredentials | None
+) -> int:
+    """Bind ``server``; gRPC's bare "Failed to bind" becomes a StartupError (probed again for the reason)."""
+    bind = f"{host}:{port}"
     try:
-        probe.connect(path)
-    except OSError:
-        sock_path.unlink()  # stale: its daemon is gone
-        return
-    finally:
-        probe.close()
-    raise SystemExit(f"kvd: another daemon is serving on {path}; stop it or choose another --unix-socket")
+        bound = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        startup.check_port(what, flag, host, port)  # raises with the cause when it can tell
+        raise StartupError(f"cannot listen on {what} address {bind}", f"check --{flag}host and --{flag}port")
+    return bound
 
 
-async def start(config: KvdConfig) -> Running:
-    """Start the daemon and its servers; returns once everything listens."""
+async def start(config: KvdConfig, notifier: Notifier | None = None) -> Running:
+    """Start the daemon and its servers; returns once everything listens.
+
+    Raises :class:`StartupError` (after undoing whatever was created) when it cannot.
+    """
+    undo = Undo()
+    try:
+        running = await _start(config, undo, notifier or Notifier(""))
+    except BaseException as exc:
+        await undo.run()
+        if isinstance(exc, StartupError | asyncio.CancelledError | KeyboardInterrupt):
+            raise
+        logger.debug("start-up failed", exc_info=True)
+        raise StartupError(
+            f"start-up failed: {type(exc).__name__}: {exc}", "run with --log-level DEBUG for the traceback"
+        ) from exc
+    undo.forget()
+    return running
+
+
+async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     server_creds, channel_creds = _credentials(config)
+    gid = startup.resolve_group(config.engine_group)
+    startup.check_ports(config)
+    startup.prepare_socket_dir(config.unix_socket, gid, undo)
+
+    notifier.status("starting: creating the NIXL agent")
     metrics = Metrics()
     holder: list[Daemon] = []
-    transport = GrpcPeerTransport(
-        lambda: holder[0].advertise_address, lambda: holder[0].incarnation, channel_creds
-    )
+    transport = GrpcPeerTransport(lambda: holder[0].advertise_address, lambda: holder[0].incarnation, channel_creds)
     daemon = Daemon(config, transport, metrics)
     holder.append(daemon)
+    undo.push("daemon", lambda: daemon.shutdown(0.0))
     await daemon.start()
 
     health = HealthServicer()
-    engine, peer, router = EngineServicer(daemon), PeerServicer(daemon), RouterServicer(daemon)
+    engine, peer, router = EngineServicer(daemon), PeerServicer(daemon), RouterServicer(daemon, transport.last_contact)
 
     unix_server = grpc.aio.server(options=SERVER_OPTIONS)
     engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, unix_server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, unix_server)
     health_pb2_grpc.add_HealthServicer_to_server(health, unix_server)
-    _prepare_unix_socket(config.unix_socket)
-    unix_server.add_insecure_port(f"unix:{config.unix_socket}")
+    undo.push("engine socket", lambda: startup.remove_socket(config.unix_socket))
+    try:
+        unix_server.add_insecure_port(f"unix:{config.unix_socket}")
+    except RuntimeError as exc:
+        raise StartupError(
+            f"cannot create the engine socket {config.unix_socket}",
+            "check the directory's permissions and --unix-socket",
+        ) from exc
+    undo.push("engine server", lambda: unix_server.stop(None))
 
     tcp_server = grpc.aio.server(options=SERVER_OPTIONS)
     peer_pb2_grpc.add_PeerServiceServicer_to_server(peer, tcp_server)
@@ -119,38 +166,95 @@ async def start(config: KvdConfig) -> Running:
         (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         tcp_server,
     )
-    bind = f"{config.host}:{config.port}"
-    port = tcp_server.add_secure_port(bind, server_creds) if server_creds else tcp_server.add_insecure_port(bind)
-    if port == 0:
-        raise SystemExit(f"kvd: cannot listen on {bind}")
+    port = _add_port(tcp_server, "TCP", "", config.host, config.port, server_creds)
+    undo.push("TCP server", lambda: tcp_server.stop(None))
     tcp_address = f"{config.host}:{port}"
     daemon.advertise_address = config.advertise_address or tcp_address
 
+    health_server = None
+    health_address = ""
+    if config.health_port >= 0:
+        health_server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+        health_port = _add_port(health_server, "health", "health-", config.health_host, config.health_port, None)
+        undo.push("health server", lambda: health_server.stop(None))
+        health_address = f"{config.health_host}:{health_port}"
+
     await unix_server.start()
-    os.chmod(config.unix_socket, 0o600)
+    startup.share_socket(config.unix_socket, gid)
     await tcp_server.start()
+    if health_server is not None:
+        await health_server.start()
 
     metrics_server = None
     metrics_address = ""
     if config.metrics_port >= 0:
-        metrics_server, _ = start_http_server(config.metrics_port, config.metrics_host, registry=metrics.registry)
+        try:
+            metrics_server = _start_metrics_server(config.metrics_host, config.metrics_port, metrics.registry)
+        except OSError as exc:
+            raise startup.bind_error("metrics", "metrics-", config.metrics_host, config.metrics_port, exc) from exc
+        undo.push("metrics server", lambda: _stop_metrics_server(metrics_server))
         metrics_address = f"{config.metrics_host}:{metrics_server.server_port}"
+    router.metrics_address = metrics_address
 
     for name in ("", *SERVICE_NAMES):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     running = Running(
-        daemon, unix_server, tcp_server, health, tcp_address, config.unix_socket, metrics_address, metrics_server
+        daemon,
+        unix_server,
+        tcp_server,
+        health,
+        tcp_address,
+        config.unix_socket,
+        metrics_address,
+        metrics_server,
+        health_server,
+        health_address,
     )
     if config.ready_file:
         _write_ready_file(config.ready_file, running)
     logger.info(
-        "kvd serving: engines on unix:%s, peers/routers on %s (advertised %s), metrics on %s",
+        "kvd serving: engines on unix:%s, peers/routers on %s (advertised %s), metrics on %s, health on %s",
         config.unix_socket,
         tcp_address,
         daemon.advertise_address,
         metrics_address or "off",
+        health_address or "off",
     )
     return running
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes are not news: no access log on stderr."""
+
+
+def _start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """prometheus_client's start_http_server, but polling for shutdown every 50 ms, not 500 ms:
+    its default made every daemon's exit (and so every test and `kvd selftest`) half a second slower."""
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+    httpd = make_server(host, port, make_wsgi_app(registry), Server, handler_class=_QuietHandler)
+    threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="kvd-metrics", daemon=True
+    ).start()
+    return httpd
+
+
+def _stop_metrics_server(httpd: WSGIServer) -> None:
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def status_line(running: Running) -> str:
+    """The one-line summary systemd shows as the unit's Status."""
+    s = running.daemon.status()
+    return (
+        f"serving on {running.tcp_address}: {len(s.engines)} engine ranks, {len(s.peers)} peers, "
+        f"{s.transfers_in_flight} transfers in flight, {s.leases_held} leases"
+    )
 
 
 def _write_ready_file(path: str, running: Running) -> None:
@@ -162,6 +266,7 @@ def _write_ready_file(path: str, running: Running) -> None:
         "advertise": running.daemon.advertise_address,
         "unix": running.unix_socket,
         "metrics": running.metrics_address,
+        "health": running.health_address,
     }
     tmp = Path(path + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -172,21 +277,49 @@ async def stop(running: Running, grace_s: float) -> None:
     """Graceful shutdown (see module docstring)."""
     await running.health.enter_graceful_shutdown()
     await running.daemon.shutdown(grace_s)
-    await asyncio.gather(running.tcp_server.stop(1.0), running.unix_server.stop(1.0))
+    servers = [running.tcp_server, running.unix_server]
+    if running.health_server is not None:
+        servers.append(running.health_server)
+    await asyncio.gather(*(server.stop(1.0) for server in servers))
     if running.metrics_server is not None:
-        running.metrics_server.shutdown()  # type: ignore[attr-defined]
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(running.unix_socket)
+        _stop_metrics_server(running.metrics_server)
+    startup.remove_socket(running.unix_socket)
 
 
 async def serve(config: KvdConfig) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code."""
-    running = await start(config)
+    """Run until SIGTERM/SIGINT; returns the exit code. Start-up failures raise StartupError
+    (`kvd serve` prints it and sends it to systemd as STATUS=)."""
+    notifier = Notifier(config.notify_socket)
     stop_event = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before start: a SIGTERM while starting stops cleanly after it
         loop.add_signal_handler(sig, stop_event.set)
+    try:
+        running = await start(config, notifier)
+    finally:
+        notifier.close()  # reopened on the next send; a failure's STATUS= is sent by the CLI
+    notifier.ready(status_line(running))
+    pinger = None
+    if config.watchdog_s > 0:
+        pinger = loop.create_task(
+            watchdog(notifier, config.watchdog_s, lambda: status_line(running)), name="kvd-watchdog"
+        )
+    elif notifier.enabled:
+        pinger = loop.create_task(_status_updates(notifier, running), name="kvd-status")
     await stop_event.wait()
     logger.info("signal received: shutting down (grace %.1fs)", config.shutdown_grace_s)
+    notifier.stopping(f"stopping: {running.daemon.status().transfers_in_flight} transfers finishing")
     await stop(running, config.shutdown_grace_s)
+    if pinger is not None:
+        pinger.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pinger
+    notifier.close()
     return 0
+
+
+async def _status_updates(notifier: Notifier, running: Running, every_s: float = 10.0) -> None:
+    """STATUS= lines without a watchdog (Type=notify with WatchdogSec unset)."""
+    while True:
+        await asyncio.sleep(every_s)
+        notifier.status(status_line(running))

@@ -7,6 +7,7 @@ classes; a peer that cannot be reached is PeerUnavailable, naming it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -45,6 +46,8 @@ class GrpcPeerTransport:
         self._own_incarnation = own_incarnation
         self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.last_contact: dict[str, float] = {}
+        """Peer address -> monotonic time of its last answered call (for `kvd status`)."""
 
     def _stub(self, address: str) -> peer_pb2_grpc.PeerServiceStub:
         channel = self._channels.get(address)
@@ -58,9 +61,11 @@ class GrpcPeerTransport:
 
     async def _call(self, address: str, what: str, call: Callable[[peer_pb2_grpc.PeerServiceStub], Awaitable[T]]) -> T:
         try:
-            return await call(self._stub(address))
+            result = await call(self._stub(address))
         except grpc.aio.AioRpcError as exc:
             raise _to_kvd(exc, address, what) from exc
+        self.last_contact[address] = time.monotonic()
+        return result
 
     async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo:
         request = peer_pb2.HandshakeRequest(

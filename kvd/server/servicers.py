@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
@@ -185,9 +186,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, last_contact: Mapping[str, float] | None = None) -> None:
         self.daemon = daemon
         self.metrics = daemon.metrics
+        self.last_contact = last_contact if last_contact is not None else {}  # peer address -> monotonic time
+        self.metrics_address = ""  # set by the app once /metrics listens
 
     @rpc
     async def StartPull(
@@ -254,6 +257,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self, request: router_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GetStatusResponse:
         s = self.daemon.status()
+        now = time.monotonic()
         return router_pb2.GetStatusResponse(
             incarnation=s.incarnation,
             agent_name=s.agent_name,
@@ -270,7 +274,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 for r in s.engines
             ],
             peers=[
-                router_pb2.PeerSummary(address=p.address, incarnation=p.incarnation, agent_name=p.agent_name)
+                router_pb2.PeerSummary(
+                    address=p.address,
+                    incarnation=p.incarnation,
+                    agent_name=p.agent_name,
+                    last_contact_s_ago=now - max(p.handshaken_at, self.last_contact.get(p.address, 0.0)),
+                )
                 for p in s.peers
             ],
             transfers_in_flight=s.transfers_in_flight,
@@ -278,6 +287,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             serving=s.serving,
             uptime_s=s.uptime_s,
             leases_draining=s.leases_draining,
+            metrics_address=self.metrics_address,
             admitted_reads=s.admitted_reads,
             quarantined_bytes=s.quarantined_bytes,
             remote_agents=s.remote_agents,

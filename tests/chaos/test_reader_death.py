@@ -15,8 +15,8 @@ import pytest
 from kvtest import ShmEngine, llama_spec, metric_value, scrape
 
 from kvd.cli.spawn import child_env
-from kvd.core.memory import unlink_shm
 from kvd_client import KvdClient, errors
+from kvd_client.shm import unlink_shm
 from kvd_client.v1 import common_pb2
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]

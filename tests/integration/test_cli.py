@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,6 +23,14 @@ def test_selftest_moves_and_verifies_a_pattern_between_two_daemons() -> None:
     result = _kvd("selftest", "--size-mb", "16", "--iterations", "2")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all bytes match" in result.stdout
+    for step in (
+        "starting local and peer daemons",
+        "warm-up pull",
+        "kvd pull 2/2",
+        "raw NIXL read 2/2",
+        "selftest took",
+    ):
+        assert step in result.stdout  # progress, as it goes
     assert "ratio kvd/raw" in result.stdout and result.stdout.rstrip().endswith("PASS")
 
 
@@ -29,6 +39,12 @@ def test_selftest_against_a_running_peer(spawn_daemon) -> None:
     result = _kvd("selftest", "--target", local.unix_target, "--peer", peer.tcp, "--size-mb", "8", "--iterations", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "started" not in result.stdout  # it used the daemons it was given
+
+
+def test_selftest_refuses_a_size_out_of_range() -> None:
+    result = _kvd("selftest", "--size-mb", "0", timeout=60)
+    assert result.returncode == 2 and "--size-mb must be in 1..1024" in result.stderr
+    assert "starting" not in result.stdout  # refused before any daemon started
 
 
 def test_selftest_fails_non_zero_when_the_peer_is_unreachable(spawn_daemon) -> None:
@@ -48,12 +64,62 @@ def test_demo_runs_the_whole_flow() -> None:
     assert 'kvd_transfer_bytes_total{direction="pull"' in result.stdout
 
 
-def test_status_prints_the_daemon_as_json(spawn_daemon) -> None:
+def test_status_json_has_every_field_with_numbers_as_numbers(spawn_daemon) -> None:
     daemon = spawn_daemon()
-    result = _kvd("status", "--target", daemon.tcp, timeout=30)
+    result = _kvd("status", "--target", daemon.tcp, "--json", timeout=30)
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     assert status["incarnation"] == daemon.incarnation and status["serving"] is True
+    # zero-valued fields are present, not omitted
+    assert status["transfers_in_flight"] == 0 and status["leases_held"] == 0 and status["leases_draining"] == 0
+    assert status["engines"] == [] and status["peers"] == []
+    assert status["metrics_address"] == daemon.metrics
+
+
+def test_status_shows_engines_peers_and_traffic_after_a_pull(spawn_daemon) -> None:
+    """After a real pull: the puller lists its peer (incarnation, last contact) and bytes pulled;
+    the holder lists its engine with its layout and bytes served; --json gives byte counts as ints."""
+    local, peer = spawn_daemon(name="local"), spawn_daemon(name="peer")
+    moved = _kvd("selftest", "--target", local.unix_target, "--peer", peer.tcp, "--size-mb", "8", "--iterations", "1")
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+
+    puller = _kvd("status", "--target", local.unix_target, timeout=30)
+    assert puller.returncode == 0, puller.stderr
+    text = puller.stdout
+    assert f"kvd {local.incarnation[:8]}" in text and "serving" in text
+    assert "peers: 1" in text and peer.tcp in text and peer.incarnation[:8] in text and "s ago" in text
+    pulled = next(line for line in text.splitlines() if line.strip().startswith("pulled"))
+    assert "16.0 MiB" in pulled and "2 done, 0 failed" in pulled  # warm-up + 1 timed pull, 8 MiB each
+    assert "errors: none" in text
+
+    holder = _kvd("status", "--target", peer.tcp, timeout=30)
+    assert holder.returncode == 0, holder.stderr
+    assert "engines: 1 rank, 8.0 MiB registered" in holder.stdout
+    assert "32 layers, split K/V NHD, 4 blocks of 16, 8/8 heads x 128 bf16" in holder.stdout
+    served = next(line for line in holder.stdout.splitlines() if line.strip().startswith("served"))
+    assert "16.0 MiB" in served  # two reads of 8 MiB
+
+    as_json = json.loads(_kvd("status", "--target", peer.tcp, "--json", timeout=30).stdout)
+    assert as_json["engines"][0]["registered_bytes"] == 8 << 20  # a number, not a string
+    assert as_json["engines"][0]["layout"]["dtype"] == "DTYPE_BFLOAT16"
+
+
+def test_status_watch_refreshes_until_interrupted(spawn_daemon) -> None:
+    daemon = spawn_daemon()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvd.cli.main", "status", "--target", daemon.tcp, "--watch", "0.3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(4.0)
+    finally:
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert out.count(f"kvd {daemon.incarnation[:8]}") >= 2  # refreshed at least once
+    assert "rate over the last" in out  # rates between refreshes, not averages
 
 
 def test_status_of_nothing_is_a_clear_error() -> None:

@@ -20,13 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/kvtest.py
 
 from kvtest import small_spec
 
-from kvd.core.memory import create_shm_tensor
 from kvd.layout.spec import (
     LayoutSpec,
     contiguous_placements,
 )
 from kvd.server import convert
 from kvd_client import KvdClient
+from kvd_client.shm import create_shm_tensor
 from kvd_client.v1 import common_pb2
 
 

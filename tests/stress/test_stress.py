@@ -38,11 +38,11 @@ from engine_proc import engine_spec
 from kvtest import metric_value, scrape
 
 from kvd.cli.spawn import DaemonProcess, child_env
-from kvd.core.memory import unlink_shm
 from kvd.layout import oracle
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import contiguous_placements
 from kvd_client import KvdClient, errors
+from kvd_client.shm import unlink_shm
 from kvd_client.v1 import common_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.slow]

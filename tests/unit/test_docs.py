@@ -23,7 +23,10 @@ def test_the_connector_config_doc_lists_every_setting_with_its_default() -> None
     """docs/connector-config.md names each KvdConnectorConfig field and its default: a new knob is documented."""
     doc = (REPO / "docs" / "connector-config.md").read_text()
     for field in dataclasses.fields(KvdConnectorConfig):
-        assert f"| `{field.name}` | `{field.default!r}` |" in doc, field.name
+        if field.default is dataclasses.MISSING:  # a computed default (the daemon's socket path): described
+            assert f"| `{field.name}` | `" in doc, field.name
+        else:
+            assert f"| `{field.name}` | `{field.default!r}` |" in doc, field.name
 
 
 def test_relative_links_between_docs_resolve() -> None:

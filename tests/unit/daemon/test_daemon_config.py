@@ -295,10 +295,10 @@ def _configs(draw: st.DrawFn) -> KvdConfig:
     return KvdConfig(
         unix_socket="/" + draw(_safe_text),
         host=draw(st.sampled_from(["127.0.0.1", "0.0.0.0", "::1", "node-7.example"])),
-        port=draw(st.integers(0, 65535)),
+        port=(port := draw(st.integers(0, 65535))),
         advertise_address=draw(st.one_of(st.just(""), _safe_text)),
         metrics_host=draw(st.sampled_from(["127.0.0.1", "0.0.0.0"])),
-        metrics_port=draw(st.integers(-1, 65535)),
+        metrics_port=draw(st.integers(-1, 65535).filter(lambda p: p <= 0 or p != port)),
         lease_ttl_s=draw(st.floats(min_value=1e-3, max_value=max_ttl)),
         max_lease_ttl_s=max_ttl,
         transfer_deadline_s=draw(_durations),
@@ -351,7 +351,7 @@ def test_float_flags_round_trip_exactly() -> None:
 
 # --- only load_config reads the environment -----------------------------------------------------
 
-_ALLOWED_ENV_READERS = {("kvd/config.py", "load_config"), ("kvd/cli/spawn.py", "child_env")}
+_ALLOWED_ENV_READERS = {("kvd/config.py", "resolve_config"), ("kvd/cli/spawn.py", "child_env")}
 
 
 def _enclosing_function(tree: ast.Module, line: int) -> str:
@@ -366,7 +366,8 @@ def _enclosing_function(tree: ast.Module, line: int) -> str:
 
 
 def test_nothing_but_load_config_reads_the_environment() -> None:
-    """'os.environ' / 'getenv' appear in kvd/ and client/ only in load_config and spawn.child_env."""
+    """'os.environ' / 'getenv' appear in kvd/ and client/ only in resolve_config (behind load_config)
+    and spawn.child_env."""
     offenders = []
     for tree_root in ("kvd", "client", "engine_patch"):
         for path in sorted((REPO / tree_root).rglob("*.py")):

@@ -174,7 +174,7 @@ def test_host_commits_only_without_speculative_decoding() -> None:
 
 def test_config_validation_and_extra_config_parsing() -> None:
     cfg = KvdConnectorConfig.from_extra_config(
-        {"kvd_socket": "/tmp/k.sock", "pull_threshold_tokens": "128", "hold_on_decode": "false"}
+        {"kvd_socket": "/tmp/k.sock", "pull_threshold_tokens": 128, "hold_on_decode": False}
     )
     assert cfg.pull_threshold_tokens == 128 and cfg.hold_on_decode is False
     assert cfg.target == "unix:///tmp/k.sock"

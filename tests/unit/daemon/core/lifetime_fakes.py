@@ -30,12 +30,13 @@ import numpy as np
 
 from kvd.config import KvdConfig
 from kvd.core.dataplane import LOCAL, Xfer, XferState
-from kvd.core.memory import MemoryKind, RegionRequest, create_shm_tensor, unlink_shm
+from kvd.core.memory import MemoryKind, RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.peers import HandshakeInfo, PrepareResult
 from kvd.core.registry import EngineRank
 from kvd.layout.spec import LayoutSpec, contiguous_placements
 from kvd_client.errors import KvdError, PeerUnavailable, Unavailable
+from kvd_client.shm import create_shm_tensor, unlink_shm
 
 SAFETY_TIMEOUT_S = 20.0  # only turns a hang into a failure: no test outcome depends on it
 
