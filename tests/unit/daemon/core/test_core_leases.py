@@ -7,25 +7,13 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lifetime_fakes import FakeClock
 
 from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseEnd, LeaseTable
 from kvd_client.errors import FailedPrecondition, InvalidArgument, LeaseExpired, UnknownLease
 
 MARGIN = 5.0
 HOLD = 30.0
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class Recorder:
