@@ -331,6 +331,7 @@ def _rss_mib(pid: int) -> float:
     return 0.0
 
 
+@pytest.mark.timeout(STRESS_S + 240)  # set-up, the churn itself, then draining and checks
 @pytest.mark.parametrize("transport", ["tcp", "default"])
 def test_pulls_stay_correct_while_engines_and_leases_churn(spawn_daemon, transport: str) -> None:
     env = child_env(UCX_TLS="tcp") if transport == "tcp" else None
