@@ -824,3 +824,32 @@ def test_quarantine_keeps_the_lists_of_a_stale_read_until_it_is_final(fabric: Fa
         assert fabric.table_violations == []
 
     run(fabric, scenario)
+
+
+def test_an_idle_peer_is_forgotten_but_never_under_a_pull(fabric: Fabric) -> None:
+    """peer_idle_s: a peer unused that long is dropped (channel closed, agent removed), unless a
+    pull still reads through its agent; then it goes once that pull's READs are final."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, peer_idle_s=0.05)
+        reader, dp = p.reader.daemon, p.reader.dataplane
+        transfer, _ = p.pull()
+        xfers = await p.reading(transfer)
+        (agent,) = reader.peers.agents()
+        await asyncio.sleep(0.1)
+        await reader.peers.forget_idle()
+        assert reader.peers.sessions() != [] and dp.removals(agent.name) == 0, "dropped under a pull"
+
+        for xfer in xfers:
+            dp.finish(xfer)
+        await ended(transfer)
+        assert transfer.state is DONE
+        await asyncio.sleep(0.1)
+        await reader.peers.forget_idle()
+        await settle(p.holder)
+
+        assert reader.peers.sessions() == [] and reader.peers.agents() == []
+        assert dp.removals(agent.name) == 1 and p.reader.transport.forgets == [HOLDER]
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
