@@ -324,6 +324,18 @@ def _fds_and_threads(pid: int) -> tuple[int, int]:
     return fds, threads
 
 
+def _fd_targets(pid: int) -> collections.Counter[str]:
+    """What the process's fds point at, by kind (socket, anon_inode:..., a path)."""
+    kinds: collections.Counter[str] = collections.Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        kinds[target.split(":[", 1)[0] if ":[" in target else target] += 1
+    return kinds
+
+
 def _rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -356,6 +368,7 @@ def test_pulls_stay_correct_while_engines_and_leases_churn(spawn_daemon, transpo
         for _ in range(12):  # every pair handshaken before the baseline is taken
             _one_pull(world, tally, warm)
         baseline = {d.name: _fds_and_threads(d.process.pid) for d in daemons}
+        fd_kinds0 = {d.name: _fd_targets(d.process.pid) for d in daemons}
         rss0 = {d.name: _rss_mib(d.process.pid) for d in daemons}
 
         def worker(seed: int) -> None:
@@ -412,7 +425,8 @@ def test_pulls_stay_correct_while_engines_and_leases_churn(spawn_daemon, transpo
             print(
                 f"{d.name}: fds {fds0} -> {fds}, threads {threads0} -> {threads}, RSS {rss0[d.name]:.0f} -> {rss:.0f} M"
             )
-            assert fds <= fds0 + 8, f"{d.name} leaks fds: {fds0} -> {fds}"
+            grown = _fd_targets(d.process.pid) - fd_kinds0[d.name]
+            assert fds <= fds0 + 8, f"{d.name} leaks fds: {fds0} -> {fds}, new: {dict(grown)}"
             assert threads <= threads0 + 2, f"{d.name} leaks threads: {threads0} -> {threads}"
     finally:
         stop.set()
