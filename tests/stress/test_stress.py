@@ -54,6 +54,9 @@ WORKERS = 8
 DEADLINE_S = 8.0
 MARGIN_S = 2.0
 ENGINE_PROC = Path(__file__).with_name("engine_proc.py")
+# Each engine process keeps a connection (an fd) to its daemon: the extra engines the chaos adds
+# are capped, so a long run's fd check measures the daemon, not how many engines are connected.
+MAX_EXTRA_ENGINES = 3
 
 
 @dataclasses.dataclass(eq=False)
@@ -313,9 +316,13 @@ def _chaos(world: World, stop: threading.Event, spawn_stream: Callable[[Engine],
             fresh = world.start_engine(i, old.engine_id, 1)
             with world.lock:
                 world.readers[i] = fresh
-        else:
+        else:  # a new engine on a holder (readers re-handshake); the oldest extra one leaves
             extra += 1
             world.extras.append(world.start_engine(i, f"x{extra}", 1))
+            if len(world.extras) > MAX_EXTRA_ENGINES:
+                leaving = world.extras.pop(0)
+                leaving.process.send_signal(signal.SIGTERM)  # it unregisters, then exits
+                leaving.process.wait(20)
 
 
 def _fds_and_threads(pid: int) -> tuple[int, int]:
