@@ -95,9 +95,6 @@ class Daemon:
         self._background: list[asyncio.Task[None]] = []
         self._followups: set[asyncio.Task[None]] = set()  # unpins scheduled by lease callbacks
         self._reader_labels: dict[str, str] = {}  # admission id -> reader's address (metrics label)
-        # Open admissions (id -> deadline): NIXL's thread polls fast until the latest of them,
-        # because a READ that carries a notification completes only once the holder progresses.
-        self._admitted: dict[str, float] = {}
         self._selftest_seed = -1
         self.serving = False
         self.started_at = time.monotonic()
@@ -388,9 +385,7 @@ class Daemon:
     def _admission_over(self, admission: Admission) -> None:
         """LeaseTable callback: an admitted read is over; unpin the holder memory it pinned."""
         assert admission.ended is not None
-        self._admitted.pop(admission.admission_id, None)
-        if self.dataplane is not None:
-            self.dataplane.fast_poll_until = max(self._admitted.values(), default=0.0)
+        self._poll_fast_while_admitted()
         label = self._reader_labels.pop(admission.admission_id, "")
         if admission.ended is AdmissionEnd.READ:
             self.metrics.transfers.labels(label, "serve", "done").inc()
@@ -408,6 +403,12 @@ class Daemon:
             assert isinstance(memory, LocalMemory)
             self._follow_up(self._mem.unpin(memory, holder=True, clean=clean))
         self._lease_gauges()
+
+    def _poll_fast_while_admitted(self) -> None:
+        """NIXL's thread polls fast until the latest open admission's deadline: a READ that
+        carries a notification completes only once the holder has made progress."""
+        if self.dataplane is not None:
+            self.dataplane.fast_poll_until = self.leases.latest_admission_deadline()
 
     def _lease_gauges(self) -> None:
         self.metrics.leases_held.set(len(self.leases))
@@ -530,9 +531,7 @@ class Daemon:
         for r in remote_tp_ranks:
             memories.pin(ranks[r].memory, holder=True)
             admission.pinned.append(ranks[r].memory)
-        self._admitted[admission.admission_id] = admission.deadline
-        if self.dataplane is not None:
-            self.dataplane.fast_poll_until = max(self._admitted.values())
+        self._poll_fast_while_admitted()
         if reader_address:
             self._reader_labels[admission.admission_id] = reader_address
         self._lease_gauges()

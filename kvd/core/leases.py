@@ -114,6 +114,10 @@ class LeaseTable:
     def open_admissions(self) -> int:
         return sum(len(lease.admissions) for lease in self._leases.values())
 
+    def latest_admission_deadline(self) -> float:
+        """The deadline of the open admission that ends last (0.0 when none is open)."""
+        return max((a.deadline for lease in self._leases.values() for a in lease.admissions.values()), default=0.0)
+
     def create(
         self, engine_id: str, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float
     ) -> Lease:

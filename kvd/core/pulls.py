@@ -77,6 +77,10 @@ class _PullResources:
     def reads_final(self) -> bool:
         return all(x.final for x in self.xfers)
 
+    async def reads_over(self) -> None:
+        """Wait until every read is final (a cancel of this wait leaves them running)."""
+        await asyncio.gather(*(asyncio.shield(x.settled) for x in self.xfers))
+
 
 class Puller:
     """Executes pulls into this daemon's engines."""
@@ -172,7 +176,7 @@ class Puller:
                 await self._fence(transfer, rank, held, fence_s)
             except Exception:  # a fence that failed must still end the pull: wait the reads out
                 logger.exception("pull %s: fencing failed; waiting for its reads to finish", transfer.transfer_id)
-                await asyncio.gather(*(asyncio.shield(x.settled) for x in held.xfers))
+                await held.reads_over()
         self._report(transfer, rank, remote, error)
         await self._hand_back(held)
         session = held.session
@@ -192,7 +196,7 @@ class Puller:
         remaining = max(0.0, transfer.started + transfer.deadline_s - time.monotonic())
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(min(fence_s, remaining), 0.001)):
-                await asyncio.gather(*(asyncio.shield(x.settled) for x in held.xfers))
+                await held.reads_over()
         if held.reads_final:
             self.metrics.pull_fences.labels("final").inc()
             return
@@ -206,7 +210,7 @@ class Puller:
             sum(not x.final for x in held.xfers),
             held.memory.mem_type,
         )
-        await asyncio.gather(*(asyncio.shield(x.settled) for x in held.xfers))
+        await held.reads_over()
         self.metrics.pull_fences.labels("final").inc()
 
     async def _cut_off(self, rank: EngineRank, memory: LocalMemory) -> str:

@@ -34,9 +34,6 @@ class TableCache:
     def __len__(self) -> int:
         return len(self._tables)
 
-    def cached(self, key: Hashable, geometry: DescGeometry) -> Any | None:
-        return self._tables.get((key, geometry))
-
     async def get(
         self,
         key: Hashable,
