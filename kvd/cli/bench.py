@@ -1,52 +1,246 @@
 """`kvd bench`: kvd pulls against raw NIXL reads of the same bytes, side by side, in one run.
 
-Starts two daemons, then for each size pulls a checksummed scratch cache from one into an
-engine registered on the other (every byte verified) and reads the same bytes with a bare NIXL
-agent. Prints GB/s of both, their ratio, and the descriptors kvd posted.
+Starts two daemons on loopback (and, for first-contact samples, fresh holders), registers an
+engine on one, and measures (see :mod:`kvd.bench.runs`): pull vs raw NIXL by size, the control
+overhead distribution, 2 MiB pulls with 1..64 in flight and the daemons' CPU per pull, the cost of
+a first contact, and the layout-conversion pairs (:mod:`kvd.bench.convert`). Prints the tables
+(a progress bar meanwhile), writes ``bench.json`` with every sample and PNG plots into ``--out``.
+``--quick`` is the small configuration (under two minutes on a 2-core machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
-import random
-import statistics
+import dataclasses
+import datetime
+import os
+import platform
+import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from kvd.cli.selftest import PatternMismatch, measure_pull
-from kvd.cli.spawn import start_owned
-from kvd_client import KvdClient
+if TYPE_CHECKING:  # the rig imports grpc, numpy, torch: loaded when the bench runs, not for `kvd --help`
+    from kvd.bench import report
 
-SIZES_MB = (8, 32, 128, 512)
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    sizes_mb: tuple[int, ...]
+    size_samples: int
+    overhead_samples: int
+    levels: tuple[int, ...]
+    pulls_per_level: int
+    fresh_peers: int
+    later_pulls: int
+    convert_tokens: int
+    convert_repeat: int
+
+
+QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 256, 3)
+FULL = BenchConfig((2, 8, 32, 128, 512), 10, 300, (1, 2, 4, 8, 16, 32, 64), 1000, 2, 20, 1024, 5)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="the small configuration (< 2 min on 2 cores)")
+    parser.add_argument("--out", default="", help="directory for bench.json and the plots (default: ./kvd-bench-<time>)")
+    parser.add_argument("--sizes-mb", default="", help="pull sizes in MiB, comma-separated (multiples of 2)")
+    parser.add_argument("--levels", default="", help="pulls in flight, comma-separated (default 1..64)")
+    parser.add_argument("--pulls-per-level", type=int, default=0, help="2 MiB pulls per concurrency level")
+    parser.add_argument("--samples", type=int, default=0, help="pulls (and raw reads) per size")
+    parser.add_argument("--overhead-samples", type=int, default=0, help="pull/raw pairs for the control overhead")
+    parser.add_argument("--fresh-peers", type=int, default=-1, help="extra holders started for first-contact samples")
+    parser.add_argument("--convert-tokens", type=int, default=-1, help="request size of the conversion pairs (0: skip)")
+    parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def config_from(args: argparse.Namespace) -> BenchConfig:
+    base = QUICK if args.quick else FULL
+    changes: dict[str, Any] = {}
+    if args.sizes_mb:
+        changes["sizes_mb"] = _ints(args.sizes_mb)
+    if args.levels:
+        changes["levels"] = _ints(args.levels)
+    for flag, field in (
+        ("pulls_per_level", "pulls_per_level"),
+        ("samples", "size_samples"),
+        ("overhead_samples", "overhead_samples"),
+    ):
+        if getattr(args, flag) > 0:
+            changes[field] = getattr(args, flag)
+    if args.fresh_peers >= 0:
+        changes["fresh_peers"] = args.fresh_peers
+    if args.convert_tokens >= 0:
+        changes["convert_tokens"] = args.convert_tokens
+    config = dataclasses.replace(base, **changes)
+    bad = [s for s in config.sizes_mb if s < 2 or s % 2 or s > 1024]
+    if bad or any(n < 1 for n in config.levels):
+        raise ValueError(f"sizes must be even MiB in 2..1024 and levels >= 1 (got sizes {bad})")
+    return config
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: they mean little without it."""
+    import torch  # noqa: PLC0415
+
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    cores = os.cpu_count() or 0
+    load = os.getloadavg()
+    summary = f"{cores} cores ({cpu}), load {load[0]:.1f} at start, host memory"
+    return {
+        "summary": summary,
+        "cpu": cpu,
+        "cores": cores,
+        "load_at_start": load,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": bool(torch.cuda.is_available()),
+    }
+
+
+def goals(result: dict[str, Any]) -> list[str]:
+    """Each of issue 11's goals with this run's figure."""
+    from kvd.bench import runs  # noqa: PLC0415
+
+    out = []
+
+    def line(name: str, figure: str, met: bool | None) -> None:
+        mark = "-" if met is None else ("met" if met else "NOT met")
+        out.append(f"  {name:52} {figure:>28}  {mark}")
+
+    over = result.get("overhead")
+    if over:
+        p50 = runs.median(over["overhead_s"])
+        line("control overhead p50, one 2 MiB pull (< 1 ms)", f"{p50 * 1e3:.2f} ms", p50 < 1e-3)
+    for row in result.get("concurrency", []):
+        if row["in_flight"] == 32:
+            rate, p99 = row["pulls"] / row["wall_s"], runs.percentile(row["latency_s"], 99)
+            line("2 MiB pulls/s, 32 in flight (>= 2000, p99 < 50 ms)", f"{rate:.0f}/s, p99 {p99 * 1e3:.0f} ms",
+                 rate >= 2000 and p99 < 0.05)
+        if row["in_flight"] == 1:
+            cpu = row["cpu_s"]
+            line("daemon CPU per pull (reader + holder)",
+                 f"{cpu['reader'] / row['pulls'] * 1e3:.2f} + {cpu['holder'] / row['pulls'] * 1e3:.2f} ms", None)
+    for row in result.get("sizes", []):
+        ratio = runs.median(row["raw_s"]) / runs.median(row["kvd_s"])
+        mib = row["size_bytes"] >> 20
+        if mib == 8:
+            line("8 MiB pull vs raw NIXL (>= 0.8x)", f"{ratio:.2f}x", ratio >= 0.8)
+        elif mib >= 128:
+            line(f"{mib} MiB pull vs raw NIXL (>= 0.95x)", f"{ratio:.2f}x", ratio >= 0.95)
+    first = result.get("first_contact")
+    if first and first["first_s"]:
+        extra = runs.median(first["first_s"]) - runs.median(first["later_s"])
+        line("first pull to a new peer, extra (< 10 ms)", f"{extra * 1e3:.1f} ms", extra < 0.01)
+    pairs = result.get("conversions", [])
+    staged = [row for row in pairs if "vs_copy" in row]
+    if staged:
+        worst = min(staged, key=lambda row: row["vs_copy"])
+        line("worst staged conversion vs copy_ (>= 0.8x)", f"{worst['vs_copy']:.2f}x ({worst['pair'][:14]})",
+             worst["vs_copy"] >= 0.8)
+    pulled = [row for row in pairs if "vs_same_layout" in row]
+    if pulled:
+        worst = min(pulled, key=lambda row: row["vs_same_layout"])
+        line("worst pair vs same-layout pull (>= 0.5x)", f"{worst['vs_same_layout']:.2f}x ({worst['pair'][:14]})",
+             worst["vs_same_layout"] >= 0.5)
+    return out
+
+
+async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressBar) -> dict[str, Any]:
+    from kvd.bench import report, runs  # noqa: PLC0415
+    from kvd.bench.rig import BLOCK_BYTES, Engine, RawReader, start_daemons  # noqa: PLC0415
+    from kvd_client.aio import AsyncKvdClient  # noqa: PLC0415
+
+    result: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        daemons = start_daemons(stack, workdir, config.fresh_peers)
+        largest = max((*config.sizes_mb, 2)) << 20
+        capacity = max(largest // BLOCK_BYTES, max(config.levels), 2)
+        async with (
+            AsyncKvdClient(daemons.local.unix_target, timeout_s=120) as local,
+            AsyncKvdClient(daemons.peer.tcp, timeout_s=120) as peer,
+        ):
+            engine = Engine(local, capacity)
+            await engine.open()
+            raw = RawReader(largest)
+            try:
+                session = runs.Session(daemons, local, peer, engine, raw)
+                # First contact first: the fresh holders have never been pulled from.
+                if daemons.fresh:
+                    result["first_contact"] = await runs.first_contact(session, daemons.fresh, config.later_pulls, bar)
+                    _show(bar, report.first_contact_table(result["first_contact"]))
+                result["overhead"] = await runs.overhead(session, config.overhead_samples, bar)
+                _show(bar, report.overhead_table(result["overhead"]))
+                result["sizes"] = await runs.sizes(session, list(config.sizes_mb), config.size_samples, bar)
+                _show(bar, report.size_table(result["sizes"]))
+                result["concurrency"] = await runs.concurrency(session, list(config.levels), config.pulls_per_level, bar)
+                _show(bar, report.concurrency_table(result["concurrency"]))
+            finally:
+                await engine.close()
+                raw.close()
+    return result
+
+
+def _show(bar: report.ProgressBar, lines: list[str]) -> None:
+    from kvd.bench import report  # noqa: PLC0415
+
+    bar.clear()
+    print("\n".join(lines), flush=True)
+    print(flush=True)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    sizes = [s for s in SIZES_MB if s <= max(args.size_mb, SIZES_MB[0])]
-    print(f"kvd pull vs raw NIXL read, same bytes, same peer, {args.iterations} pulls each (median)")
-    print(f"{'MiB':>6} {'descs':>6} {'kvd ms':>9} {'kvd GB/s':>9} {'raw ms':>9} {'raw GB/s':>9} {'ratio':>6}")
-    with contextlib.ExitStack() as stack:
-        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-bench-")))
-        local, peer = start_owned(stack, workdir, "local", "peer")
-        local_client = stack.enter_context(KvdClient(local.unix_target, timeout_s=60))
-        peer_client = stack.enter_context(KvdClient(peer.tcp, timeout_s=120))
-        for size_mb in sizes:
-            with contextlib.ExitStack() as per_size:
-                try:
-                    m = measure_pull(
-                        per_size,
-                        local_client,
-                        peer_client,
-                        peer.tcp,
-                        size_mb << 20,
-                        random.randrange(1, 1 << 30),
-                        args.iterations,
-                    )
-                except PatternMismatch as exc:
-                    print(f"FAIL: {exc}")
-                    return 1
-                print(
-                    f"{m.nbytes / 2**20:6.0f} {m.descriptors:6d} {statistics.median(m.kvd_times) * 1e3:9.2f} "
-                    f"{m.kvd_gbs:9.2f} {statistics.median(m.raw_times) * 1e3:9.2f} {m.raw_gbs:9.2f} {m.ratio:6.2f}"
-                )
-    return 0
+    try:
+        config = config_from(args)
+    except ValueError as exc:
+        print(f"kvd bench: {exc}", file=sys.stderr)
+        return 2
+    from kvd.bench import report, runs  # noqa: PLC0415
+    from kvd_client import errors  # noqa: PLC0415
+
+    out = Path(args.out or f"kvd-bench-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    bar = report.ProgressBar()
+    started = time.perf_counter()
+    result: dict[str, Any] = {"machine": machine(), "config": dataclasses.asdict(config)}
+    print(f"kvd bench{' --quick' if args.quick else ''} on {result['machine']['summary']}", flush=True)
+    code = 0
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvd-bench-") as workdir:
+            result.update(asyncio.run(_daemon_runs(config, Path(workdir), bar)))
+        if config.convert_tokens > 0:
+            import torch  # noqa: PLC0415
+
+            from kvd.bench import convert  # noqa: PLC0415
+
+            result["conversions"] = convert.measure_pairs(
+                config.convert_tokens, config.convert_repeat, 4096, torch.device("cpu"), convert.nixl_available(), bar
+            )
+            _show(bar, report.conversion_table(result["conversions"]))
+    except (runs.BenchFailure, errors.KvdError) as exc:
+        bar.clear()
+        print(f"kvd bench: FAIL: {exc}", file=sys.stderr)
+        code = 1
+    result["elapsed_s"] = time.perf_counter() - started
+    result["machine"]["load_at_end"] = os.getloadavg()
+    report.write_json(out / "bench.json", result)
+    written = [] if args.no_plots or code else report.write_plots(out, result)
+    if code == 0:
+        print("goals (issue 11):")
+        print("\n".join(goals(result)))
+    print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in written) + f" in {result['elapsed_s']:.0f} s")
+    return code

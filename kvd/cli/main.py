@@ -4,7 +4,7 @@ kvd serve      run the daemon (config: defaults < --config TOML < KVD_* env < fl
                --print-config shows the effective config and where each value came from
 kvd selftest   move a checksummed pattern between two daemons through NIXL and verify it
 kvd status     what a daemon is doing (--json for machines, --watch to refresh)
-kvd bench      kvd pull vs a raw NIXL read of the same bytes, side by side
+kvd bench      kvd pulls vs raw NIXL reads of the same bytes, side by side; JSON and plots
 kvd demo       prefill -> decode -> next turn with two daemons and two reference engines
 """
 
@@ -15,6 +15,7 @@ import asyncio
 import logging
 import sys
 
+from kvd.cli.bench import add_bench_arguments
 from kvd.cli.status import add_status_arguments
 from kvd.config import add_config_flags, format_config, resolve_from_args
 
@@ -116,9 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_status_arguments(status)
     status.set_defaults(func=_cmd_status)
 
-    bench = sub.add_parser("bench", help="kvd pull vs a raw NIXL read of the same bytes, side by side in one run")
-    bench.add_argument("--size-mb", type=int, default=128)
-    bench.add_argument("--iterations", type=int, default=10)
+    bench = sub.add_parser(
+        "bench", help="kvd pulls vs raw NIXL reads, concurrency, first contact, conversions; JSON and plots"
+    )
+    add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
 
     demo = sub.add_parser("demo", help="prefill -> decode -> next turn, two daemons, two reference engines")

@@ -1,0 +1,181 @@
+"""The bench's output: a progress bar while it runs, the tables, the JSON of every sample, the plots.
+
+Plots use matplotlib's Agg backend (files only, no display), imported only when plots are written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvd.bench.runs import median, percentile
+
+GB = 1e9
+
+
+class ProgressBar:
+    """One line on a terminal (``\\r``), redrawn at most every 0.1 s; nothing when not a tty."""
+
+    def __init__(self, stream: TextIO = sys.stderr, width: int = 30) -> None:
+        self._stream = stream
+        self._width = width
+        self._tty = stream.isatty()
+        self._last = 0.0
+        self._started = time.monotonic()
+
+    def __call__(self, what: str, done: float) -> None:
+        now = time.monotonic()
+        if not self._tty or (now - self._last < 0.1 and done < 1.0):
+            return
+        self._last = now
+        filled = int(self._width * max(0.0, min(1.0, done)))
+        bar = "#" * filled + "." * (self._width - filled)
+        self._stream.write(f"\r[{bar}] {now - self._started:5.0f}s {what[:48]:<48}")
+        self._stream.flush()
+
+    def clear(self) -> None:
+        if self._tty:
+            self._stream.write("\r" + " " * (self._width + 60) + "\r")
+            self._stream.flush()
+
+
+def _ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:.2f}"
+
+
+def size_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "pull vs raw NIXL read of the same bytes (medians, interleaved samples)",
+        f"{'MiB':>6} {'kvd ms':>9} {'kvd GB/s':>9} {'raw ms':>9} {'raw GB/s':>9} {'ratio':>6}",
+    ]
+    for row in rows:
+        kvd, raw, size = median(row["kvd_s"]), median(row["raw_s"]), row["size_bytes"]
+        out.append(
+            f"{size >> 20:6d} {_ms(kvd):>9} {size / kvd / GB:9.2f} {_ms(raw):>9} {size / raw / GB:9.2f} "
+            f"{raw / kvd:6.2f}"
+        )
+    return out
+
+
+def overhead_table(result: dict[str, Any]) -> list[str]:
+    over = result["overhead_s"]
+    return [
+        f"control overhead of one {result['size_bytes'] >> 20} MiB pull (pull - raw read, pair by pair, "
+        f"{len(over)} pairs): p50 {_ms(median(over))} ms, p90 {_ms(percentile(over, 90))} ms, "
+        f"p99 {_ms(percentile(over, 99))} ms; pull p50 {_ms(median(result['kvd_s']))} ms, "
+        f"raw p50 {_ms(median(result['raw_s']))} ms"
+    ]
+
+
+def concurrency_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "2 MiB pulls with N in flight (StartPull -> FinishedRecving on the engine stream)",
+        f"{'N':>4} {'pulls':>6} {'pulls/s':>8} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'reader CPU ms/pull':>18} {'holder CPU ms/pull':>18}",
+    ]
+    for row in rows:
+        lat, pulls, wall = row["latency_s"], row["pulls"], row["wall_s"]
+        cpu = row["cpu_s"]
+        out.append(
+            f"{row['in_flight']:4d} {pulls:6d} {pulls / wall:8.0f} {pulls * (2 << 20) / wall / GB:6.2f} "
+            f"{_ms(median(lat)):>8} {_ms(percentile(lat, 99)):>8} "
+            f"{cpu['reader'] / pulls * 1e3:18.2f} {cpu['holder'] / pulls * 1e3:18.2f}"
+        )
+    return out
+
+
+def first_contact_table(result: dict[str, Any]) -> list[str]:
+    first, later = result["first_s"], result["later_s"]
+    return [
+        f"first pull to a new peer: {', '.join(_ms(s) for s in first)} ms; later pulls p50 {_ms(median(later))} ms; "
+        f"extra {_ms(median(first) - median(later))} ms (median)"
+    ]
+
+
+def conversion_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "layout pairs (in-process NIXL loopback, plan as the daemon plans; conversion vs copy_ of the same bytes)",
+        f"{'pair':30} {'mode':>6} {'descs':>6} {'MiB':>5} {'conv GB/s':>9} {'copy GB/s':>9} {'÷copy_':>6} "
+        f"{'pull GB/s':>9} {'÷same':>6}",
+    ]
+    for row in rows:
+        conv = f"{row['convert_gbs']:9.1f} {row['copy_gbs']:9.1f} {row['vs_copy']:6.2f}" if "vs_copy" in row else (
+            f"{'-':>9} {'-':>9} {'-':>6}"
+        )
+        pull = f"{row['pull_gbs']:9.1f} {row['vs_same_layout']:6.2f}" if "pull_gbs" in row else f"{'-':>9} {'-':>6}"
+        out.append(
+            f"{row['pair'][:30]:30} {row['mode']:>6} {row['descriptors']:6d} {row['bytes'] >> 20:5d} {conv} {pull}"
+        )
+    return out
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    path.write_text(json.dumps(result, indent=1, default=float) + "\n")
+
+
+def write_plots(directory: Path, result: dict[str, Any]) -> list[Path]:
+    """throughput vs size (raw NIXL beside it), latency CDFs, scaling with concurrency."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    written: list[Path] = []
+    machine = result.get("machine", {}).get("summary", "")
+    sizes = result.get("sizes") or []
+    if sizes:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        mib = [row["size_bytes"] >> 20 for row in sizes]
+        ax.plot(mib, [row["size_bytes"] / median(row["kvd_s"]) / GB for row in sizes], "o-", label="kvd pull")
+        ax.plot(mib, [row["size_bytes"] / median(row["raw_s"]) / GB for row in sizes], "s--", label="raw NIXL read")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("pull size (MiB)")
+        ax.set_ylabel("GB/s (median)")
+        ax.set_title(f"throughput vs size\n{machine}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, directory / "throughput.png"))
+    levels = result.get("concurrency") or []
+    overhead = result.get("overhead")
+    if levels or overhead:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for row in levels:
+            lat = sorted(row["latency_s"])
+            ax.plot([s * 1e3 for s in lat], [(i + 1) / len(lat) for i in range(len(lat))], label=f"{row['in_flight']} in flight")
+        if overhead:
+            over = sorted(overhead["overhead_s"])
+            ax.plot([s * 1e3 for s in over], [(i + 1) / len(over) for i in range(len(over))], "k--", label="control overhead (1)")
+        ax.set_xscale("log")
+        ax.set_xlabel("ms (2 MiB pulls)")
+        ax.set_ylabel("fraction of pulls")
+        ax.set_title(f"latency CDF\n{machine}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, directory / "latency_cdf.png"))
+    if levels:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        n = [row["in_flight"] for row in levels]
+        ax.plot(n, [row["pulls"] / row["wall_s"] for row in levels], "o-", label="pulls/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("pulls in flight")
+        ax.set_ylabel("pulls/s (2 MiB)")
+        ax2 = ax.twinx()
+        ax2.plot(n, [percentile(row["latency_s"], 99) * 1e3 for row in levels], "r^--", label="p99 ms")
+        ax2.set_ylabel("p99 latency (ms)", color="r")
+        ax.set_title(f"scaling with concurrency\n{machine}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        written.append(_save(fig, directory / "concurrency.png"))
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -1,0 +1,231 @@
+"""The bench's rig: two real daemons on loopback, an engine on one, a bare NIXL agent beside them.
+
+The holder ("peer") serves its daemon-owned scratch cache (``SelftestHold``: a checksummed
+pattern, Llama-8B-shaped, see :mod:`kvd.core.scratch`); every hold is a fresh lease on the same
+bytes. The reader ("local") has an engine registered by this process (a shm cache, zero-copy,
+exactly as an engine registers) and pulls into it the way an engine does: ``StartPull`` over its
+Unix socket, completion as ``FinishedRecving`` on the engine stream (no per-pull watch). The raw
+baseline is a bare NIXL agent in this process reading the holder's scratch registration: the
+same bytes from the same peer, one descriptor, polled without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvd.cli.spawn import DaemonProcess, launch_daemon, stop_launches, wait_ready
+from kvd_client import errors
+from kvd_client.aio import AsyncKvdClient
+from kvd_client.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc
+
+BLOCK_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # one block of the scratch layout: 2 MiB (kvd.core.scratch)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (from /proc; 0 where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclasses.dataclass
+class Daemons:
+    """The bench's daemons: the reader, the holder, and fresh holders for first-contact samples."""
+
+    local: DaemonProcess
+    peer: DaemonProcess
+    fresh: list[DaemonProcess]
+
+    def cpu(self) -> dict[str, float]:
+        return {"reader": cpu_seconds(self.local.process.pid), "holder": cpu_seconds(self.peer.process.pid)}
+
+
+def start_daemons(stack: contextlib.ExitStack, workdir: Path, fresh_peers: int) -> Daemons:
+    """Start the reader, the holder and ``fresh_peers`` more holders, side by side."""
+    names = ["local", "peer", *(f"fresh{i}" for i in range(fresh_peers))]
+    launches = [launch_daemon(workdir, name, ["--log-level", "WARNING"]) for name in names]
+    stack.callback(stop_launches, launches)
+    started = [wait_ready(launch, ready_timeout_s=120.0) for launch in launches]
+    return Daemons(started[0], started[1], started[2:])
+
+
+class Engine:
+    """An engine rank on the reader daemon: its shm cache, its stream, its completions."""
+
+    def __init__(self, client: AsyncKvdClient, capacity_blocks: int) -> None:
+        from kvd.core import scratch  # noqa: PLC0415 - torch: only once the daemons are starting
+        from kvd.layout.spec import contiguous_placements  # noqa: PLC0415
+        from kvd.server import convert  # noqa: PLC0415
+        from kvd_client.shm import create_shm_tensor  # noqa: PLC0415
+
+        self.client = client
+        self.spec = scratch.scratch_layout(capacity_blocks * BLOCK_BYTES)
+        self.engine_id = f"bench-{uuid.uuid4().hex[:8]}"
+        self.shm_name = f"kvd-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.buffer = create_shm_tensor(self.shm_name, self.spec.total_bytes)
+        self._layout = convert.layout_to_pb(self.spec)
+        self._layers = [convert.placement_to_pb(p) for p in contiguous_placements(self.spec)]
+        self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._stream: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self.block_bytes = BLOCK_BYTES
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.spec.num_blocks
+
+    async def open(self) -> None:
+        await self.client.register_kv_cache(
+            engine_id=self.engine_id,
+            layout=self._layout,
+            regions=[
+                common_pb2.MemoryRegion(
+                    kind=common_pb2.MEMORY_KIND_SHM, size_bytes=self.spec.total_bytes, shm_name=self.shm_name
+                )
+            ],
+            layers=self._layers,
+            engine_pid=os.getpid(),
+        )
+        self._stream = self.client.open_engine_stream(self.engine_id, 0)
+        self._reader = asyncio.get_running_loop().create_task(self._receive())
+
+    async def close(self) -> None:
+        from kvd_client.shm import unlink_shm  # noqa: PLC0415
+
+        if self._stream is not None:
+            await self._stream.close()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        with contextlib.suppress(errors.KvdError):
+            await self.client.unregister_kv_cache(engine_id=self.engine_id, tp_rank=0)
+        unlink_shm(self.shm_name)
+
+    async def _receive(self) -> None:
+        async for message in self._stream:
+            kind = message.WhichOneof("kind")
+            if kind == "finished_recving":
+                waiter = self._waiters.pop(message.finished_recving.request_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+            elif kind == "load_failed":
+                body = message.load_failed
+                waiter = self._waiters.pop(body.request_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_exception(errors.Internal(f"pull failed: {body.error_code}: {body.error_message}"))
+
+    async def pull(self, params: common_pb2.KvTransferParams, first_block: int) -> float:
+        """One pull of a held scratch into blocks ``first_block...``: seconds from StartPull to
+        FinishedRecving on the engine stream (what an engine waits)."""
+        blocks = len(params.block_ids)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[params.request_id] = waiter
+        t0 = time.perf_counter()
+        await self.client.start_pull(
+            engine_id=self.engine_id,
+            tp_rank=0,
+            request_id=params.request_id,
+            local_block_ids=range(first_block, first_block + blocks),
+            remote=params,
+        )
+        await waiter
+        return time.perf_counter() - t0
+
+    def blocks(self, first_block: int, count: int) -> Any:
+        """The bytes of blocks ``first_block..+count`` as they lie in the engine's memory,
+        rearranged into the holder's contiguous order (the scratch's order) for checking."""
+        import torch  # noqa: PLC0415
+
+        layers = self.spec.num_layers * 2
+        per_layer = self.spec.num_blocks * BLOCK_BYTES // layers
+        piece = BLOCK_BYTES // layers
+        view = self.buffer.view(layers, per_layer)[:, first_block * piece : (first_block + count) * piece]
+        return torch.cat([view[i] for i in range(layers)])
+
+
+class RawReader:
+    """A bare NIXL agent in this process reading the holder's scratch registration: the baseline."""
+
+    def __init__(self, size: int) -> None:
+        import torch  # noqa: PLC0415
+        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+
+        self.agent = nixl_agent(f"kvd-bench-raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
+        self.buffer = torch.zeros(size, dtype=torch.uint8)
+        self._registration = self.agent.register_memory(self.buffer)
+        self._local: Any = None
+        self._remote: Any = None
+        self._remote_name: Any = None
+        self.nbytes = 0
+
+    def target(self, peer_address: str, engine_id: str) -> None:
+        """Read from the holder's current scratch registration (re-read after the scratch changed)."""
+        self._drop_remote()
+        with grpc.insecure_channel(peer_address) as channel:
+            info = peer_pb2_grpc.PeerServiceStub(channel).Handshake(peer_pb2.HandshakeRequest(), timeout=30)
+        engine = next(e for e in info.engines if e.engine_id == engine_id)
+        region = engine.regions[0]
+        self._remote_name = self.agent.add_remote_agent(info.agent_metadata)
+        self.nbytes = min(region.size_bytes, self.buffer.numel())
+        self._remote = self.agent.prep_xfer_dlist(
+            self._remote_name, np.array([[region.address, self.nbytes, 0]], dtype=np.int64), "DRAM"
+        )
+        self._local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", np.array([[self.buffer.data_ptr(), self.nbytes, 0]], dtype=np.int64), "DRAM"
+        )
+
+    def read(self) -> float:
+        """One READ of the whole scratch, polled to DONE; seconds."""
+        zero = np.array([0], np.int32)
+        t0 = time.perf_counter()
+        handle = self.agent.make_prepped_xfer("READ", self._local, zero, self._remote, zero)
+        state = self.agent.transfer(handle)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - t0
+        handle.release()
+        if state != "DONE":
+            raise errors.PeerUnavailable(f"raw NIXL read failed ({state})")
+        return elapsed
+
+    def _drop_remote(self) -> None:
+        for table in (self._remote, self._local):
+            if table is not None:
+                table.release()
+        self._remote = self._local = None
+        if self._remote_name is not None:
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(self._remote_name)
+            self._remote_name = None
+
+    def close(self) -> None:
+        self._drop_remote()
+        self.agent.deregister_memory(self._registration)
+
+
+async def hold_many(client: AsyncKvdClient, size: int, seed: int, count: int) -> list[Any]:
+    """``count`` leases on the holder's scratch (fresh lease each), fetched ahead of a timed run."""
+    held = [await client.selftest_hold(size_bytes=size, seed=seed)]  # alone: it may (re)fill the scratch
+    for lo in range(1, count, 32):
+        batch = await asyncio.gather(
+            *(client.selftest_hold(size_bytes=size, seed=seed) for _ in range(min(32, count - lo)))
+        )
+        held.extend(batch)
+    return held
+
+
+def scratch_engine_id(held: engine_pb2.HoldBlocksResponse | Any) -> str:
+    return str(held.kv_transfer_params.engine_id)

@@ -1,0 +1,176 @@
+"""The bench's measurements against real daemons: each figure beside its baseline, in one run.
+
+* **sizes**: pulls of 2 MiB .. 512 MiB interleaved with raw NIXL reads of the same bytes;
+* **overhead**: 2 MiB pulls and raw reads interleaved, the per-pair difference (control path);
+* **concurrency**: 2 MiB pulls with 1..64 in flight (pulls/s, GB/s, p50/p99) and the daemons'
+  CPU seconds per pull from /proc;
+* **first contact**: the first pull to a daemon never seen, against later pulls to it.
+
+Samples are interleaved (pull, raw, pull, raw, ...) so both see the same machine load; every
+pull's bytes are checked against the pattern (sizes: each pull; concurrency: every block at
+the end of each level, zeroed before it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvd.bench.rig import BLOCK_BYTES, Daemons, Engine, RawReader, hold_many, scratch_engine_id
+from kvd_client.aio import AsyncKvdClient
+
+Progress = Callable[[str, float], None]
+
+
+class BenchFailure(Exception):
+    """A pull delivered wrong bytes or failed: the bench's figures would be meaningless."""
+
+
+@dataclasses.dataclass
+class Session:
+    """What every measurement needs: the daemons, clients to both, the engine, the raw agent."""
+
+    daemons: Daemons
+    local: AsyncKvdClient
+    peer: AsyncKvdClient
+    engine: Engine
+    raw: RawReader
+    seed: int = dataclasses.field(default_factory=lambda: random.randrange(1, 1 << 30))
+    _patterns: dict[int, Any] = dataclasses.field(default_factory=dict)
+    _scratch_size: int = 0
+
+    def pattern(self, size: int) -> Any:
+        from kvd.core import scratch  # noqa: PLC0415
+
+        if size not in self._patterns:
+            self._patterns = {size: scratch.Pattern(size, self.seed)}  # one at a time: up to 512 MiB each
+        return self._patterns[size]
+
+    async def hold(self, size: int, count: int = 1) -> list[Any]:
+        held = await hold_many(self.peer, size, self.seed, count)
+        if size != self._scratch_size:  # the holder replaced its scratch: aim the raw agent at it
+            self._scratch_size = size
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.raw.target, self.daemons.peer.tcp, scratch_engine_id(held[0])
+            )
+        return held
+
+    def verify(self, first_block: int, size: int) -> None:
+        bad = self.pattern(size).mismatches(self.engine.blocks(first_block, size // BLOCK_BYTES))
+        if bad:
+            raise BenchFailure(f"a pull of {size} bytes delivered {bad} wrong bytes")
+
+
+async def sizes(session: Session, sizes_mb: list[int], samples: int, progress: Progress) -> list[dict[str, Any]]:
+    """kvd pull vs raw NIXL read of the same bytes, per size."""
+    out = []
+    for n, size_mb in enumerate(sizes_mb):
+        size = size_mb << 20
+        held = await session.hold(size, samples + 1)
+        kvd, raw = [], []
+        for i, hold in enumerate(held):
+            session.engine.buffer.zero_()
+            elapsed = await session.engine.pull(hold.kv_transfer_params, 0)
+            session.verify(0, size)
+            raw_s = session.raw.read()
+            if i:  # the first of each size warms up (tables of a new geometry, a new registration)
+                kvd.append(elapsed)
+                raw.append(raw_s)
+            progress(f"sizes {size_mb} MiB", (n + (i + 1) / len(held)) / len(sizes_mb))
+        out.append({"size_bytes": size, "kvd_s": kvd, "raw_s": raw})
+    return out
+
+
+async def overhead(session: Session, samples: int, progress: Progress) -> dict[str, Any]:
+    """2 MiB pulls and raw reads interleaved: pull - raw, pair by pair (the control path's cost)."""
+    size = BLOCK_BYTES
+    held = await session.hold(size, samples + 2)
+    kvd, raw = [], []
+    for i, hold in enumerate(held):
+        elapsed = await session.engine.pull(hold.kv_transfer_params, 0)
+        raw_s = session.raw.read()
+        if i >= 2:
+            kvd.append(elapsed)
+            raw.append(raw_s)
+        progress("control overhead", (i + 1) / len(held))
+    session.verify(0, size)
+    return {"size_bytes": size, "kvd_s": kvd, "raw_s": raw, "overhead_s": [k - r for k, r in zip(kvd, raw, strict=True)]}
+
+
+async def concurrency(
+    session: Session, levels: list[int], pulls_per_level: int, progress: Progress
+) -> list[dict[str, Any]]:
+    """2 MiB pulls with ``level`` in flight: latencies, pulls/s, and the daemons' CPU per pull."""
+    engine = session.engine
+    out = []
+    for n, level in enumerate(levels):
+        level = min(level, engine.capacity_blocks)
+        count = max(pulls_per_level, 4 * level)
+        held = collections.deque(await session.hold(BLOCK_BYTES, count))
+        free = collections.deque(range(engine.capacity_blocks))
+        engine.buffer.zero_()
+        latencies: list[float] = []
+        done = 0
+
+        async def worker() -> None:
+            nonlocal done
+            while held:
+                hold = held.popleft()
+                block = free.popleft()
+                latencies.append(await engine.pull(hold.kv_transfer_params, block))
+                free.append(block)
+                done += 1
+                if done % 16 == 0:
+                    progress(f"concurrency {level}", (n + done / count) / len(levels))
+
+        cpu0 = session.daemons.cpu()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(level)))
+        wall = time.perf_counter() - t0
+        cpu1 = session.daemons.cpu()
+        used = {block for block in range(engine.capacity_blocks) if block not in free} or set()
+        touched = min(engine.capacity_blocks, max(level, 1))
+        for block in range(touched):  # every block a pull landed in holds the pattern
+            session.verify(block, BLOCK_BYTES)
+        del used
+        out.append(
+            {
+                "in_flight": level,
+                "pulls": count,
+                "wall_s": wall,
+                "latency_s": latencies,
+                "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0},
+            }
+        )
+    return out
+
+
+async def first_contact(session: Session, fresh: list[Any], later: int, progress: Progress) -> dict[str, Any]:
+    """The first pull from each never-contacted holder against later pulls from it (2 MiB)."""
+    firsts, laters = [], []
+    for n, daemon in enumerate(fresh):
+        async with AsyncKvdClient(daemon.tcp, timeout_s=60) as client:
+            held = await hold_many(client, BLOCK_BYTES, session.seed, later + 1)
+            for i, hold in enumerate(held):
+                elapsed = await session.engine.pull(hold.kv_transfer_params, 0)
+                (firsts if i == 0 else laters).append(elapsed)
+                progress("first contact", (n + (i + 1) / len(held)) / len(fresh))
+        session.verify(0, BLOCK_BYTES)
+    return {"first_s": firsts, "later_s": laters}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
