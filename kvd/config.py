@@ -127,6 +127,16 @@ class KvdConfig:
             "conversions with smaller pieces read whole blocks into staging and convert."
         },
     )
+    read_descriptor_cost_s: float = dataclasses.field(
+        default=10e-6,
+        metadata={
+            "help": "Planner cost model: time one posted NIXL descriptor costs. With convert_bytes_per_s it picks "
+            "direct reads (many small descriptors) or staging + conversion (few long reads, one copy)."
+        },
+    )
+    convert_bytes_per_s: float = dataclasses.field(
+        default=1e9, metadata={"help": "Planner cost model: speed of a layout conversion out of staging."}
+    )
     staging_pool_bytes: int = dataclasses.field(
         default=256 << 20, metadata={"help": "Bytes of NIXL-registered staging memory for layout conversion."}
     )
@@ -141,6 +151,13 @@ class KvdConfig:
         metadata={
             "help": "Run NIXL's own progress thread. It busy-polls (a whole core per daemon, idle or not); "
             "without it kvd's own NIXL thread drives progress (fast only while reads are in flight)."
+        },
+    )
+    gil_switch_interval_s: float = dataclasses.field(
+        default=0.0002,
+        metadata={
+            "help": "Python's thread switch interval in the daemon (sys.setswitchinterval). A pull hops between "
+            "the event loop and the NIXL thread; at Python's default (5 ms) each hop may wait that long for the GIL."
         },
     )
     agent_name_prefix: str = dataclasses.field(
@@ -204,6 +221,12 @@ class KvdConfig:
             problems.append(f"read_admission_margin_s must be >= 0, got {self.read_admission_margin_s}")
         if not math.isfinite(self.shutdown_grace_s) or self.shutdown_grace_s < 0:
             problems.append(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not (math.isfinite(self.read_descriptor_cost_s) and self.read_descriptor_cost_s >= 0):
+            problems.append(f"read_descriptor_cost_s must be >= 0, got {self.read_descriptor_cost_s}")
+        if not (math.isfinite(self.convert_bytes_per_s) and self.convert_bytes_per_s > 0):
+            problems.append(f"convert_bytes_per_s must be > 0, got {self.convert_bytes_per_s}")
+        if not 1e-6 <= self.gil_switch_interval_s <= 1.0:
+            problems.append(f"gil_switch_interval_s must be in 1e-6..1, got {self.gil_switch_interval_s}")
         if self.lease_ttl_s > self.max_lease_ttl_s:
             problems.append(f"lease_ttl_s {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}")
         if self.max_run_blocks < 1 or self.max_run_blocks & (self.max_run_blocks - 1):

@@ -44,6 +44,7 @@ from kvd.core.peers import Peers, PeerSession, PeerTransport, PrepareResult, Rem
 from kvd.core.registry import EngineRank
 from kvd.core.staging import StagingChunk, StagingPool
 from kvd.core.transfers import Transfer, TransferState
+from kvd.layout.convert_plan import CostModel
 from kvd.layout.plan import PullPlan, Target, plan_pull
 from kvd_client.errors import (
     Aborted,
@@ -108,6 +109,7 @@ class Puller:
         self._current_rank = current_rank
         self._next_registration_id = next_registration_id
         self._serving = serving
+        self._costs = CostModel(config.read_descriptor_cost_s, config.convert_bytes_per_s)
         self._staging: dict[str, StagingPool] = {}
         self._staging_lock = asyncio.Lock()
         self._cuda_streams: dict[int, Any] = {}  # device index -> the daemon's conversion stream
@@ -375,6 +377,7 @@ class Puller:
                     remote.num_tokens,
                     max_run_blocks=self.config.max_run_blocks,
                     direct_read_min_bytes=self.config.direct_read_min_bytes,
+                    costs=self._costs,
                 )
 
             # Planning is vectorised numpy: small pulls plan inline, large ones off the event loop.

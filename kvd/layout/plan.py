@@ -11,6 +11,7 @@ KV of rejected draft tokens, which must never leave the holder).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -47,8 +48,12 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=256)
 def block_geometry(view: EngineView, max_run_blocks: int) -> DescGeometry:
-    """Whole blocks of every plane of every layer, with runs up to ``max_run_blocks``."""
+    """Whole blocks of every plane of every layer, with runs up to ``max_run_blocks``.
+
+    Cached: every pull of an engine pair asks for the same geometry (a pure function of the
+    view), and building it walks every layer's planes in Python."""
     spec = view.spec
     if spec.kv_format is KvFormat.JOINT:
         planes = tuple((p.region, p.k_offset) for p in view.placements)
@@ -65,8 +70,10 @@ def block_geometry(view: EngineView, max_run_blocks: int) -> DescGeometry:
     )
 
 
+@functools.lru_cache(maxsize=1024)
 def partial_block_geometry(view: EngineView, tokens: int) -> DescGeometry:
-    """The first ``tokens`` tokens of any block, every plane (and every head for HND)."""
+    """The first ``tokens`` tokens of any block, every plane (and every head for HND); cached
+    like :func:`block_geometry`."""
     spec = view.spec
     if spec.layout is KvLayout.NHD or spec.kv_format is KvFormat.MLA:
         planes = tuple((p.region, off) for p in view.placements for off in spec.plane_offsets(p))
@@ -81,6 +88,17 @@ def partial_block_geometry(view: EngineView, tokens: int) -> DescGeometry:
         )
         unit = tokens * spec.head_bytes_per_token
     return DescGeometry(planes=planes, num_units=spec.num_blocks, unit_stride=spec.block_stride, unit_bytes=unit)
+
+
+@functools.lru_cache(maxsize=256)
+def _matched_block_geometries(
+    remote: EngineView, local: EngineView, max_run_blocks: int
+) -> tuple[DescGeometry, DescGeometry]:
+    """Both sides' whole-block geometries, cutting runs the same way (the smaller run limit)."""
+    remote_geo = block_geometry(remote, max_run_blocks)
+    local_geo = block_geometry(local, max_run_blocks)
+    k = min(remote_geo.max_run_log2, local_geo.max_run_log2)
+    return dataclasses.replace(remote_geo, max_run_log2=k), dataclasses.replace(local_geo, max_run_log2=k)
 
 
 def _same_layout_group(
@@ -113,6 +131,7 @@ def plan_pull(
     *,
     max_run_blocks: int = 64,
     direct_read_min_bytes: int = 4096,
+    costs: convert_plan.CostModel = convert_plan.DEFAULT_COSTS,
 ) -> PullPlan:
     """Plan reading ``num_tokens`` tokens held in ``remote_block_ids`` into ``local_block_ids``.
 
@@ -138,6 +157,7 @@ def plan_pull(
         num_tokens,
         max_run_blocks=max_run_blocks,
         direct_read_min_bytes=direct_read_min_bytes,
+        costs=costs,
     )
 
 
@@ -156,12 +176,7 @@ def _plan_same_layout(
     rank = remote.spec.tp_rank
     groups = []
     if full_blocks:
-        remote_geo = block_geometry(remote, max_run_blocks)
-        local_geo = block_geometry(local, max_run_blocks)
-        # Both tables must cut runs the same way: use the smaller run limit of the two.
-        k = min(remote_geo.max_run_log2, local_geo.max_run_log2)
-        remote_geo = dataclasses.replace(remote_geo, max_run_log2=k)
-        local_geo = dataclasses.replace(local_geo, max_run_log2=k)
+        remote_geo, local_geo = _matched_block_geometries(remote, local, max_run_blocks)
         groups.append(
             _same_layout_group(rank, remote_geo, remote_ids[:full_blocks], local_geo, local_ids[:full_blocks])
         )

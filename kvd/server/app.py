@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -289,6 +290,7 @@ async def stop(running: Running, grace_s: float) -> None:
 async def serve(config: KvdConfig) -> int:
     """Run until SIGTERM/SIGINT; returns the exit code. Start-up failures raise StartupError
     (`kvd serve` prints it and sends it to systemd as STATUS=)."""
+    sys.setswitchinterval(config.gil_switch_interval_s)  # a pull's thread hops wait for the GIL (config help)
     notifier = Notifier(config.notify_socket)
     stop_event = asyncio.Event()
     loop = asyncio.get_running_loop()
