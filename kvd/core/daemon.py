@@ -120,6 +120,7 @@ class Daemon:
             lambda: self.incarnation,
             self.config.handshake_timeout_s,
             self.config.peer_idle_s,
+            warm=lambda session: self._puller.warm(session) if self._puller is not None else asyncio.sleep(0),
         )
         self._puller = Puller(
             self.config,

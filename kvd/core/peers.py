@@ -23,7 +23,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from kvd.core.dataplane import DataPlane
@@ -142,6 +142,7 @@ class Peers:
         own_incarnation: Callable[[], str],
         timeout_s: float,
         idle_s: float = 600.0,
+        warm: Callable[[PeerSession], Awaitable[None]] | None = None,
     ) -> None:
         self.transport = transport
         self._dataplane = dataplane
@@ -152,6 +153,10 @@ class Peers:
         self._sessions: dict[str, PeerSession] = {}
         self._agents: dict[str, RemoteAgent] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # First contact is on the first pull's path: what can be made ready for later pulls
+        # (UCX endpoints, the peer's whole-block lists) starts right after the handshake.
+        self._warm = warm
+        self._warming: set[asyncio.Task[None]] = set()
 
     def cached(self, address: str) -> PeerSession | None:
         return self._sessions.get(address)
@@ -214,6 +219,10 @@ class Peers:
             await agent.tables.release(keep={e.registration_id for e in info.engines})
         self._metrics.handshakes.labels(address, "ok").inc()
         self._gauges()
+        if self._warm is not None:
+            task = asyncio.get_running_loop().create_task(self._warm(session), name=f"kvd-warm-{address}")
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
         logger.info("handshake with %s: agent %s, %d engine ranks", address, agent.name, len(engines))
         return session
 

@@ -45,7 +45,7 @@ from kvd.core.registry import EngineRank
 from kvd.core.staging import StagingChunk, StagingPool
 from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.convert_plan import CostModel
-from kvd.layout.plan import PullPlan, Target, plan_pull
+from kvd.layout.plan import PullPlan, Target, block_geometry, plan_pull
 from kvd_client.errors import (
     Aborted,
     DeadlineExceeded,
@@ -116,6 +116,24 @@ class Puller:
         # Pull resources whose reads were given up before NIXL finished them: handed back by
         # sweep() once final (a staging chunk or a one-off list must not be reused before).
         self._stale: list[_PullResources] = []
+
+    async def warm(self, session: PeerSession) -> None:
+        """After a handshake, off any pull's path: prepare the whole-block lists of the peer's
+        engines (what every same-layout pull reads through). Pins the agent meanwhile, like a
+        pull: a list is never prepared for an agent already removed. (UCX endpoints need no
+        warming: loading the agent's metadata connects them.)"""
+        try:
+            agent = self.peers.pin(session)
+        except KvdError:
+            return  # dropped already
+        try:
+            for engine in list(session.engines.values()):
+                geometry = block_geometry(engine.view, self.config.max_run_blocks)
+                await agent.table(engine, geometry, self._executor)
+        except Exception as exc:  # an optimisation only: the first pull prepares what it needs
+            logger.debug("warming peer %s: %s", session.address, exc)
+        finally:
+            await self.peers.unpin(agent)
 
     async def close(self) -> None:
         for pool in self._staging.values():
