@@ -47,7 +47,7 @@ SPIN_S = 0.002
 SPIN_BYTES_PER_S = 2e9
 POLL_SLOW_S = 0.001
 POLL_IDLE_S = 0.001
-POLL_FAST_S = 0.00005
+POLL_FAST_S = 0.0002
 
 
 class XferState(enum.Enum):

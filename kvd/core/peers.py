@@ -158,6 +158,11 @@ class Peers:
         self._warm = warm
         self._warming: set[asyncio.Task[None]] = set()
 
+    async def warmed(self) -> None:
+        """Wait for the background work started by handshakes (tests drive interleavings by hand)."""
+        while self._warming:
+            await asyncio.gather(*self._warming, return_exceptions=True)
+
     def cached(self, address: str) -> PeerSession | None:
         return self._sessions.get(address)
 
@@ -266,7 +271,7 @@ class Peers:
             return
         agent.removed = True
         self._agents.pop(agent.name, None)
-        await self._dataplane.remove_remote(agent.name, agent.tables.take())
+        await self._dataplane.remove_remote(agent.name, agent.tables.close())
         self._gauges()
         logger.debug("removed NIXL agent %s", agent.name)
 

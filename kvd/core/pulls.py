@@ -119,21 +119,17 @@ class Puller:
 
     async def warm(self, session: PeerSession) -> None:
         """After a handshake, off any pull's path: prepare the whole-block lists of the peer's
-        engines (what every same-layout pull reads through). Pins the agent meanwhile, like a
-        pull: a list is never prepared for an agent already removed. (UCX endpoints need no
-        warming: loading the agent's metadata connects them.)"""
-        try:
-            agent = self.peers.pin(session)
-        except KvdError:
-            return  # dropped already
+        engines (what every same-layout pull reads through). Holds no pin: if the agent is removed
+        meanwhile its table cache is closed, and a list finished after that is released at once.
+        (UCX endpoints need no warming: loading the agent's metadata connects them.)"""
+        agent = session.agent
         try:
             for engine in list(session.engines.values()):
-                geometry = block_geometry(engine.view, self.config.max_run_blocks)
-                await agent.table(engine, geometry, self._executor)
+                if agent.removed:
+                    return
+                await agent.table(engine, block_geometry(engine.view, self.config.max_run_blocks), self._executor)
         except Exception as exc:  # an optimisation only: the first pull prepares what it needs
             logger.debug("warming peer %s: %s", session.address, exc)
-        finally:
-            await self.peers.unpin(agent)
 
     async def close(self) -> None:
         for pool in self._staging.values():

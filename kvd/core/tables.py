@@ -76,6 +76,12 @@ class TableCache:
         doomed = [k for k in self._tables if keep is None or k[0] not in keep]
         return [self._tables.pop(k) for k in doomed]
 
+    def close(self) -> list[Any]:
+        """Take every list for release, for good: a list still being prepared (the background
+        warm-up after a handshake holds no pin) is released when it is ready, never cached."""
+        self._closed = True
+        return self.take()
+
     async def release(self, keep: set[Hashable] | None = None) -> None:
         """Release the lists (all of them, for good, when ``keep`` is None)."""
         if keep is None:

@@ -46,10 +46,15 @@ class GrpcPeerTransport:
         self._own_incarnation = own_incarnation
         self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # One stub per channel: building one per call showed in the pull path's profile.
+        self._stubs: dict[str, peer_pb2_grpc.PeerServiceStub] = {}
         self.last_contact: dict[str, float] = {}
         """Peer address -> monotonic time of its last answered call (for `kvd status`)."""
 
     def _stub(self, address: str) -> peer_pb2_grpc.PeerServiceStub:
+        stub = self._stubs.get(address)
+        if stub is not None:
+            return stub
         channel = self._channels.get(address)
         if channel is None:
             if self._credentials is not None:
@@ -57,7 +62,8 @@ class GrpcPeerTransport:
             else:
                 channel = grpc.aio.insecure_channel(address, options=PEER_OPTIONS)
             self._channels[address] = channel
-        return peer_pb2_grpc.PeerServiceStub(channel)
+        stub = self._stubs[address] = peer_pb2_grpc.PeerServiceStub(channel)
+        return stub
 
     async def _call(self, address: str, what: str, call: Callable[[peer_pb2_grpc.PeerServiceStub], Awaitable[T]]) -> T:
         try:
@@ -119,11 +125,13 @@ class GrpcPeerTransport:
 
     async def forget(self, address: str) -> None:
         """Close the channel to a dropped peer (a later call opens a new one)."""
+        self._stubs.pop(address, None)
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
 
     async def close(self) -> None:
+        self._stubs.clear()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()

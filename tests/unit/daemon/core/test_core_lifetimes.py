@@ -134,9 +134,11 @@ async def ended(transfer: Transfer) -> None:
 
 
 async def settle(*nodes: Node) -> None:
-    """Let the unpins scheduled by lease callbacks run."""
+    """Let the unpins scheduled by lease callbacks, and the peers' warm-up after a handshake, run."""
     for node in nodes:
         await node.daemon._settle_followups()
+        if node.daemon.peers is not None:
+            await node.daemon.peers.warmed()
 
 
 async def sweep_round(node: Node) -> None:
