@@ -29,6 +29,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -165,12 +166,10 @@ class NixlPull:
     _serial = 0
 
     def __init__(self, plan: PullPlan, remote: dict[int, EngineView], local: EngineView) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        NixlPull._serial += 1
-        config = nixl_agent_config(backends=["UCX"])
-        self.holder = nixl_agent(f"bench-holder-{NixlPull._serial}", config)
-        self.puller = nixl_agent(f"bench-puller-{NixlPull._serial}", config)
+        # One pair of agents for every pair of engines: creating agents costs far more than the
+        # pulls measured here. New registrations reach the puller by loading the holder's
+        # metadata again (NIXL merges it; docs/lifetimes.md).
+        self.holder, self.puller = NixlPull._agents()
         self.plan = plan
         self.remote_mem = {
             rank: torch.randint(0, 256, (v.spec.total_bytes,), dtype=torch.uint8) for rank, v in remote.items()
@@ -185,6 +184,21 @@ class NixlPull:
             self._table("remote", group.remote_rank, group.remote_geometry)
             if group.local_target is Target.ENGINE:
                 self._table("local", 0, group.local_geometry)
+
+    _shared: tuple[Any, Any] | None = None
+
+    @classmethod
+    def _agents(cls) -> tuple[Any, Any]:
+        if cls._shared is None:
+            from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+
+            config = nixl_agent_config(backends=["UCX"])
+            cls._serial += 1
+            cls._shared = (
+                nixl_agent(f"bench-holder-{cls._serial}", config),
+                nixl_agent(f"bench-puller-{cls._serial}", config),
+            )
+        return cls._shared
 
     def _table(self, side: str, rank: int, geometry: DescGeometry) -> object:
         key = (side, rank, geometry)
@@ -227,7 +241,6 @@ class NixlPull:
     def close(self) -> None:
         for table in self.tables.values():
             self.puller.release_dlist_handle(table)
-        self.puller.remove_remote_agent(self.holder.name)
         for agent, registration in self.registrations:
             agent.deregister_memory(registration)
 

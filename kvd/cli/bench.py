@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import logging
 import os
 import platform
 import sys
@@ -40,7 +41,7 @@ class BenchConfig:
     convert_repeat: int
 
 
-QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 256, 3)
+QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5)
 FULL = BenchConfig((2, 8, 32, 128, 512), 10, 300, (1, 2, 4, 8, 16, 32, 64), 1000, 2, 20, 1024, 5)
 
 
@@ -166,8 +167,18 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
     from kvd_client.aio import AsyncKvdClient  # noqa: PLC0415
 
     result: dict[str, Any] = {}
+    sections: dict[str, float] = result.setdefault("section_s", {})
+    mark = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        sections[name] = now - mark
+        mark = now
+
     with contextlib.ExitStack() as stack:
         daemons = start_daemons(stack, workdir, config.fresh_peers)
+        lap("start daemons")
         largest = max((*config.sizes_mb, 2)) << 20
         capacity = max(largest // BLOCK_BYTES, max(config.levels), 2)
         async with (
@@ -177,18 +188,23 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
             engine = Engine(local, capacity)
             await engine.open()
             raw = RawReader(largest)
+            logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL's import set it to INFO
             try:
                 session = runs.Session(daemons, local, peer, engine, raw)
                 # First contact first: the fresh holders have never been pulled from.
                 if daemons.fresh:
                     result["first_contact"] = await runs.first_contact(session, daemons.fresh, config.later_pulls, bar)
                     _show(bar, report.first_contact_table(result["first_contact"]))
+                    lap("first contact")
                 result["overhead"] = await runs.overhead(session, config.overhead_samples, bar)
                 _show(bar, report.overhead_table(result["overhead"]))
+                lap("overhead")
                 result["sizes"] = await runs.sizes(session, list(config.sizes_mb), config.size_samples, bar)
                 _show(bar, report.size_table(result["sizes"]))
+                lap("sizes")
                 result["concurrency"] = await runs.concurrency(session, list(config.levels), config.pulls_per_level, bar)
                 _show(bar, report.concurrency_table(result["concurrency"]))
+                lap("concurrency")
             finally:
                 await engine.close()
                 raw.close()
@@ -227,9 +243,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
             from kvd.bench import convert  # noqa: PLC0415
 
+            t0 = time.perf_counter()
             result["conversions"] = convert.measure_pairs(
                 config.convert_tokens, config.convert_repeat, 4096, torch.device("cpu"), convert.nixl_available(), bar
             )
+            result["section_s"]["conversions"] = time.perf_counter() - t0
             _show(bar, report.conversion_table(result["conversions"]))
     except (runs.BenchFailure, errors.KvdError) as exc:
         bar.clear()
