@@ -103,8 +103,10 @@ def conversion_table(rows: list[dict[str, Any]]) -> list[str]:
         f"{'pull GB/s':>9} {'÷same':>6}",
     ]
     for row in rows:
-        conv = f"{row['convert_gbs']:9.1f} {row['copy_gbs']:9.1f} {row['vs_copy']:6.2f}" if "vs_copy" in row else (
-            f"{'-':>9} {'-':>9} {'-':>6}"
+        conv = (
+            f"{row['convert_gbs']:9.1f} {row['copy_gbs']:9.1f} {row['vs_copy']:6.2f}"
+            if "vs_copy" in row
+            else (f"{'-':>9} {'-':>9} {'-':>6}")
         )
         pull = f"{row['pull_gbs']:9.1f} {row['vs_same_layout']:6.2f}" if "pull_gbs" in row else f"{'-':>9} {'-':>6}"
         out.append(
@@ -145,10 +147,19 @@ def write_plots(directory: Path, result: dict[str, Any]) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         for row in levels:
             lat = sorted(row["latency_s"])
-            ax.plot([s * 1e3 for s in lat], [(i + 1) / len(lat) for i in range(len(lat))], label=f"{row['in_flight']} in flight")
+            ax.plot(
+                [s * 1e3 for s in lat],
+                [(i + 1) / len(lat) for i in range(len(lat))],
+                label=f"{row['in_flight']} in flight",
+            )
         if overhead:
             over = sorted(overhead["overhead_s"])
-            ax.plot([s * 1e3 for s in over], [(i + 1) / len(over) for i in range(len(over))], "k--", label="control overhead (1)")
+            ax.plot(
+                [s * 1e3 for s in over],
+                [(i + 1) / len(over) for i in range(len(over))],
+                "k--",
+                label="control overhead (1)",
+            )
         ax.set_xscale("log")
         ax.set_xlabel("ms (2 MiB pulls)")
         ax.set_ylabel("fraction of pulls")

@@ -100,7 +100,12 @@ async def overhead(session: Session, samples: int, progress: Progress) -> dict[s
             raw.append(raw_s)
         progress("control overhead", (i + 1) / len(held))
     session.verify(0, size)
-    return {"size_bytes": size, "kvd_s": kvd, "raw_s": raw, "overhead_s": [k - r for k, r in zip(kvd, raw, strict=True)]}
+    return {
+        "size_bytes": size,
+        "kvd_s": kvd,
+        "raw_s": raw,
+        "overhead_s": [k - r for k, r in zip(kvd, raw, strict=True)],
+    }
 
 
 async def concurrency(
@@ -113,32 +118,18 @@ async def concurrency(
         level = min(level, engine.capacity_blocks)
         count = max(pulls_per_level, 4 * level)
         held = collections.deque(await session.hold(BLOCK_BYTES, count))
-        free = collections.deque(range(engine.capacity_blocks))
         engine.buffer.zero_()
-        latencies: list[float] = []
-        done = 0
-
-        async def worker() -> None:
-            nonlocal done
-            while held:
-                hold = held.popleft()
-                block = free.popleft()
-                latencies.append(await engine.pull(hold.kv_transfer_params, block))
-                free.append(block)
-                done += 1
-                if done % 16 == 0:
-                    progress(f"concurrency {level}", (n + done / count) / len(levels))
-
         cpu0 = session.daemons.cpu()
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(level)))
+
+        def tick(done: int, n: int = n, level: int = level, count: int = count) -> None:
+            progress(f"concurrency {level}", (n + done / count) / len(levels))
+
+        latencies = await _in_flight(engine, held, level, tick)
         wall = time.perf_counter() - t0
         cpu1 = session.daemons.cpu()
-        used = {block for block in range(engine.capacity_blocks) if block not in free} or set()
-        touched = min(engine.capacity_blocks, max(level, 1))
-        for block in range(touched):  # every block a pull landed in holds the pattern
+        for block in range(level):  # every block a pull landed in holds the pattern
             session.verify(block, BLOCK_BYTES)
-        del used
         out.append(
             {
                 "in_flight": level,
@@ -151,9 +142,30 @@ async def concurrency(
     return out
 
 
+async def _in_flight(
+    engine: Engine, held: collections.deque[Any], level: int, tick: Callable[[int], None]
+) -> list[float]:
+    """Pull every hold in ``held`` with ``level`` pulls in flight, each into a block of its own."""
+    free = collections.deque(range(level))
+    latencies: list[float] = []
+
+    async def worker() -> None:
+        while held:
+            hold = held.popleft()
+            block = free.popleft()
+            latencies.append(await engine.pull(hold.kv_transfer_params, block))
+            free.append(block)
+            if len(latencies) % 16 == 0:
+                tick(len(latencies))
+
+    await asyncio.gather(*(worker() for _ in range(level)))
+    return latencies
+
+
 async def first_contact(session: Session, fresh: list[Any], later: int, progress: Progress) -> dict[str, Any]:
     """The first pull from each never-contacted holder against later pulls from it (2 MiB)."""
-    firsts, laters = [], []
+    firsts: list[float] = []
+    laters: list[float] = []
     for n, daemon in enumerate(fresh):
         async with AsyncKvdClient(daemon.tcp, timeout_s=60) as client:
             held = await hold_many(client, BLOCK_BYTES, session.seed, later + 1)

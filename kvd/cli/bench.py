@@ -47,7 +47,9 @@ FULL = BenchConfig((2, 8, 32, 128, 512), 10, 300, (1, 2, 4, 8, 16, 32, 64), 1000
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the small configuration (< 2 min on 2 cores)")
-    parser.add_argument("--out", default="", help="directory for bench.json and the plots (default: ./kvd-bench-<time>)")
+    parser.add_argument(
+        "--out", default="", help="directory for bench.json and the plots (default: ./kvd-bench-<time>)"
+    )
     parser.add_argument("--sizes-mb", default="", help="pull sizes in MiB, comma-separated (multiples of 2)")
     parser.add_argument("--levels", default="", help="pulls in flight, comma-separated (default 1..64)")
     parser.add_argument("--pulls-per-level", type=int, default=0, help="2 MiB pulls per concurrency level")
@@ -130,12 +132,18 @@ def goals(result: dict[str, Any]) -> list[str]:
     for row in result.get("concurrency", []):
         if row["in_flight"] == 32:
             rate, p99 = row["pulls"] / row["wall_s"], runs.percentile(row["latency_s"], 99)
-            line("2 MiB pulls/s, 32 in flight (>= 2000, p99 < 50 ms)", f"{rate:.0f}/s, p99 {p99 * 1e3:.0f} ms",
-                 rate >= 2000 and p99 < 0.05)
+            line(
+                "2 MiB pulls/s, 32 in flight (>= 2000, p99 < 50 ms)",
+                f"{rate:.0f}/s, p99 {p99 * 1e3:.0f} ms",
+                rate >= 2000 and p99 < 0.05,
+            )
         if row["in_flight"] == 1:
             cpu = row["cpu_s"]
-            line("daemon CPU per pull (reader + holder)",
-                 f"{cpu['reader'] / row['pulls'] * 1e3:.2f} + {cpu['holder'] / row['pulls'] * 1e3:.2f} ms", None)
+            line(
+                "daemon CPU per pull (reader + holder)",
+                f"{cpu['reader'] / row['pulls'] * 1e3:.2f} + {cpu['holder'] / row['pulls'] * 1e3:.2f} ms",
+                None,
+            )
     for row in result.get("sizes", []):
         ratio = runs.median(row["raw_s"]) / runs.median(row["kvd_s"])
         mib = row["size_bytes"] >> 20
@@ -151,13 +159,19 @@ def goals(result: dict[str, Any]) -> list[str]:
     staged = [row for row in pairs if "vs_copy" in row]
     if staged:
         worst = min(staged, key=lambda row: row["vs_copy"])
-        line("worst staged conversion vs copy_ (>= 0.8x)", f"{worst['vs_copy']:.2f}x ({worst['pair'][:14]})",
-             worst["vs_copy"] >= 0.8)
+        line(
+            "worst staged conversion vs copy_ (>= 0.8x)",
+            f"{worst['vs_copy']:.2f}x ({worst['pair'][:14]})",
+            worst["vs_copy"] >= 0.8,
+        )
     pulled = [row for row in pairs if "vs_same_layout" in row]
     if pulled:
         worst = min(pulled, key=lambda row: row["vs_same_layout"])
-        line("worst pair vs same-layout pull (>= 0.5x)", f"{worst['vs_same_layout']:.2f}x ({worst['pair'][:14]})",
-             worst["vs_same_layout"] >= 0.5)
+        line(
+            "worst pair vs same-layout pull (>= 0.5x)",
+            f"{worst['vs_same_layout']:.2f}x ({worst['pair'][:14]})",
+            worst["vs_same_layout"] >= 0.5,
+        )
     return out
 
 
@@ -202,7 +216,9 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
                 result["sizes"] = await runs.sizes(session, list(config.sizes_mb), config.size_samples, bar)
                 _show(bar, report.size_table(result["sizes"]))
                 lap("sizes")
-                result["concurrency"] = await runs.concurrency(session, list(config.levels), config.pulls_per_level, bar)
+                result["concurrency"] = await runs.concurrency(
+                    session, list(config.levels), config.pulls_per_level, bar
+                )
                 _show(bar, report.concurrency_table(result["concurrency"]))
                 lap("concurrency")
             finally:
@@ -212,8 +228,6 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
 
 
 def _show(bar: report.ProgressBar, lines: list[str]) -> None:
-    from kvd.bench import report  # noqa: PLC0415
-
     bar.clear()
     print("\n".join(lines), flush=True)
     print(flush=True)

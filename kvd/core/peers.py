@@ -23,7 +23,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 from kvd.core.dataplane import DataPlane
@@ -142,7 +142,7 @@ class Peers:
         own_incarnation: Callable[[], str],
         timeout_s: float,
         idle_s: float = 600.0,
-        warm: Callable[[PeerSession], Awaitable[None]] | None = None,
+        warm: Callable[[PeerSession], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self.transport = transport
         self._dataplane = dataplane

@@ -128,7 +128,7 @@ class Puller:
                 if agent.removed:
                     return
                 await agent.table(engine, block_geometry(engine.view, self.config.max_run_blocks), self._executor)
-        except Exception as exc:  # an optimisation only: the first pull prepares what it needs
+        except Exception as exc:  # noqa: BLE001 - an optimisation only: the first pull prepares what it needs
             logger.debug("warming peer %s: %s", session.address, exc)
 
     async def close(self) -> None:

@@ -44,7 +44,9 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert all(s > 0 for row in sizes.values() for s in row["kvd_s"] + row["raw_s"])
     overhead = data["overhead"]
     assert len(overhead["overhead_s"]) == 4
-    assert overhead["overhead_s"] == pytest.approx([k - r for k, r in zip(overhead["kvd_s"], overhead["raw_s"])])
+    assert overhead["overhead_s"] == pytest.approx(
+        [k - r for k, r in zip(overhead["kvd_s"], overhead["raw_s"], strict=True)]
+    )
     levels = {row["in_flight"]: row for row in data["concurrency"]}
     assert set(levels) == {1, 4}
     for n, row in levels.items():
