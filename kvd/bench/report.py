@@ -61,13 +61,38 @@ def size_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+PHASES = ("planned", "prepared", "posted", "read", "done")
+
+
+def phase_line(result: dict[str, Any]) -> str:
+    """Median time of each phase of a pull inside the reader daemon (each from the previous one's
+    end), and what is left for the client's two RPC hops (StartPull, FinishedRecving)."""
+    phases = result.get("phase_s") or []
+    if not phases:
+        return ""
+    parts, previous = [], [0.0] * len(phases)
+    for name in PHASES:
+        spans = [p[name] - prev for p, prev in zip(phases, previous, strict=True) if name in p]
+        previous = [p.get(name, prev) for p, prev in zip(phases, previous, strict=True)]
+        if spans:
+            parts.append(f"{name} +{_ms(median(spans))}")
+    outside = [k - p["done"] for k, p in zip(result["kvd_s"], phases, strict=True) if "done" in p]
+    return (
+        "inside the reader daemon, median ms per phase (handshake+plan = planned, holder's PreparePull = prepared, "
+        f"post = posted, NIXL = read, report = done): {', '.join(parts)}; outside (client RPCs, engine stream) "
+        f"{_ms(median(outside))}"
+    )
+
+
 def overhead_table(result: dict[str, Any]) -> list[str]:
     over = result["overhead_s"]
+    line = phase_line(result)
     return [
+        *([line] if line else []),
         f"control overhead of one {result['size_bytes'] >> 20} MiB pull (pull - raw read, pair by pair, "
         f"{len(over)} pairs): p50 {_ms(median(over))} ms, p90 {_ms(percentile(over, 90))} ms, "
         f"p99 {_ms(percentile(over, 99))} ms; pull p50 {_ms(median(result['kvd_s']))} ms, "
-        f"raw p50 {_ms(median(result['raw_s']))} ms"
+        f"raw p50 {_ms(median(result['raw_s']))} ms",
     ]
 
 

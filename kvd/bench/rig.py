@@ -80,6 +80,7 @@ class Engine:
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._stream: Any = None
         self._reader: asyncio.Task[None] | None = None
+        self.last_transfer_id = ""
         self.block_bytes = BLOCK_BYTES
 
     @property
@@ -134,13 +135,14 @@ class Engine:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[params.request_id] = waiter
         t0 = time.perf_counter()
-        await self.client.start_pull(
+        started = await self.client.start_pull(
             engine_id=self.engine_id,
             tp_rank=0,
             request_id=params.request_id,
             local_block_ids=range(first_block, first_block + blocks),
             remote=params,
         )
+        self.last_transfer_id = started.transfer_id
         await waiter
         return time.perf_counter() - t0
 

@@ -91,20 +91,28 @@ async def overhead(session: Session, samples: int, progress: Progress) -> dict[s
     """2 MiB pulls and raw reads interleaved: pull - raw, pair by pair (the control path's cost)."""
     size = BLOCK_BYTES
     held = await session.hold(size, samples + 2)
-    kvd, raw = [], []
+    kvd: list[float] = []
+    raw: list[float] = []
+    transfer_ids: list[str] = []
     for i, hold in enumerate(held):
         elapsed = await session.engine.pull(hold.kv_transfer_params, 0)
         raw_s = session.raw.read()
         if i >= 2:
             kvd.append(elapsed)
             raw.append(raw_s)
+            transfer_ids.append(session.engine.last_transfer_id)
         progress("control overhead", (i + 1) / len(held))
     session.verify(0, size)
+    phases: list[dict[str, float]] = []
+    for transfer_id in transfer_ids:  # where each pull's time went, as the reader daemon saw it
+        status = await session.local.get_transfer(transfer_id)
+        phases.append({**dict(status.phase_s), "done": status.elapsed_s})
     return {
         "size_bytes": size,
         "kvd_s": kvd,
         "raw_s": raw,
         "overhead_s": [k - r for k, r in zip(kvd, raw, strict=True)],
+        "phase_s": phases,
     }
 
 

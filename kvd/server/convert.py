@@ -107,6 +107,7 @@ def transfer_to_pb(t: Transfer) -> common_pb2.TransferStatus:
         error_message=t.error.message if t.error else "",
         elapsed_s=t.elapsed_s,
         direct=t.direct,
+        phase_s=t.phases,
     )
 
 
