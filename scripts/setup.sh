@@ -20,7 +20,7 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install "${PIP_FLAGS[@]}" --upgrade pip
 "${PIP[@]}" install "${PIP_FLAGS[@]}" "torch==${TORCH_VERSION}"
 "${PIP[@]}" install "${PIP_FLAGS[@]}" nixl
-"${PIP[@]}" install "${PIP_FLAGS[@]}" -e ".[test,lint]"
+"${PIP[@]}" install "${PIP_FLAGS[@]}" -e ".[test,lint,bench]"
 
 # systemd-analyze checks deploy/kvd.service (verify, security exposure). Where we are root and
 # apt is there (CI containers), install it; elsewhere those two tests skip and say why.

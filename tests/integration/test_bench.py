@@ -44,6 +44,8 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert all(s > 0 for row in sizes.values() for s in row["kvd_s"] + row["raw_s"])
     overhead = data["overhead"]
     assert len(overhead["overhead_s"]) == 4
+    assert len(overhead["phase_s"]) == 4  # where each pull's time went, from the daemon's TransferStatus
+    assert all(p["planned"] <= p["prepared"] <= p["posted"] <= p["read"] <= p["done"] for p in overhead["phase_s"])
     assert overhead["overhead_s"] == pytest.approx(
         [k - r for k, r in zip(overhead["kvd_s"], overhead["raw_s"], strict=True)]
     )
