@@ -147,6 +147,7 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
 def write_plots(directory: Path, result: dict[str, Any]) -> list[Path]:
     """throughput vs size (raw NIXL beside it), latency CDFs, scaling with concurrency."""
     import matplotlib  # noqa: PLC0415
+    import matplotlib.ticker  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -160,6 +161,7 @@ def write_plots(directory: Path, result: dict[str, Any]) -> list[Path]:
         ax.plot(mib, [row["size_bytes"] / median(row["kvd_s"]) / GB for row in sizes], "o-", label="kvd pull")
         ax.plot(mib, [row["size_bytes"] / median(row["raw_s"]) / GB for row in sizes], "s--", label="raw NIXL read")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_xlabel("pull size (MiB)")
         ax.set_ylabel("GB/s (median)")
         ax.set_title(f"throughput vs size\n{machine}", fontsize=9)
@@ -190,13 +192,14 @@ def write_plots(directory: Path, result: dict[str, Any]) -> list[Path]:
         ax.set_ylabel("fraction of pulls")
         ax.set_title(f"latency CDF\n{machine}", fontsize=9)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
         written.append(_save(fig, directory / "latency_cdf.png"))
     if levels:
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         n = [row["in_flight"] for row in levels]
         ax.plot(n, [row["pulls"] / row["wall_s"] for row in levels], "o-", label="pulls/s")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_xlabel("pulls in flight")
         ax.set_ylabel("pulls/s (2 MiB)")
         ax2 = ax.twinx()
