@@ -154,7 +154,7 @@ class Peers:
         self._agents: dict[str, RemoteAgent] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # First contact is on the first pull's path: what can be made ready for later pulls
-        # (UCX endpoints, the peer's whole-block lists) starts right after the handshake.
+        # (the peer's whole-block lists) is started right after the handshake.
         self._warm = warm
         self._warming: set[asyncio.Task[None]] = set()
 

@@ -109,7 +109,7 @@ class Puller:
         self._current_rank = current_rank
         self._next_registration_id = next_registration_id
         self._serving = serving
-        self._costs = CostModel(config.read_descriptor_cost_s, config.convert_bytes_per_s)
+        self._costs = CostModel(config.read_descriptor_cost_s, config.convert_bytes_per_s, config.staging_pool_bytes)
         self._staging: dict[str, StagingPool] = {}
         self._staging_lock = asyncio.Lock()
         self._cuda_streams: dict[int, Any] = {}  # device index -> the daemon's conversion stream

@@ -445,9 +445,15 @@ class CostModel:
 
     descriptor_s: float = 10e-6
     convert_bytes_per_s: float = 1e9
+    staging_limit_bytes: int = 0  # the staging pool's size (0: unlimited): a pull that direct
+    # reads can serve is never made to wait for, or fail on, staging it cannot get
 
-    def staging_pays(self, direct: Sequence[ReadGroup], staged: Sequence[ReadGroup], converted_bytes: int) -> bool:
-        """Whether staging + conversion is expected to be faster than the direct reads."""
+    def staging_pays(
+        self, direct: Sequence[ReadGroup], staged: Sequence[ReadGroup], converted_bytes: int, staging_total: int
+    ) -> bool:
+        """Whether staging + conversion is expected to be faster than the direct reads (and fits)."""
+        if self.staging_limit_bytes and staging_total > self.staging_limit_bytes:
+            return False
         direct_s = sum(g.num_descriptors for g in direct) * self.descriptor_s
         staged_s = sum(g.num_descriptors for g in staged) * self.descriptor_s
         return staged_s + converted_bytes / self.convert_bytes_per_s < direct_s
@@ -504,7 +510,10 @@ def plan_conversion(
                 source.remote_rank, srside, sside, read_heads, num_tokens, Target.STAGING, max_run_blocks
             )
         if direct is not None and (
-            staged_reads is None or not costs.staging_pays(direct, staged_reads, sside.view.spec.total_bytes)
+            staged_reads is None
+            or not costs.staging_pays(
+                direct, staged_reads, sside.view.spec.total_bytes, staging_bytes + sside.view.spec.total_bytes
+            )
         ):
             reads += direct
             continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvd.layout import oracle
-from kvd.layout.convert_plan import OVERREAD_MAX_FACTOR
+from kvd.layout.convert_plan import OVERREAD_MAX_FACTOR, CostModel
 from kvd.layout.plan import EngineView, PullPlan, Target, plan_pull
 from kvd.layout.spec import DTYPE_SIZES, KvFormat, KvLayout, LayerPlacement, LayoutSpec, contiguous_placements
 
@@ -240,7 +241,7 @@ def _llama_plan(
     local_rank: int = 0,
     remote_offset: int = 0,
     local_offset: int = 0,
-    **kw: int,
+    **kw: Any,
 ) -> PullPlan:
     remote_views = {}
     for rank in range(remote.tp_size):
@@ -309,6 +310,31 @@ def test_threshold_is_the_descriptor_size_that_decides() -> None:
     staged = _llama_plan(remote, local, direct_read_min_bytes=16385)
     assert not staged.direct and staged.num_descriptors == 2 * 64
     assert staged.staging_bytes == 32 * 2 * 1024 * 8 * 256
+
+
+def test_cost_model_stages_when_descriptors_cost_more_than_the_conversion() -> None:
+    """block 16 -> 64 in HND: 4 KiB head pieces may go direct (32,768 descriptors per 1k tokens),
+    but at 10 us a descriptor staging (64 runs and one conversion) is cheaper; with descriptors
+    free, or no staging to spare, the same pull reads direct. Bytes agree either way (oracle tests)."""
+    remote, local = Side(SPLIT, HND, 16, 1, 100), Side(SPLIT, HND, 64, 1, 100)
+    staged = _llama_plan(remote, local)
+    assert not staged.direct and staged.num_descriptors == 64
+    free = _llama_plan(remote, local, costs=CostModel(descriptor_s=0.0))
+    assert free.direct and free.num_descriptors == 32 * 2 * 8 * 64
+    no_room = _llama_plan(remote, local, costs=CostModel(staging_limit_bytes=staged.staging_bytes - 1))
+    assert no_room.direct and no_room.num_descriptors == free.num_descriptors
+    assert _llama_plan(remote, local, costs=CostModel(staging_limit_bytes=staged.staging_bytes)).staging_bytes
+
+
+def test_cost_model_keeps_cheap_direct_reads_direct() -> None:
+    """HND TP 1 -> 2: 4,096 head-run descriptors straight into the engine cost less than staging
+    64 MiB and converting it, so they stay direct under the default costs."""
+    plan = _llama_plan(Side(SPLIT, HND, 16, 1, 100), Side(SPLIT, HND, 16, 2, 100))
+    assert plan.direct and plan.num_descriptors == 64 * 64
+    slow_reads = _llama_plan(
+        Side(SPLIT, HND, 16, 1, 100), Side(SPLIT, HND, 16, 2, 100), costs=CostModel(descriptor_s=1e-3)
+    )
+    assert not slow_reads.direct
 
 
 def test_engine_tables_do_not_depend_on_block_ids() -> None:
