@@ -126,7 +126,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         )
         if self.group_order is None and model is not None and model.use_mla:
             raise ValueError("KvdConnector needs vLLM's KVCacheConfig to register MLA caches")
-        multi = self.group_order is not None and len(self.group_order.groups) > 1
+        multi = self.group_order is not None and len(self.group_order.tables) > 1
         self._scheduler: KvdScheduler | None = None
         self._worker: KvdWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -137,7 +137,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 block_size=self.block_size,
                 hold_client=hold,
                 speculative=self.speculative,
-                num_groups=len(self.group_order.groups) if self.group_order is not None else 1,
+                num_groups=len(self.group_order.tables) if self.group_order is not None else 1,
                 has_state=multi
                 and self.group_order is not None
                 and any(g.kind is KvGroupKind.STATE for g in self.group_order.groups),
@@ -193,8 +193,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens > 0:
             groups = blocks.get_unhashed_block_ids_all_groups()
             order = self.group_order
-            if order is not None and len(order.groups) > 1:
-                clipped = clip_group_blocks(order.groups, order.select(groups))
+            if order is not None and len(order.tables) > 1:
+                clipped = clip_group_blocks(order.table_groups, order.select(groups))
                 block_ids, extra = list(clipped[0]), clipped[1:]
             else:
                 block_ids = groups[0] if groups else []
@@ -228,10 +228,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Hold every group's blocks (sliding window: its in-window tail; state: the running state)."""
         assert self._scheduler is not None
         order = self.group_order
-        if order is None or len(order.groups) == 1:
+        if order is None or len(order.tables) == 1:
             chosen = order.select(block_ids) if order is not None else block_ids
             return self._scheduler.request_finished(request, list(chosen[0]) if chosen else [])
-        clipped = clip_group_blocks(order.groups, order.select(block_ids))
+        clipped = clip_group_blocks(order.table_groups, order.select(block_ids))
         return self._scheduler.request_finished(request, list(clipped[0]), clipped[1:])
 
     # -- worker side ------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class GroupLayers:
     sliding_window: int = 0  # tokens; SLIDING_WINDOW only
     spec_blocks: int = 0  # STATE: trailing speculative scratch blocks vLLM co-allocates per request
     total_num_kv_heads: int = 0  # attention: the model's KV heads of this group (0: heads * tp_size)
+    block_table: int = 0  # which of the request's block id lists (vLLM block tables) the group uses
 
     @property
     def window_blocks(self) -> int:
@@ -88,10 +89,11 @@ class RankGroups:
 
 
 def clip_group_blocks(groups: Sequence[GroupLayers], block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    """Each group's transferable blocks: sliding window -> its in-window tail (null blocks dropped),
-    state -> the running-state block (speculative scratch blocks dropped), full attention -> all."""
+    """Each block table's transferable blocks: sliding window -> its in-window tail (null blocks
+    dropped), state -> the running-state block (speculative scratch blocks dropped), full
+    attention -> all. ``groups``: one group per table (any group using it: one table, one kind)."""
     if len(block_ids) != len(groups):
-        raise ValueError(f"{len(block_ids)} block lists for {len(groups)} KV cache groups")
+        raise ValueError(f"{len(block_ids)} block lists for {len(groups)} block tables")
     out = []
     for group, ids in zip(groups, block_ids, strict=True):
         blocks = [int(b) for b in ids]
@@ -240,6 +242,7 @@ def build_group_registration(
                 layers=layers,
                 sliding_window=group.sliding_window,
                 name=group.name,
+                block_table=group.block_table + 1,
             )
             for layout, layers, group in messages[1:]
         ],

@@ -8,6 +8,7 @@ a message rather than serving a request whose KV silently does not travel).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,24 +36,41 @@ _WINDOW_NAMES = ("SlidingWindowSpec", "SlidingWindowMLASpec")
 
 
 class GroupOrder:
-    """The engine's transfer groups in kvd's order (a full-attention group first) and back."""
+    """The engine's KV cache groups in kvd's order (a full-attention group first), and its block
+    tables: one per vLLM transfer group, in the order kvd's groups first use them."""
 
-    def __init__(self, config: KVCacheConfig, groups: Sequence[GroupLayers], order: Sequence[int]) -> None:
+    def __init__(self, config: KVCacheConfig, groups: Sequence[GroupLayers], tables: Sequence[int]) -> None:
         self.config = config
         self.groups = tuple(groups)
-        self.order = tuple(order)  # kvd group i = vLLM transfer group order[i]
+        self.tables = tuple(tables)  # kvd block table i = vLLM transfer group tables[i]
+        # One group per table, for the per-table clipping (a table's groups share its kind).
+        self.table_groups = tuple(next(g for g in self.groups if g.block_table == i) for i in range(len(self.tables)))
 
     def select(self, block_ids: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
-        """vLLM's per-group block lists (all kv_cache_groups) in kvd's group order."""
+        """vLLM's per-group block lists (all kv_cache_groups) as kvd's block tables."""
         chosen = self.config.select_transfer_block_ids([list(ids) for ids in block_ids])
-        return tuple(list(chosen[i]) for i in self.order)
+        return tuple(list(chosen[i]) for i in self.tables)
 
 
-def _describe(index: int, group: Any) -> tuple[GroupLayers, bool]:
-    """One vLLM group as kvd's; the bool says it is full attention (may be group 0)."""
+def _describe(index: int, group: Any) -> list[tuple[GroupLayers, bool]]:
+    """One vLLM group as kvd's groups; the bool says full attention (may be group 0).
+
+    A ``UniformTypeKVCacheSpecs`` group (layers of one attention type but different shapes,
+    e.g. a drafter with its own head count, sharing one block table) becomes one kvd group per
+    shape, each with the vLLM group's block ids.
+    """
     spec = group.kv_cache_spec
-    name = ("drafter " if group.is_eagle_group else "") + type(spec).__name__
-    layers = tuple(group.layer_names)
+    if type(spec).__name__ == "UniformTypeKVCacheSpecs":
+        by_spec: dict[Any, list[str]] = {}
+        for name in group.layer_names:
+            by_spec.setdefault(spec.kv_cache_specs[name], []).append(name)
+        return [_describe_one(index, layer_spec, tuple(names), group) for layer_spec, names in by_spec.items()]
+    return [_describe_one(index, spec, tuple(group.layer_names), group)]
+
+
+def _describe_one(index: int, spec: Any, layers: tuple[str, ...], group: Any) -> tuple[GroupLayers, bool]:
+    draft = group.is_eagle_group or getattr(spec, "is_draft", False)
+    name = ("drafter " if draft else "") + type(spec).__name__
     kind_name = type(spec).__name__
     if isinstance(spec, MambaSpec):
         if spec.tp_replicated:
@@ -64,7 +82,7 @@ def _describe(index: int, group: Any) -> tuple[GroupLayers, bool]:
                 KvGroupKind.STATE,
                 layers,
                 spec.block_size,
-                name=f"{name}:{spec.mamba_type}",
+                name=f"{name}:{getattr(spec.mamba_type, 'name', spec.mamba_type)}",
                 spec_blocks=spec.num_speculative_blocks,
             ),
             False,
@@ -100,7 +118,12 @@ def _describe(index: int, group: Any) -> tuple[GroupLayers, bool]:
 
 def groups_of_config(config: KVCacheConfig, total_num_kv_heads: int = 0) -> GroupOrder:
     """kvd's view of the engine's transfer groups; a full-attention group goes first."""
-    described = [_describe(i, g) for i, g in enumerate(config.transfer_groups)]
+    described: list[tuple[GroupLayers, bool]] = []
+    source: list[int] = []  # the vLLM transfer group of each kvd group
+    for i, g in enumerate(config.transfer_groups):
+        for item in _describe(i, g):
+            described.append(item)
+            source.append(i)
     if not described:
         raise UnsupportedModelFeature("the engine has no KV cache group to transfer")
     full = [i for i, (_, is_full) in enumerate(described) if is_full]
@@ -111,10 +134,14 @@ def groups_of_config(config: KVCacheConfig, total_num_kv_heads: int = 0) -> Grou
             "token count travels with a full-attention group"
         )
     order = [full[0], *(i for i in range(len(described)) if i != full[0])]
-    groups = [described[i][0] for i in order]
+    tables: list[int] = []  # vLLM transfer group of each kvd block table
+    groups = []
+    for i in order:
+        group = described[i][0]
+        if source[i] not in tables:
+            tables.append(source[i])
+        groups.append(dataclasses.replace(group, block_table=tables.index(source[i])))
     first = groups[0]
     if not first.mla and total_num_kv_heads:
-        groups[0] = GroupLayers(
-            first.kind, first.layer_names, first.block_size, name=first.name, total_num_kv_heads=total_num_kv_heads
-        )
-    return GroupOrder(config, groups, order)
+        groups[0] = dataclasses.replace(first, total_num_kv_heads=total_num_kv_heads)
+    return GroupOrder(config, groups, tables)

@@ -112,18 +112,20 @@ class KvLayoutSpec(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., kv_format: _Optional[_Union[KvFormat, str]] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., total_num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_blocks: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class KvCacheGroup(_message.Message):
-    __slots__ = ("kind", "layout", "layers", "sliding_window", "name")
+    __slots__ = ("kind", "layout", "layers", "sliding_window", "name", "block_table")
     KIND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     kind: KvGroupKind
     layout: KvLayoutSpec
     layers: _containers.RepeatedCompositeFieldContainer[LayerPlacement]
     sliding_window: int
     name: str
-    def __init__(self, kind: _Optional[_Union[KvGroupKind, str]] = ..., layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerPlacement, _Mapping]]] = ..., sliding_window: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    block_table: int
+    def __init__(self, kind: _Optional[_Union[KvGroupKind, str]] = ..., layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerPlacement, _Mapping]]] = ..., sliding_window: _Optional[int] = ..., name: _Optional[str] = ..., block_table: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")

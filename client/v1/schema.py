@@ -115,5 +115,5 @@ class KvTransferParams:
     request_id: str = ""
     lease_expires_unix_ms: int = 0
     group_block_ids: tuple[int, ...] = ()
-    """Block ids of the holder's KV cache groups after group 0 (whose ids are block_ids), flattened: group i+1 has the next group_block_counts[i] ids. Empty for a single-group engine."""
+    """The request's block id lists after the first (block_ids), one per block table of a hybrid model's KV cache groups (see KvCacheGroup.block_table), flattened: list i+1 has the next group_block_counts[i] ids. Empty for a single-group engine."""
     group_block_counts: tuple[int, ...] = ()

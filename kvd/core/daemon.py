@@ -586,7 +586,7 @@ class Daemon:
         if not lease.group_block_ids or num_tokens == lease.num_tokens:
             return
         ranks = self.registry.ranks_of(lease.engine_id)
-        for index, group in enumerate(next(iter(ranks.values())).extra_groups, start=1) if ranks else ():
+        for index, group in enumerate(next(iter(ranks.values())).groups) if ranks else ():
             if group.kind is not kv_groups.KvGroupKind.FULL_ATTENTION:
                 raise UnsupportedModelFeature(
                     f"{kv_groups.describe_group(index, group)}: a {group.kind.name.lower()} group holds the state "
@@ -649,12 +649,17 @@ class Daemon:
                 f"got {len(local_block_ids)} local block ids"
             )
         rank.spec.validate_block_ids(local_block_ids, "local block ids")
-        if len(local_group_block_ids) != len(rank.extra_groups):
+        tables = kv_groups.num_tables(rank.groups)
+        if len(local_group_block_ids) != tables - 1:
             raise InvalidArgument(
-                f"engine {engine_id!r} has {len(rank.groups)} KV cache groups: a pull needs local block ids for "
-                f"{len(rank.extra_groups)} groups after group 0, got {len(local_group_block_ids)}"
+                f"engine {engine_id!r} has {len(rank.groups)} KV cache groups over {tables} block tables: a pull "
+                f"needs {tables - 1} local block id lists after local_block_ids, got {len(local_group_block_ids)}"
             )
-        for index, (group, ids) in enumerate(zip(rank.extra_groups, local_group_block_ids, strict=True), start=1):
+        for index, group in enumerate(rank.groups):
+            table = kv_groups.table_of(index, group)
+            if table == 0:
+                continue
+            ids = local_group_block_ids[table - 1]
             if not ids:
                 raise InvalidArgument(f"{kv_groups.describe_group(index, group)}: no local block ids")
             group.spec.validate_block_ids(ids, f"{kv_groups.describe_group(index, group)} local block ids")

@@ -40,13 +40,26 @@ __all__ = [
     "GroupsPostprocess",
     "KvGroupKind",
     "check_group_pair",
+    "describe_group",
+    "num_tables",
     "plan_groups_pull",
     "state_spec_problems",
+    "table_of",
     "validate_groups",
     "validate_hold_groups",
 ]
 
 STAGING_ALIGN = 256  # each group's staging area starts on this many bytes (word-sized conversions)
+
+
+def table_of(index: int, view: EngineView) -> int:
+    """The block id list group ``index`` uses."""
+    return index if view.block_table < 0 else view.block_table
+
+
+def num_tables(groups: Sequence[EngineView]) -> int:
+    """How many block id lists a request of these groups has."""
+    return max(table_of(i, g) for i, g in enumerate(groups)) + 1
 
 
 def describe_group(index: int, view: EngineView) -> str:
@@ -83,6 +96,18 @@ def validate_groups(groups: Sequence[EngineView]) -> None:
                 raise InvalidArgument(f"{what}: invalid Mamba/linear-attention state layout: " + "; ".join(problems))
         elif view.kind not in (KvGroupKind.FULL_ATTENTION, KvGroupKind.SLIDING_WINDOW):
             raise UnsupportedModelFeature(f"{what}: KV cache group kind {view.kind!r} is not served by kvd")
+    tables = [table_of(i, g) for i, g in enumerate(groups)]
+    if tables[0] != 0:
+        raise InvalidArgument(f"group 0 must use block table 0 (block_ids), not {tables[0]}")
+    if sorted(set(tables)) != list(range(max(tables) + 1)):
+        raise InvalidArgument(f"the groups' block tables {tables} leave a table unused")
+    for index, (view, table) in enumerate(zip(groups, tables, strict=True)):
+        owner = groups[tables.index(table)]
+        if view.kind is not owner.kind or view.spec.num_blocks != owner.spec.num_blocks:
+            raise InvalidArgument(
+                f"{describe_group(index, view)} shares block table {table} with a "
+                f"{owner.kind.name.lower()} group of {owner.spec.num_blocks} blocks: one table, one kind and pool"
+            )
     if groups[0].kind is not KvGroupKind.FULL_ATTENTION:
         raise UnsupportedModelFeature(
             f"group 0 is {groups[0].kind.name.lower()}: kvd needs a full-attention group first (its block ids "
@@ -93,21 +118,25 @@ def validate_groups(groups: Sequence[EngineView]) -> None:
 def validate_hold_groups(
     groups: Sequence[EngineView], extra_block_ids: Sequence[Sequence[int]], num_tokens: int
 ) -> tuple[tuple[int, ...], ...]:
-    """The groups-after-0 block ids a hold keeps (clipped to what ``num_tokens`` needs), checked."""
-    extra = groups[1:]
-    if len(extra_block_ids) != len(extra):
+    """The block id lists after the first a hold keeps (clipped to what ``num_tokens`` needs), checked."""
+    tables = num_tables(groups)
+    if len(extra_block_ids) != tables - 1:
         raise InvalidArgument(
-            f"the engine registered {len(groups)} KV cache groups: a hold needs block ids for "
-            f"{len(extra)} groups after group 0, got {len(extra_block_ids)}"
+            f"the engine registered {len(groups)} KV cache groups over {tables} block tables: a hold needs "
+            f"{tables - 1} block id lists after block_ids, got {len(extra_block_ids)}"
         )
-    kept = []
-    for index, (view, ids) in enumerate(zip(extra, extra_block_ids, strict=True), start=1):
+    kept: dict[int, tuple[int, ...]] = {}
+    for index, view in enumerate(groups):
+        table = table_of(index, view)
+        if table == 0:
+            continue
+        ids = extra_block_ids[table - 1]
         what = describe_group(index, view)
         spec = view.spec
         if view.kind is KvGroupKind.STATE:
             if not ids:
                 raise InvalidArgument(f"{what}: a hold needs the request's state block ids")
-            kept.append(tuple(ids))
+            clipped = tuple(ids)
         else:
             need = spec.blocks_for(num_tokens)
             if view.kind is KvGroupKind.FULL_ATTENTION and len(ids) < need:
@@ -119,9 +148,10 @@ def validate_hold_groups(
                     f"{what}: a sliding-window group's ids are the tail of the {need} blocks of {num_tokens} "
                     f"tokens (1..{need} ids), got {len(ids)}"
                 )
-            kept.append(tuple(ids[:need]))
-        spec.validate_block_ids(kept[-1], f"{what} held block ids")
-    return tuple(kept)
+            clipped = tuple(ids[:need])
+        spec.validate_block_ids(clipped, f"{what} held block ids")
+        kept[table] = clipped
+    return tuple(kept[table] for table in range(1, tables))
 
 
 def check_group_pair(remote: Sequence[EngineView], local: Sequence[EngineView]) -> None:
@@ -202,8 +232,8 @@ def plan_groups_pull(
 ) -> PullPlan:
     """Plan a pull of every group: ``remote`` maps holder ranks to their groups (group 0 first).
 
-    ``remote_block_ids``/``local_block_ids`` hold one list per group. One group: exactly
-    :func:`kvd.layout.plan.plan_pull`.
+    ``remote_block_ids``/``local_block_ids`` hold one list per block table (usually one per
+    group). One group: exactly :func:`kvd.layout.plan.plan_pull`.
     """
     if not remote:
         raise IncompatibleLayout("the holder has no engine ranks registered")
@@ -219,16 +249,23 @@ def plan_groups_pull(
         )
     any_remote = next(iter(remote.values()))
     check_group_pair(any_remote, local)
-    if len(remote_block_ids) != len(local) or len(local_block_ids) != len(local):
+    tables = num_tables(local)
+    if len(remote_block_ids) != tables or len(local_block_ids) != tables:
         raise InvalidArgument(
-            f"{len(local)} KV cache groups, but block ids for {len(remote_block_ids)} remote and "
-            f"{len(local_block_ids)} local groups"
+            f"{len(local)} KV cache groups over {tables} block tables, but {len(remote_block_ids)} remote and "
+            f"{len(local_block_ids)} local block id lists"
         )
     reads: list[ReadGroup] = []
     parts: list[tuple[int, int, Postprocess]] = []
     staging = 0
     for index, view in enumerate(local):
-        r_ids, l_ids = list(remote_block_ids[index]), list(local_block_ids[index])
+        if table_of(index, view) != table_of(index, any_remote[index]):
+            raise IncompatibleLayout(
+                f"{describe_group(index, view)}: block table {table_of(index, view)} here, "
+                f"{table_of(index, any_remote[index])} at the holder: not the same model"
+            )
+        r_ids = list(remote_block_ids[table_of(index, view)])
+        l_ids = list(local_block_ids[table_of(index, view)])
         views = {rank: groups[index] for rank, groups in remote.items()}
         if view.kind is KvGroupKind.STATE:
             if len(r_ids) != len(l_ids):

@@ -64,6 +64,9 @@ class EngineView:
     kind: KvGroupKind = KvGroupKind.FULL_ATTENTION
     name: str = ""  # the engine's name for the group, for messages
     sliding_window: int = 0  # tokens (SLIDING_WINDOW groups; informational)
+    # Which of the request's block id lists the group uses (-1: the one at the group's index);
+    # groups of different shapes may share a block table (kvd.layout.groups).
+    block_table: int = -1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -87,6 +87,7 @@ def group_from_pb(msg: common_pb2.KvCacheGroup, index: int) -> EngineView:
         kind=kind,
         name=msg.name,
         sliding_window=msg.sliding_window,
+        block_table=msg.block_table - 1,
     )
 
 
@@ -97,6 +98,7 @@ def group_to_pb(view: EngineView) -> common_pb2.KvCacheGroup:
         layers=[placement_to_pb(p) for p in view.placements],
         sliding_window=view.sliding_window,
         name=view.name,
+        block_table=view.block_table + 1,
     )
 
 

@@ -61,14 +61,18 @@ def window_specs() -> dict[str, KVCacheSpec]:
     return {f"model.layers.{i}.self_attn.attn": (window if i % 2 else _attn()) for i in range(4)}
 
 
-def mamba_specs() -> dict[str, KVCacheSpec]:
-    # Mamba2 state of a tiny layer: conv state [conv_kernel - 1, conv_dim], SSM [heads, head_dim, d_state].
-    mamba = MambaSpec(block_size=BLOCK, shapes=((3, 32), (4, 8, 16)), dtypes=(torch.float32, torch.float32))
+def mamba_specs(tp_size: int = 1) -> dict[str, KVCacheSpec]:
+    # Mamba2 state of a tiny layer: conv state [conv_kernel - 1, conv_dim], SSM [heads, head_dim, d_state]
+    # (sharded by TP, as the attention heads are).
+    mamba = MambaSpec(
+        block_size=BLOCK, shapes=((3, 32 // tp_size), (4 // tp_size, 8, 16)), dtypes=(torch.float32, torch.float32)
+    )
+    attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2 // tp_size, head_size=16, dtype=torch.float32)
     return {
         "model.layers.0.mixer": mamba,
-        "model.layers.1.self_attn.attn": _attn(),
+        "model.layers.1.self_attn.attn": attn,
         "model.layers.2.mixer": mamba,
-        "model.layers.3.self_attn.attn": _attn(),
+        "model.layers.3.self_attn.attn": attn,
     }
 
 
@@ -307,8 +311,14 @@ def test_mamba2_hybrid(nodes: Any, engines: Any) -> None:
 def test_drafter_group_is_pulled(nodes: Any, engines: Any) -> None:
     node_a, node_b = nodes
     p, d = engines(node_a, "prefill", drafter_specs()), engines(node_b, "decode", drafter_specs())
-    groups = d.kv_cache_config.kv_cache_groups
-    assert len(groups) == 2 and any("drafter.attn" in g.layer_names for g in groups)
+    # vLLM keeps the drafter in the target's block table (one UniformTypeKVCacheSpecs group); kvd
+    # registers its layer as a group of its own shape, with that block table's ids.
+    kvd_groups = d.workers[0].group_order.groups
+    assert [g.layer_names for g in kvd_groups] == [
+        ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"),
+        ("drafter.attn",),
+    ]
+    assert kvd_groups[1].name.startswith("drafter")
     params = prefill(p, "r", PROMPT)
     n = pull_into(d, p, "r", PROMPT, params)
     for layer in drafter_specs():
@@ -329,14 +339,19 @@ def test_unsupported_group_kind_is_refused_naming_it(nodes: Any, tmp_path: Path)
         FamilyEngine(model_dir(tmp_path / "m", {}), "chunked", _extra(node_a), specs)
 
 
-def test_mamba_state_across_tp_degrees_is_refused_and_recomputed(nodes: Any, engines: Any) -> None:
+def test_mamba_state_across_tp_degrees_is_refused_and_recomputed(
+    nodes: Any, engines: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     node_a, node_b = nodes
     p = engines(node_a, "prefill", mamba_specs())
-    d = engines(node_b, "decode", mamba_specs(), tp_size=2)
+    d = engines(node_b, "decode", mamba_specs(tp_size=2), tp_size=2)
     params = prefill(p, "r", PROMPT)
     d.add_request("r", PROMPT, max_tokens=2, kv_transfer_params=params)
     run(d, p)
     assert failed(d) == {"r"}  # reported failed: vLLM recomputed it
     assert transfers(node_b, direction="pull", outcome="failed") == 2  # one per decode rank
-    assert "Mamba/linear-attention state is sharded by tensor parallelism" in node_b.log_tail(200)
-    assert "FAILED_PRECONDITION" in node_b.log_tail(200) or "UnsupportedModelFeature" in node_b.log_tail(200)
+    refusal = "Mamba/linear-attention state is sharded by tensor parallelism"
+    assert refusal in node_b.log_tail(200)
+    # The engine heard the precise status and the feature's name (and recomputed).
+    assert f"FAILED_PRECONDITION: group 1 'MambaSpec:MAMBA2' (state): {refusal}" in caplog.text
+    assert len(d.tokens["r"]) == len(PROMPT) + 2 and d.outputs["r"].finish_reason is not None

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.platforms import current_platform
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core import kv_cache_planning
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -64,7 +65,9 @@ def model_dir(root: Path, config: Mapping[str, Any]) -> Path:
     return root
 
 
-def attention_values(tokens: torch.Tensor, positions: torch.Tensor, layer: int, heads: int, content: int) -> torch.Tensor:
+def attention_values(
+    tokens: torch.Tensor, positions: torch.Tensor, layer: int, heads: int, content: int
+) -> torch.Tensor:
     """``[tokens, heads, content]`` float32: a function of (token, position, layer, head, channel)."""
     t = tokens.view(-1, 1, 1).to(torch.int64)
     p = positions.view(-1, 1, 1).to(torch.int64)
@@ -106,12 +109,16 @@ class FamilyEngine:
         assert self.config.scheduler_config.disable_hybrid_kv_cache_manager is False, "HMA must stay on"
         self.config.cache_config.num_gpu_blocks_override = num_blocks
         self.config.cache_config.kv_cache_layout = "LBHNC"
+        if any(isinstance(spec, MambaSpec) for spec in specs.values()):
+            self.config.cache_config.enable_prefix_caching = False  # vLLM: Mamba prefix caching needs "align"
         groups = kv_cache_planning.get_global_kv_cache_groups(self.config, [dict(specs)])
         self.kv_cache_config = kv_cache_planning.get_kv_cache_configs(self.config, [dict(specs)], [1 << 30], groups)[0]
         self.specs = dict(specs)
         self.layer_index = {name: i for i, name in enumerate(sorted(specs))}
+        # The scheduler gets what vLLM's engine core gives it (one spec per group).
+        scheduler_config = generate_scheduler_kv_cache_config([self.kv_cache_config])
         self.scheduler = Scheduler(
-            self.config, self.kv_cache_config, StructuredOutputManager(self.config), block_size=block_size
+            self.config, scheduler_config, StructuredOutputManager(self.config), block_size=block_size
         )
         self.workers: list[Any] = []
         self.kv_caches: list[dict[str, torch.Tensor]] = []
@@ -130,6 +137,7 @@ class FamilyEngine:
         self._seen: set[str] = set()
         self._pending_sent: dict[str, int] = {}
         self._pending_recv: dict[str, int] = {}
+        self._failed: set[str] = set()
 
     @property
     def connector(self) -> Any:
@@ -184,7 +192,6 @@ class FamilyEngine:
             sampled.append([oracle_next_token(tokens[start + n - 1], start + n, VOCAB)] if done_prompt else [])
         finished_sending: set[str] = set()
         finished_recving: set[str] = set()
-        failed: set[str] = set()
         errors: set[int] = set()
         for worker in self.workers:
             worker.bind_connector_metadata(out.kv_connector_metadata)
@@ -193,7 +200,7 @@ class FamilyEngine:
             errors |= worker.get_block_ids_with_load_errors()
             worker.wait_for_save()
             worker.clear_connector_metadata()
-            failed |= set(results.failed_recving or ())
+            self._failed |= set(results.failed_recving or ())
             for rid in results.finished_sending or ():
                 self._pending_sent[rid] = self._pending_sent.get(rid, 0) + 1
             for rid in results.finished_recving or ():
@@ -204,9 +211,11 @@ class FamilyEngine:
                 if count >= len(self.workers):
                     done.add(rid)
                     del pending[rid]
+        failed = self._failed & finished_recving  # a failed load is also "received" by every rank
+        self._failed -= failed
         kv_out = KVConnectorOutput(
             finished_sending=finished_sending or None,
-            finished_recving=(finished_recving | failed) or None,
+            finished_recving=finished_recving or None,
             failed_recving=failed,
             invalid_block_ids=errors,
         )
