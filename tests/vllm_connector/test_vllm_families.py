@@ -208,21 +208,30 @@ def assert_attention_pulled(d: FamilyEngine, p: FamilyEngine, rid: str, layer: s
 # --- MLA ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("holder_tp", [1, 2], ids=["tp1-to-tp1", "tp2-to-tp1"])
-def test_mla_prefill_to_decode(nodes: Any, engines: Any, holder_tp: int) -> None:
+@pytest.mark.parametrize(
+    "holder_tp,reader_tp",
+    [(1, 1), (2, 1), (1, 2), (2, 2)],
+    ids=["tp1-to-tp1", "tp2-to-tp1", "tp1-to-tp2", "tp2-to-tp2"],
+)
+def test_mla_prefill_to_decode(nodes: Any, engines: Any, holder_tp: int, reader_tp: int) -> None:
     node_a, node_b = nodes
     p = engines(node_a, "prefill", mla_specs(), DEEPSEEK_LITE, tp_size=holder_tp)
-    d = engines(node_b, "decode", mla_specs(), DEEPSEEK_LITE)
+    d = engines(node_b, "decode", mla_specs(), DEEPSEEK_LITE, tp_size=reader_tp)
     assert p.connector.group_order.groups[0].mla
     params = prefill(p, "r", PROMPT)
     n = pull_into(d, p, "r", PROMPT, params)
     assert n == len(PROMPT)
     positions = torch.arange(n)
-    for layer in mla_specs():
-        assert d.kv_caches[0][layer].shape[1:] == (1, BLOCK, KV_LORA_RANK + ROPE_DIM)  # one latent per token
-        assert_attention_pulled(d, p, "r", layer, positions)
+    for rank in range(reader_tp):  # every reader rank holds the whole latent (MLA is replicated)
+        for layer in mla_specs():
+            assert d.kv_caches[rank][layer].shape[1:] == (1, BLOCK, KV_LORA_RANK + ROPE_DIM)  # one latent per token
+            got = d.values_at("r", layer, positions, rank)
+            assert torch.equal(got.view(torch.uint8), p.values_at("r", layer, positions).view(torch.uint8))
+            assert torch.equal(got, d.expected_at("r", layer, positions, rank))
     latent_bytes = 2 * n * (KV_LORA_RANK + ROPE_DIM) * 4
-    assert pulled_bytes(node_b) == latent_bytes  # one holder rank's copy, not one per holder rank
+    assert pulled_bytes(node_b) == latent_bytes * reader_tp  # each reader rank reads one holder rank's copy
+    served = metric_value(scrape(node_a.metrics), "kvd_transfer_bytes_total", direction="serve")
+    assert served == latent_bytes * reader_tp  # and the holder served exactly that
     release_holds(p)
     assert "r" in sent(p) and not p.scheduler.requests
 

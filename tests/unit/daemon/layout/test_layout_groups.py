@@ -173,6 +173,35 @@ def test_groups_sharing_a_block_table_read_the_same_ids() -> None:
         assert torch.equal(oracle.gather([l_region], view, [7, 8, 9], 11), want)
 
 
+@pytest.mark.parametrize("holder_tp,reader_tp", [(2, 1), (2, 2), (4, 2), (1, 2)])
+def test_mla_reader_ranks_spread_over_holder_replicas(holder_tp: int, reader_tp: int) -> None:
+    """MLA is replicated on every TP rank: a reader rank reads one holder rank's copy, and the
+    reader's ranks read different holder ranks where there are enough of them."""
+
+    def mla(rank: int, tp: int) -> tuple[EngineView, ...]:
+        spec = LayoutSpec(
+            num_layers=2,
+            kv_format=KvFormat.MLA,
+            layout=KvLayout.NHD,
+            block_size=4,
+            num_kv_heads=1,
+            head_dim=24,
+            dtype="float16",
+            num_blocks=BLOCKS,
+            tp_rank=rank,
+            tp_size=tp,
+        )
+        return (EngineView(spec, tuple(contiguous_placements(spec))),)
+
+    holder = {rank: mla(rank, holder_tp) for rank in range(holder_tp)}
+    read = [
+        plan_groups_pull(holder, mla(rank, reader_tp), ([1, 2],), ([3, 4],), 7).remote_ranks
+        for rank in range(reader_tp)
+    ]
+    assert all(len(ranks) == 1 for ranks in read)  # one copy per reader rank
+    assert len({ranks[0] for ranks in read}) == min(holder_tp, reader_tp)  # spread over the holder's ranks
+
+
 # --- refusals ----------------------------------------------------------------------------------
 
 
