@@ -84,6 +84,11 @@ class IncompatibleLayout(FailedPrecondition):
     """The two engines' KV layouts cannot be converted into each other."""
 
 
+class UnsupportedModelFeature(IncompatibleLayout):
+    """A model feature kvd cannot serve (a KV cache group kind, a TP pair for a group kind):
+    refused at registration or at hold/pull, naming the feature, never silently skipped."""
+
+
 class MemoryOpenError(FailedPrecondition):
     """The engine's memory (shm file, CUDA IPC handle) could not be opened by the daemon."""
 

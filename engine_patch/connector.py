@@ -27,15 +27,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
+
+from kvd_client.v1.schema import KvGroupKind
 
 from .cache_layout import CacheGeometry
 from .config import KvdConnectorConfig
 from .daemon_link import SchedulerLink
 from .engine_api import ScheduledRequest, StepView, TransferResults
+from .groups import RankGroups, clip_group_blocks, resolve_groups
 from .metadata import KvdConnectorMetadata
 from .registration import geometry_from_vllm_views
 from .scheduler import KvdScheduler
+from .vllm_groups import GroupOrder, groups_of_config
 from .worker import KvdWorker
 
 if TYPE_CHECKING:
@@ -86,8 +91,18 @@ def step_view(scheduler_output: SchedulerOutput) -> StepView:
     return StepView(scheduled=scheduled, finished_req_ids=frozenset(scheduler_output.finished_req_ids))
 
 
-class KvdConnector(KVConnectorBase_V1):
-    """vLLM KV connector backed by the node's kvd daemon (pull-based, both directions)."""
+def _needs_groups(order: GroupOrder | None) -> bool:
+    """True unless the engine is one plain (non-MLA) attention group: the single-layout path."""
+    return order is not None and (len(order.groups) > 1 or order.groups[0].mla)
+
+
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector backed by the node's kvd daemon (pull-based, both directions).
+
+    ``SupportsHMA``: every KV cache group of a hybrid model (full attention, sliding window,
+    Mamba / linear-attention state, a drafter's own group) is registered, held and pulled, so
+    vLLM keeps its hybrid KV cache manager on.
+    """
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -103,31 +118,51 @@ class KvdConnector(KVConnectorBase_V1):
             transfer.kv_load_failure_policy = "recompute"
         self.block_size = int(vllm_config.cache_config.block_size)
         self.speculative = vllm_config.speculative_config is not None
+        model = vllm_config.model_config
+        total_heads = model.get_total_num_kv_heads() if model is not None and not model.use_mla else 0
+        # The engine's KV cache groups (None: vLLM gave no KVCacheConfig; one layout then).
+        self.group_order: GroupOrder | None = (
+            groups_of_config(kv_cache_config, total_heads) if kv_cache_config is not None else None
+        )
+        if self.group_order is None and model is not None and model.use_mla:
+            raise ValueError("KvdConnector needs vLLM's KVCacheConfig to register MLA caches")
+        multi = self.group_order is not None and len(self.group_order.tables) > 1
         self._scheduler: KvdScheduler | None = None
         self._worker: KvdWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             hold = SchedulerLink(self.config.target, rpc_timeout_s=self.config.rpc_timeout_s)
             self._scheduler = KvdScheduler(
-                self.config, self.engine_id, block_size=self.block_size, hold_client=hold, speculative=self.speculative
+                self.config,
+                self.engine_id,
+                block_size=self.block_size,
+                hold_client=hold,
+                speculative=self.speculative,
+                num_groups=len(self.group_order.tables) if self.group_order is not None else 1,
+                has_state=multi
+                and self.group_order is not None
+                and any(g.kind is KvGroupKind.STATE for g in self.group_order.groups),
             )
             self._scheduler.metadata_cls = KvdVllmMetadata
         else:
             tp_rank, tp_size = _tp_rank_and_size()
-            model = vllm_config.model_config
-            total_heads = model.get_total_num_kv_heads() if model is not None else 0
-            if model is not None and model.use_mla:
-                raise ValueError("KvdConnector does not handle MLA caches yet")
 
             def resolve(kv_caches: Mapping[str, torch.Tensor]) -> CacheGeometry:
                 return geometry_from_vllm_views(
                     kv_caches, tp_rank=tp_rank, tp_size=tp_size, total_num_kv_heads=total_heads
                 )
 
+            order = self.group_order
+
+            def resolve_all(kv_caches: Mapping[str, torch.Tensor]) -> RankGroups:
+                assert order is not None
+                return resolve_groups(kv_caches, order.groups, tp_rank=tp_rank, tp_size=tp_size)
+
             self._worker = KvdWorker(
                 self.config,
                 self.engine_id,
                 tp_rank,
-                geometry=resolve,
+                geometry=None if _needs_groups(order) else resolve,
+                groups=resolve_all if _needs_groups(order) else None,
                 # Block-level errors are ambiguous with several KV cache groups (vLLM raises).
                 report_invalid_blocks=kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1,
             )
@@ -138,7 +173,7 @@ class KvdConnector(KVConnectorBase_V1):
         """Head-major blocks (LBHNC), as vLLM's NIXL connector: per-head runs for TP slicing."""
         model = vllm_config.model_config
         if model is None or model.use_mla:
-            return None
+            return None  # one latent "head": any order is the same
         return "LBHNC"
 
     @property
@@ -154,10 +189,20 @@ class KvdConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         block_ids: list[int] = []
+        extra: tuple[tuple[int, ...], ...] = ()
         if num_external_tokens > 0:
             groups = blocks.get_unhashed_block_ids_all_groups()
-            block_ids = groups[0] if groups else []
-        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+            order = self.group_order
+            if order is not None and len(order.tables) > 1:
+                clipped = clip_group_blocks(order.table_groups, order.select(groups))
+                block_ids, extra = list(clipped[0]), clipped[1:]
+            else:
+                block_ids = groups[0] if groups else []
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens, extra)
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -176,6 +221,18 @@ class KvdConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Hold every group's blocks (sliding window: its in-window tail; state: the running state)."""
+        assert self._scheduler is not None
+        order = self.group_order
+        if order is None or len(order.tables) == 1:
+            chosen = order.select(block_ids) if order is not None else block_ids
+            return self._scheduler.request_finished(request, list(chosen[0]) if chosen else [])
+        clipped = clip_group_blocks(order.table_groups, order.select(block_ids))
+        return self._scheduler.request_finished(request, list(clipped[0]), clipped[1:])
 
     # -- worker side ------------------------------------------------------------------------------
 

@@ -113,6 +113,7 @@ class _StartPull:
     local_block_ids: tuple[int, ...]
     remote: Mapping[str, Any]
     deadline_ms: int
+    local_groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,13 +217,19 @@ class DaemonLink:
         return stream is not None and stream.send_post_forward(step, finished)
 
     def start_pull(
-        self, request_id: str, local_block_ids: Sequence[int], remote: Mapping[str, Any], deadline_ms: int = 0
+        self,
+        request_id: str,
+        local_block_ids: Sequence[int],
+        remote: Mapping[str, Any],
+        deadline_ms: int = 0,
+        local_groups: Sequence[Sequence[int]] = (),
     ) -> None:
         """Queue a pull; its outcome comes back as PullStarted/PullFailed, then daemon messages."""
         if not self.connected:
             self._events.append(PullFailed(request_id, f"kvd daemon at {self.target} is not connected"))
             return
-        self._commands.put(_StartPull(request_id, tuple(local_block_ids), dict(remote), deadline_ms))
+        groups = tuple(tuple(int(b) for b in ids) for ids in local_groups)
+        self._commands.put(_StartPull(request_id, tuple(local_block_ids), dict(remote), deadline_ms, groups))
 
     def cancel_pull(self, transfer_id: str) -> None:
         self._commands.put(_Cancel(transfer_id))
@@ -339,15 +346,25 @@ class DaemonLink:
     def _execute(self, command: Any) -> None:
         try:
             if isinstance(command, _StartPull):
-                response = self._client.start_pull(
-                    engine_id=self.engine_id,
-                    tp_rank=self.tp_rank,
-                    request_id=command.request_id,
-                    local_block_ids=list(command.local_block_ids),
-                    remote=_transfer_params(command.remote),
-                    deadline_ms=command.deadline_ms,
-                    timeout_s=self._rpc_timeout_s,
-                )
+                kwargs: dict[str, Any] = {
+                    "engine_id": self.engine_id,
+                    "tp_rank": self.tp_rank,
+                    "request_id": command.request_id,
+                    "local_block_ids": list(command.local_block_ids),
+                    "remote": _transfer_params(command.remote),
+                    "deadline_ms": command.deadline_ms,
+                }
+                if command.local_groups:  # a hybrid model: every group's local blocks
+                    from kvd_client.v1 import router_pb2  # noqa: PLC0415 - protobuf loads with the first pull
+
+                    kwargs = {
+                        "request": router_pb2.StartPullRequest(
+                            **kwargs,
+                            local_group_block_ids=[b for ids in command.local_groups for b in ids],
+                            local_group_block_counts=[len(ids) for ids in command.local_groups],
+                        )
+                    }
+                response = self._client.start_pull(**kwargs, timeout_s=self._rpc_timeout_s)
                 self._events.append(PullStarted(command.request_id, str(response.transfer_id)))
             elif isinstance(command, _Cancel):
                 self._client.cancel_transfer(command.transfer_id, timeout_s=self._rpc_timeout_s)
@@ -401,7 +418,13 @@ class SchedulerLink:
         return self._clock() >= self._down_until
 
     def hold_blocks(
-        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl_ms: int = 0
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        ttl_ms: int = 0,
+        group_block_ids: Sequence[Sequence[int]] = (),
     ) -> dict[str, Any]:
         """The KvTransferParams fields of a new lease; raises a KvdError when it cannot be had."""
         if not self.available():
@@ -411,14 +434,24 @@ class SchedulerLink:
                 self._client = self._client_factory(self.target, self._rpc_timeout_s)
             client = self._client
         try:
-            response = client.hold_blocks(
-                engine_id=engine_id,
-                request_id=request_id,
-                block_ids=list(block_ids),
-                num_tokens=num_tokens,
-                ttl_ms=ttl_ms,
-                timeout_s=self._rpc_timeout_s,
-            )
+            fields: dict[str, Any] = {
+                "engine_id": engine_id,
+                "request_id": request_id,
+                "block_ids": list(block_ids),
+                "num_tokens": num_tokens,
+                "ttl_ms": ttl_ms,
+            }
+            if group_block_ids:  # a hybrid model: every group's blocks
+                from kvd_client.v1 import engine_pb2  # noqa: PLC0415 - protobuf loads with the first hold
+
+                fields = {
+                    "request": engine_pb2.HoldBlocksRequest(
+                        **fields,
+                        group_block_ids=[int(b) for ids in group_block_ids for b in ids],
+                        group_block_counts=[len(ids) for ids in group_block_ids],
+                    )
+                }
+            response = client.hold_blocks(**fields, timeout_s=self._rpc_timeout_s)
         except (errors.Unavailable, errors.DeadlineExceeded):
             self._down_until = self._clock() + self._retry_after_s
             raise

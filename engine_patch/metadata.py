@@ -21,6 +21,8 @@ class PullSpec:
     local_block_ids: tuple[int, ...]
     remote: dict[str, Any]
     deadline_ms: int = 0
+    # Hybrid models: local block ids of the KV cache groups after group 0, one tuple per group.
+    local_group_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass

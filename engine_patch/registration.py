@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from .shm import cuda_ipc_handle, known_region, move_storage_to_shm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_registration", "geometry_from_vllm_views", "ordered_layers"]
+__all__ = ["build_registration", "geometry_from_vllm_views", "ordered_layers", "region_of"]
 
 _LAYER_INDEX = re.compile(r"(\d+)")
 
@@ -91,6 +91,29 @@ def geometry_from_vllm_views(
     )
 
 
+def region_of(tensors: Sequence[torch.Tensor]) -> tuple[Any, int]:
+    """The one ``MemoryRegion`` backing every tensor, and the byte offset of storage byte 0 in it.
+
+    Host memory is moved into shm in place (once); CUDA memory is exported by IPC handle.
+    """
+    from kvd_client.v1 import common_pb2  # noqa: PLC0415 - protobuf loads with registration
+
+    storage = tensors[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
+        raise ValueError("kvd registers one memory region per rank: every layer must share one allocation")
+    if storage.device.type == "cuda":
+        handle = cuda_ipc_handle(tensors[0])
+        region = common_pb2.MemoryRegion(
+            kind=common_pb2.MEMORY_KIND_CUDA_IPC,
+            size_bytes=int(storage.nbytes()),
+            cuda_ipc=common_pb2.CudaIpcHandle(**handle),
+        )
+        return region, 0
+    shm = known_region(tensors[0]) or move_storage_to_shm(tensors)
+    region = common_pb2.MemoryRegion(kind=common_pb2.MEMORY_KIND_SHM, size_bytes=shm.size_bytes, shm_name=shm.name)
+    return region, shm.data_offset
+
+
 def build_registration(
     engine_id: str,
     kv_caches: Mapping[str, torch.Tensor],
@@ -106,22 +129,8 @@ def build_registration(
     if len(layers) != geometry.num_layers:
         raise ValueError(f"{len(layers)} KV tensors for a {geometry.num_layers}-layer geometry")
     tensors = [t for _, t in layers]
-    storage = tensors[0].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in tensors):
-        raise ValueError("kvd registers one memory region per rank: every layer must share one allocation")
+    region, base = region_of(tensors)
     elem = tensors[0].element_size()
-    if storage.device.type == "cuda":
-        handle = cuda_ipc_handle(tensors[0])
-        region = common_pb2.MemoryRegion(
-            kind=common_pb2.MEMORY_KIND_CUDA_IPC,
-            size_bytes=int(storage.nbytes()),
-            cuda_ipc=common_pb2.CudaIpcHandle(**handle),
-        )
-        base = 0
-    else:
-        shm = known_region(tensors[0]) or move_storage_to_shm(tensors)
-        region = common_pb2.MemoryRegion(kind=common_pb2.MEMORY_KIND_SHM, size_bytes=shm.size_bytes, shm_name=shm.name)
-        base = shm.data_offset
     placements = []
     for t in tensors:
         start = base + int(t.storage_offset()) * elem

@@ -42,7 +42,13 @@ class HoldClient(Protocol):
     def available(self) -> bool: ...
 
     def hold_blocks(
-        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl_ms: int = 0
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        ttl_ms: int = 0,
+        group_block_ids: Sequence[Sequence[int]] = (),
     ) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
@@ -67,8 +73,16 @@ class KvdScheduler:
         block_size: int,
         hold_client: HoldClient | None,
         speculative: bool = False,
+        num_groups: int = 1,
+        has_state: bool = False,
     ) -> None:
+        """``num_groups``: the engine's KV cache groups (hybrid models > 1); ``has_state``: one of
+        them is Mamba / linear-attention state (the prefill engine leaves the last prompt token to
+        the decode engine, which derives the final state from the pulled one, as vLLM's NIXL
+        connector does)."""
         self.config = config
+        self.num_groups = num_groups
+        self.has_state = has_state
         self.engine_id = engine_id
         self.block_size = block_size
         self.speculative = speculative
@@ -103,6 +117,17 @@ class KvdScheduler:
                 self.config.pull_threshold_tokens,
             )
             return 0, False
+        if self.num_groups > 1 and (num_computed_tokens or count != remote.num_tokens):
+            # A hybrid model's sliding-window and state groups hold what follows all held tokens:
+            # a partial pull (local prefix hit, shorter prompt) could not use them.
+            logger.info(
+                "request %s: hybrid model with a local hit of %d tokens or a partial pull (%d of %d): recomputing",
+                request.request_id,
+                num_computed_tokens,
+                count,
+                remote.num_tokens,
+            )
+            return 0, False
         if remote.skipping(num_computed_tokens) is None:
             logger.info(
                 "request %s: local hit of %d tokens is not on a remote block boundary (%d); recomputing",
@@ -117,9 +142,14 @@ class KvdScheduler:
         return count, True
 
     def update_state_after_alloc(
-        self, request: ConnectorRequest, block_ids: Sequence[int], num_external_tokens: int
+        self,
+        request: ConnectorRequest,
+        block_ids: Sequence[int],
+        num_external_tokens: int,
+        group_block_ids: Sequence[Sequence[int]] = (),
     ) -> None:
-        """``block_ids``: the blocks allocated past the local hit (vLLM's unhashed blocks)."""
+        """``block_ids``: the blocks allocated past the local hit (vLLM's unhashed blocks);
+        ``group_block_ids``: a hybrid model's other groups' blocks (clipped per group)."""
         params = request.kv_transfer_params
         matched = self._matched.pop(request.request_id, None)
         if not params or num_external_tokens <= 0 or matched is None:
@@ -147,8 +177,33 @@ class KvdScheduler:
             local_block_ids=tuple(int(b) for b in block_ids[:local_blocks]),
             remote=fields,
             deadline_ms=self.config.pull_deadline_ms,
+            local_group_block_ids=tuple(tuple(int(b) for b in ids) for ids in group_block_ids),
         )
         params[PULL_DONE_KEY] = True  # one transfer per request, even if rescheduled
+
+    def on_new_request(self, request: Any) -> None:
+        """A prefill engine of a model with state groups stops one prompt token short.
+
+        The decode engine pulls the state after N-1 tokens and recomputes the last prompt
+        token itself (vLLM always recomputes it), which yields the state after N tokens; a
+        state after N tokens would be advanced twice by that token. vLLM's NIXL connector does
+        the same (``_truncate_request_for_prefill``).
+        """
+        params = request.kv_transfer_params
+        if (
+            not self.has_state
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get("_kvd_truncated")
+            or request.num_prompt_tokens <= 1
+            or request.prompt_token_ids is None
+        ):
+            return
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]  # noqa: SLF001 - vLLM keeps prompt + output here (as NIXL does)
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvd_truncated"] = True
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -175,9 +230,10 @@ class KvdScheduler:
     # -- finish ---------------------------------------------------------------------------------
 
     def request_finished(
-        self, request: ConnectorRequest, block_ids: Sequence[int]
+        self, request: ConnectorRequest, block_ids: Sequence[int], group_block_ids: Sequence[Sequence[int]] = ()
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Hold the blocks for a remote reader when this request's KV is wanted elsewhere."""
+        """Hold the blocks (every KV cache group's) for a remote reader when this request's KV is
+        wanted elsewhere."""
         rid = request.request_id
         self._matched.pop(rid, None)
         if self._pending_pulls.pop(rid, None) is not None:
@@ -194,7 +250,8 @@ class KvdScheduler:
             return False, None
         blocks = [int(b) for b in block_ids[: math.ceil(num_tokens / self.block_size)]]
         try:
-            held = self._hold.hold_blocks(self.engine_id, rid, blocks, num_tokens, self.config.hold_ttl_ms)
+            groups = {"group_block_ids": group_block_ids} if group_block_ids else {}
+            held = self._hold.hold_blocks(self.engine_id, rid, blocks, num_tokens, self.config.hold_ttl_ms, **groups)
         except errors.KvdError as err:
             self.hold_failures += 1
             logger.warning("request %s: kvd could not hold its KV (%s); the reader will recompute", rid, err)

@@ -29,6 +29,7 @@ from .cache_layout import CacheGeometry
 from .config import KvdConnectorConfig
 from .daemon_link import Connected, DaemonLink, DaemonMessage, Disconnected, LinkEvent, PullFailed, PullStarted
 from .engine_api import TransferResults
+from .groups import RankGroups, build_group_registration
 from .hostcopy import AsyncHostCopy
 from .metadata import KvdConnectorMetadata
 from .registration import build_registration
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["KvdWorker", "WorkerStats"]
 
 GeometryResolver = Callable[[Mapping[str, torch.Tensor]], CacheGeometry]
+# A hybrid / MLA engine: every KV cache group of the rank (kvd_engine.groups).
+GroupsResolver = Callable[[Mapping[str, torch.Tensor]], RankGroups]
 
 _UNKNOWN_RELEASE_TTL_S = 60.0
 
@@ -72,17 +75,25 @@ class KvdWorker:
         engine_id: str,
         tp_rank: int,
         *,
-        geometry: CacheGeometry | GeometryResolver,
+        geometry: CacheGeometry | GeometryResolver | None = None,
+        groups: GroupsResolver | None = None,
         link: DaemonLink | None = None,
         window_open: Callable[[], bool] | None = None,
         report_invalid_blocks: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``window_open`` tells whether an NWOR window is still open (ordering guard)."""
+        """``window_open`` tells whether an NWOR window is still open (ordering guard).
+
+        ``geometry`` describes a single-layout cache; ``groups`` every KV cache group of a
+        hybrid, MLA or drafter-carrying model (one of the two is given).
+        """
+        if (geometry is None) == (groups is None):
+            raise ValueError("KvdWorker needs exactly one of geometry and groups")
         self.config = config
         self.engine_id = engine_id
         self.tp_rank = tp_rank
         self._geometry = geometry
+        self._groups = groups
         self.link = link or DaemonLink(
             config.target,
             engine_id,
@@ -110,6 +121,7 @@ class KvdWorker:
         self._deferred_commits: dict[str, int] = {}
         self._incarnation = ""
         self.geometry: CacheGeometry | None = None
+        self.rank_groups: RankGroups | None = None
         self.stats = WorkerStats()
 
     def bind_nwor(self, manager: Any) -> None:
@@ -120,9 +132,20 @@ class KvdWorker:
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Describe the rank's cache and start (re)registering it in the background."""
-        geometry = self._geometry if isinstance(self._geometry, CacheGeometry) else self._geometry(kv_caches)
-        self.geometry = geometry
-        request = build_registration(self.engine_id, kv_caches, geometry, require_commits=self.config.require_commits)
+        if self._groups is not None:
+            rank = self._groups(kv_caches)
+            self.geometry = rank.geometry
+            self.rank_groups = rank
+            request = build_group_registration(
+                self.engine_id, kv_caches, rank, require_commits=self.config.require_commits
+            )
+        else:
+            assert self._geometry is not None
+            geometry = self._geometry if isinstance(self._geometry, CacheGeometry) else self._geometry(kv_caches)
+            self.geometry = geometry
+            request = build_registration(
+                self.engine_id, kv_caches, geometry, require_commits=self.config.require_commits
+            )
         self._on_gpu = next(iter(kv_caches.values())).device.type == "cuda"
         self._signaler = StepSignaler(
             self.link.send_commit,
@@ -150,7 +173,9 @@ class KvdWorker:
             self._pulls[spec.request_id] = _Pull(
                 spec.request_id, spec.local_block_ids, now, now + deadline_s, epoch=self.link.epoch
             )
-            self.link.start_pull(spec.request_id, spec.local_block_ids, spec.remote, spec.deadline_ms)
+            self.link.start_pull(
+                spec.request_id, spec.local_block_ids, spec.remote, spec.deadline_ms, spec.local_group_block_ids
+            )
             self.stats.pulls_started += 1
         for rid, expiry in meta.held.items():
             self._held[rid] = (expiry, self.link.epoch)

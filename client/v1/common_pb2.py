@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvd/v1/common.proto\x12\x06kvd.v1\"\x95\x02\n\x0cKvLayoutSpec\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12#\n\tkv_format\x18\x02 \x01(\x0e\x32\x10.kvd.v1.KvFormat\x12 \n\x06layout\x18\x03 \x01(\x0e\x32\x10.kvd.v1.KvLayout\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x1a\n\x12total_num_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x1c\n\x05\x64type\x18\x08 \x01(\x0e\x32\r.kvd.v1.DType\x12\x12\n\nnum_blocks\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\"\xda\x01\n\rCudaIpcHandle\x12\x14\n\x0c\x64\x65vice_index\x18\x01 \x01(\r\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"\x8d\x01\n\x0cMemoryRegion\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.kvd.v1.MemoryKind\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x12\n\x08shm_name\x18\x03 \x01(\tH\x00\x12)\n\x08\x63uda_ipc\x18\x04 \x01(\x0b\x32\x15.kvd.v1.CudaIpcHandleH\x00\x42\x08\n\x06source\"D\n\x0eLayerPlacement\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x10\n\x08k_offset\x18\x02 \x01(\x04\x12\x10\n\x08v_offset\x18\x03 \x01(\x04\"\xd6\x01\n\x10KvTransferParams\x12\x16\n\x0e\x64\x61\x65mon_address\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x61\x65mon_incarnation\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\t \x01(\x03\"\xef\x02\n\x0eTransferStatus\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12$\n\x05state\x18\x06 \x01(\x0e\x32\x15.kvd.v1.TransferState\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x08 \x01(\r\x12\x12\n\nerror_code\x18\t \x01(\t\x12\x15\n\rerror_message\x18\n \x01(\t\x12\x11\n\telapsed_s\x18\x0b \x01(\x01\x12\x0e\n\x06\x64irect\x18\x0c \x01(\x08\x12\x33\n\x07phase_s\x18( \x03(\x0b\x32\".kvd.v1.TransferStatus.PhaseSEntry\x1a-\n\x0bPhaseSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x84\x01\n\tLeaseInfo\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x06 \x01(\x03*K\n\x08KvLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\x11\n\rKV_LAYOUT_NHD\x10\x01\x12\x11\n\rKV_LAYOUT_HND\x10\x02*x\n\x08KvFormat\x12\x19\n\x15KV_FORMAT_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_FORMAT_SPLIT\x10\x01\x12\x13\n\x0fKV_FORMAT_JOINT\x10\x02\x12\x11\n\rKV_FORMAT_MLA\x10\x03\x12\x14\n\x10KV_FORMAT_PACKED\x10\x04*\x97\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x15\n\x11\x44TYPE_FLOAT8_E4M3\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*X\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMEMORY_KIND_SHM\x10\x01\x12\x18\n\x14MEMORY_KIND_CUDA_IPC\x10\x02*\xf6\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PLANNED\x10\x01\x12\x1a\n\x16TRANSFER_STATE_READING\x10\x02\x12!\n\x1dTRANSFER_STATE_POSTPROCESSING\x10\x03\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x04\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x05\x12\x1a\n\x16TRANSFER_STATE_ABORTED\x10\x06\x12\x1a\n\x16TRANSFER_STATE_FENCING\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvd/v1/common.proto\x12\x06kvd.v1\"\x95\x02\n\x0cKvLayoutSpec\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12#\n\tkv_format\x18\x02 \x01(\x0e\x32\x10.kvd.v1.KvFormat\x12 \n\x06layout\x18\x03 \x01(\x0e\x32\x10.kvd.v1.KvLayout\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x1a\n\x12total_num_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x1c\n\x05\x64type\x18\x08 \x01(\x0e\x32\r.kvd.v1.DType\x12\x12\n\nnum_blocks\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\x12\x0f\n\x07tp_size\x18\x0b \x01(\r\"\xba\x01\n\x0cKvCacheGroup\x12!\n\x04kind\x18\x01 \x01(\x0e\x32\x13.kvd.v1.KvGroupKind\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12&\n\x06layers\x18\x03 \x03(\x0b\x32\x16.kvd.v1.LayerPlacement\x12\x16\n\x0esliding_window\x18\x04 \x01(\r\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x13\n\x0b\x62lock_table\x18\x06 \x01(\r\"\xda\x01\n\rCudaIpcHandle\x12\x14\n\x0c\x64\x65vice_index\x18\x01 \x01(\r\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"\x8d\x01\n\x0cMemoryRegion\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.kvd.v1.MemoryKind\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x12\n\x08shm_name\x18\x03 \x01(\tH\x00\x12)\n\x08\x63uda_ipc\x18\x04 \x01(\x0b\x32\x15.kvd.v1.CudaIpcHandleH\x00\x42\x08\n\x06source\"D\n\x0eLayerPlacement\x12\x0e\n\x06region\x18\x01 \x01(\r\x12\x10\n\x08k_offset\x18\x02 \x01(\x04\x12\x10\n\x08v_offset\x18\x03 \x01(\x04\"\x8b\x02\n\x10KvTransferParams\x12\x16\n\x0e\x64\x61\x65mon_address\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x61\x65mon_incarnation\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\x04\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\t \x01(\x03\x12\x17\n\x0fgroup_block_ids\x18\x32 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x33 \x03(\r\"\xef\x02\n\x0eTransferStatus\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12$\n\x05state\x18\x06 \x01(\x0e\x32\x15.kvd.v1.TransferState\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x08 \x01(\r\x12\x12\n\nerror_code\x18\t \x01(\t\x12\x15\n\rerror_message\x18\n \x01(\t\x12\x11\n\telapsed_s\x18\x0b \x01(\x01\x12\x0e\n\x06\x64irect\x18\x0c \x01(\x08\x12\x33\n\x07phase_s\x18( \x03(\x0b\x32\".kvd.v1.TransferStatus.PhaseSEntry\x1a-\n\x0bPhaseSEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb9\x01\n\tLeaseInfo\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x17\n\x0f\x65xpires_unix_ms\x18\x06 \x01(\x03\x12\x17\n\x0fgroup_block_ids\x18\x32 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x33 \x03(\r*K\n\x08KvLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\x11\n\rKV_LAYOUT_NHD\x10\x01\x12\x11\n\rKV_LAYOUT_HND\x10\x02*x\n\x08KvFormat\x12\x19\n\x15KV_FORMAT_UNSPECIFIED\x10\x00\x12\x13\n\x0fKV_FORMAT_SPLIT\x10\x01\x12\x13\n\x0fKV_FORMAT_JOINT\x10\x02\x12\x11\n\rKV_FORMAT_MLA\x10\x03\x12\x14\n\x10KV_FORMAT_PACKED\x10\x04*\x97\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x15\n\x11\x44TYPE_FLOAT8_E4M3\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*X\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMEMORY_KIND_SHM\x10\x01\x12\x18\n\x14MEMORY_KIND_CUDA_IPC\x10\x02*\x89\x01\n\x0bKvGroupKind\x12\x1d\n\x19KV_GROUP_KIND_UNSPECIFIED\x10\x00\x12 \n\x1cKV_GROUP_KIND_FULL_ATTENTION\x10\x01\x12 \n\x1cKV_GROUP_KIND_SLIDING_WINDOW\x10\x02\x12\x17\n\x13KV_GROUP_KIND_STATE\x10\x03*\xf6\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PLANNED\x10\x01\x12\x1a\n\x16TRANSFER_STATE_READING\x10\x02\x12!\n\x1dTRANSFER_STATE_POSTPROCESSING\x10\x03\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x04\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x05\x12\x1a\n\x16TRANSFER_STATE_ABORTED\x10\x06\x12\x1a\n\x16TRANSFER_STATE_FENCING\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRANSFERSTATUS_PHASESENTRY']._loaded_options = None
   _globals['_TRANSFERSTATUS_PHASESENTRY']._serialized_options = b'8\001'
-  _globals['_KVLAYOUT']._serialized_start=1468
-  _globals['_KVLAYOUT']._serialized_end=1543
-  _globals['_KVFORMAT']._serialized_start=1545
-  _globals['_KVFORMAT']._serialized_end=1665
-  _globals['_DTYPE']._serialized_start=1668
-  _globals['_DTYPE']._serialized_end=1819
-  _globals['_MEMORYKIND']._serialized_start=1821
-  _globals['_MEMORYKIND']._serialized_end=1909
-  _globals['_TRANSFERSTATE']._serialized_start=1912
-  _globals['_TRANSFERSTATE']._serialized_end=2158
+  _globals['_KVLAYOUT']._serialized_start=1763
+  _globals['_KVLAYOUT']._serialized_end=1838
+  _globals['_KVFORMAT']._serialized_start=1840
+  _globals['_KVFORMAT']._serialized_end=1960
+  _globals['_DTYPE']._serialized_start=1963
+  _globals['_DTYPE']._serialized_end=2114
+  _globals['_MEMORYKIND']._serialized_start=2116
+  _globals['_MEMORYKIND']._serialized_end=2204
+  _globals['_KVGROUPKIND']._serialized_start=2207
+  _globals['_KVGROUPKIND']._serialized_end=2344
+  _globals['_TRANSFERSTATE']._serialized_start=2347
+  _globals['_TRANSFERSTATE']._serialized_end=2593
   _globals['_KVLAYOUTSPEC']._serialized_start=32
   _globals['_KVLAYOUTSPEC']._serialized_end=309
-  _globals['_CUDAIPCHANDLE']._serialized_start=312
-  _globals['_CUDAIPCHANDLE']._serialized_end=530
-  _globals['_MEMORYREGION']._serialized_start=533
-  _globals['_MEMORYREGION']._serialized_end=674
-  _globals['_LAYERPLACEMENT']._serialized_start=676
-  _globals['_LAYERPLACEMENT']._serialized_end=744
-  _globals['_KVTRANSFERPARAMS']._serialized_start=747
-  _globals['_KVTRANSFERPARAMS']._serialized_end=961
-  _globals['_TRANSFERSTATUS']._serialized_start=964
-  _globals['_TRANSFERSTATUS']._serialized_end=1331
-  _globals['_TRANSFERSTATUS_PHASESENTRY']._serialized_start=1286
-  _globals['_TRANSFERSTATUS_PHASESENTRY']._serialized_end=1331
-  _globals['_LEASEINFO']._serialized_start=1334
-  _globals['_LEASEINFO']._serialized_end=1466
+  _globals['_KVCACHEGROUP']._serialized_start=312
+  _globals['_KVCACHEGROUP']._serialized_end=498
+  _globals['_CUDAIPCHANDLE']._serialized_start=501
+  _globals['_CUDAIPCHANDLE']._serialized_end=719
+  _globals['_MEMORYREGION']._serialized_start=722
+  _globals['_MEMORYREGION']._serialized_end=863
+  _globals['_LAYERPLACEMENT']._serialized_start=865
+  _globals['_LAYERPLACEMENT']._serialized_end=933
+  _globals['_KVTRANSFERPARAMS']._serialized_start=936
+  _globals['_KVTRANSFERPARAMS']._serialized_end=1203
+  _globals['_TRANSFERSTATUS']._serialized_start=1206
+  _globals['_TRANSFERSTATUS']._serialized_end=1573
+  _globals['_TRANSFERSTATUS_PHASESENTRY']._serialized_start=1528
+  _globals['_TRANSFERSTATUS_PHASESENTRY']._serialized_end=1573
+  _globals['_LEASEINFO']._serialized_start=1576
+  _globals['_LEASEINFO']._serialized_end=1761
 # @@protoc_insertion_point(module_scope)

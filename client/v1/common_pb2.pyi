@@ -37,6 +37,13 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMORY_KIND_SHM: _ClassVar[MemoryKind]
     MEMORY_KIND_CUDA_IPC: _ClassVar[MemoryKind]
 
+class KvGroupKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_GROUP_KIND_UNSPECIFIED: _ClassVar[KvGroupKind]
+    KV_GROUP_KIND_FULL_ATTENTION: _ClassVar[KvGroupKind]
+    KV_GROUP_KIND_SLIDING_WINDOW: _ClassVar[KvGroupKind]
+    KV_GROUP_KIND_STATE: _ClassVar[KvGroupKind]
+
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
@@ -65,6 +72,10 @@ DTYPE_UINT8: DType
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_SHM: MemoryKind
 MEMORY_KIND_CUDA_IPC: MemoryKind
+KV_GROUP_KIND_UNSPECIFIED: KvGroupKind
+KV_GROUP_KIND_FULL_ATTENTION: KvGroupKind
+KV_GROUP_KIND_SLIDING_WINDOW: KvGroupKind
+KV_GROUP_KIND_STATE: KvGroupKind
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_PLANNED: TransferState
 TRANSFER_STATE_READING: TransferState
@@ -99,6 +110,22 @@ class KvLayoutSpec(_message.Message):
     tp_rank: int
     tp_size: int
     def __init__(self, num_layers: _Optional[int] = ..., kv_format: _Optional[_Union[KvFormat, str]] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., total_num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_blocks: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class KvCacheGroup(_message.Message):
+    __slots__ = ("kind", "layout", "layers", "sliding_window", "name", "block_table")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    kind: KvGroupKind
+    layout: KvLayoutSpec
+    layers: _containers.RepeatedCompositeFieldContainer[LayerPlacement]
+    sliding_window: int
+    name: str
+    block_table: int
+    def __init__(self, kind: _Optional[_Union[KvGroupKind, str]] = ..., layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerPlacement, _Mapping]]] = ..., sliding_window: _Optional[int] = ..., name: _Optional[str] = ..., block_table: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
@@ -143,7 +170,7 @@ class LayerPlacement(_message.Message):
     def __init__(self, region: _Optional[int] = ..., k_offset: _Optional[int] = ..., v_offset: _Optional[int] = ...) -> None: ...
 
 class KvTransferParams(_message.Message):
-    __slots__ = ("daemon_address", "daemon_incarnation", "engine_id", "tp_size", "lease_id", "block_ids", "num_tokens", "request_id", "lease_expires_unix_ms")
+    __slots__ = ("daemon_address", "daemon_incarnation", "engine_id", "tp_size", "lease_id", "block_ids", "num_tokens", "request_id", "lease_expires_unix_ms", "group_block_ids", "group_block_counts")
     DAEMON_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +180,8 @@ class KvTransferParams(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     daemon_address: str
     daemon_incarnation: str
     engine_id: str
@@ -162,7 +191,9 @@ class KvTransferParams(_message.Message):
     num_tokens: int
     request_id: str
     lease_expires_unix_ms: int
-    def __init__(self, daemon_address: _Optional[str] = ..., daemon_incarnation: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    group_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, daemon_address: _Optional[str] = ..., daemon_incarnation: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
     __slots__ = ("transfer_id", "request_id", "engine_id", "tp_rank", "peer_address", "state", "bytes", "descriptors", "error_code", "error_message", "elapsed_s", "direct", "phase_s")
@@ -202,17 +233,21 @@ class TransferStatus(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., direct: _Optional[bool] = ..., phase_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
-    __slots__ = ("lease_id", "engine_id", "request_id", "block_ids", "num_tokens", "expires_unix_ms")
+    __slots__ = ("lease_id", "engine_id", "request_id", "block_ids", "num_tokens", "expires_unix_ms", "group_block_ids", "group_block_counts")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     expires_unix_ms: int
-    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+    group_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...

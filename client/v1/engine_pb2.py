@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvd_client.v1 import common_pb2 as kvd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvd/v1/engine.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\"\xcd\x01\n\x16RegisterKvCacheRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12%\n\x07regions\x18\x03 \x03(\x0b\x32\x14.kvd.v1.MemoryRegion\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.kvd.v1.LayerPlacement\x12\x17\n\x0frequire_commits\x18\x05 \x01(\x08\x12\x12\n\nengine_pid\x18\x06 \x01(\r\"b\n\x17RegisterKvCacheResponse\x12\x1a\n\x12\x64\x61\x65mon_incarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\">\n\x18UnregisterKvCacheRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\x1b\n\x19UnregisterKvCacheResponse\"6\n\x06\x43ommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_tokens\x18\x02 \x01(\x04\"9\n\x0bPostForward\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\"1\n\x0b\x45ngineHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\x8c\x01\n\rEngineMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.kvd.v1.EngineHelloH\x00\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x0e.kvd.v1.CommitH\x00\x12+\n\x0cpost_forward\x18\x03 \x01(\x0b\x32\x13.kvd.v1.PostForwardH\x00\x42\x06\n\x04kind\"H\n\x0f\x46inishedSending\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0f\n\x07\x65xpired\x18\x03 \x01(\x08\":\n\x0f\x46inishedRecving\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"s\n\nLoadFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\"\xac\x01\n\rDaemonMessage\x12\x33\n\x10\x66inished_sending\x18\x01 \x01(\x0b\x32\x17.kvd.v1.FinishedSendingH\x00\x12\x33\n\x10\x66inished_recving\x18\x02 \x01(\x0b\x32\x17.kvd.v1.FinishedRecvingH\x00\x12)\n\x0bload_failed\x18\x03 \x01(\x0b\x32\x12.kvd.v1.LoadFailedH\x00\x42\x06\n\x04kind\"q\n\x11HoldBlocksRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\"l\n\x12HoldBlocksResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvd.v1.LeaseInfo\x12\x34\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x18.kvd.v1.KvTransferParams2\xc4\x02\n\rEngineService\x12R\n\x0fRegisterKvCache\x12\x1e.kvd.v1.RegisterKvCacheRequest\x1a\x1f.kvd.v1.RegisterKvCacheResponse\x12X\n\x11UnregisterKvCache\x12 .kvd.v1.UnregisterKvCacheRequest\x1a!.kvd.v1.UnregisterKvCacheResponse\x12@\n\x0c\x45ngineStream\x12\x15.kvd.v1.EngineMessage\x1a\x15.kvd.v1.DaemonMessage(\x01\x30\x01\x12\x43\n\nHoldBlocks\x12\x19.kvd.v1.HoldBlocksRequest\x1a\x1a.kvd.v1.HoldBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvd/v1/engine.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\"\xf3\x01\n\x16RegisterKvCacheRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12%\n\x07regions\x18\x03 \x03(\x0b\x32\x14.kvd.v1.MemoryRegion\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.kvd.v1.LayerPlacement\x12\x17\n\x0frequire_commits\x18\x05 \x01(\x08\x12\x12\n\nengine_pid\x18\x06 \x01(\r\x12$\n\x06groups\x18\x32 \x03(\x0b\x32\x14.kvd.v1.KvCacheGroup\"b\n\x17RegisterKvCacheResponse\x12\x1a\n\x12\x64\x61\x65mon_incarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\">\n\x18UnregisterKvCacheRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\x1b\n\x19UnregisterKvCacheResponse\"6\n\x06\x43ommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_tokens\x18\x02 \x01(\x04\"9\n\x0bPostForward\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\"1\n\x0b\x45ngineHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\x8c\x01\n\rEngineMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.kvd.v1.EngineHelloH\x00\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x0e.kvd.v1.CommitH\x00\x12+\n\x0cpost_forward\x18\x03 \x01(\x0b\x32\x13.kvd.v1.PostForwardH\x00\x42\x06\n\x04kind\"H\n\x0f\x46inishedSending\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0f\n\x07\x65xpired\x18\x03 \x01(\x08\":\n\x0f\x46inishedRecving\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"s\n\nLoadFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\"\xac\x01\n\rDaemonMessage\x12\x33\n\x10\x66inished_sending\x18\x01 \x01(\x0b\x32\x17.kvd.v1.FinishedSendingH\x00\x12\x33\n\x10\x66inished_recving\x18\x02 \x01(\x0b\x32\x17.kvd.v1.FinishedRecvingH\x00\x12)\n\x0bload_failed\x18\x03 \x01(\x0b\x32\x12.kvd.v1.LoadFailedH\x00\x42\x06\n\x04kind\"\xa6\x01\n\x11HoldBlocksRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12\x17\n\x0fgroup_block_ids\x18\x32 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x33 \x03(\r\"l\n\x12HoldBlocksResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvd.v1.LeaseInfo\x12\x34\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x18.kvd.v1.KvTransferParams2\xc4\x02\n\rEngineService\x12R\n\x0fRegisterKvCache\x12\x1e.kvd.v1.RegisterKvCacheRequest\x1a\x1f.kvd.v1.RegisterKvCacheResponse\x12X\n\x11UnregisterKvCache\x12 .kvd.v1.UnregisterKvCacheRequest\x1a!.kvd.v1.UnregisterKvCacheResponse\x12@\n\x0c\x45ngineStream\x12\x15.kvd.v1.EngineMessage\x1a\x15.kvd.v1.DaemonMessage(\x01\x30\x01\x12\x43\n\nHoldBlocks\x12\x19.kvd.v1.HoldBlocksRequest\x1a\x1a.kvd.v1.HoldBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvd.v1.engine_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERKVCACHEREQUEST']._serialized_start=53
-  _globals['_REGISTERKVCACHEREQUEST']._serialized_end=258
-  _globals['_REGISTERKVCACHERESPONSE']._serialized_start=260
-  _globals['_REGISTERKVCACHERESPONSE']._serialized_end=358
-  _globals['_UNREGISTERKVCACHEREQUEST']._serialized_start=360
-  _globals['_UNREGISTERKVCACHEREQUEST']._serialized_end=422
-  _globals['_UNREGISTERKVCACHERESPONSE']._serialized_start=424
-  _globals['_UNREGISTERKVCACHERESPONSE']._serialized_end=451
-  _globals['_COMMIT']._serialized_start=453
-  _globals['_COMMIT']._serialized_end=507
-  _globals['_POSTFORWARD']._serialized_start=509
-  _globals['_POSTFORWARD']._serialized_end=566
-  _globals['_ENGINEHELLO']._serialized_start=568
-  _globals['_ENGINEHELLO']._serialized_end=617
-  _globals['_ENGINEMESSAGE']._serialized_start=620
-  _globals['_ENGINEMESSAGE']._serialized_end=760
-  _globals['_FINISHEDSENDING']._serialized_start=762
-  _globals['_FINISHEDSENDING']._serialized_end=834
-  _globals['_FINISHEDRECVING']._serialized_start=836
-  _globals['_FINISHEDRECVING']._serialized_end=894
-  _globals['_LOADFAILED']._serialized_start=896
-  _globals['_LOADFAILED']._serialized_end=1011
-  _globals['_DAEMONMESSAGE']._serialized_start=1014
-  _globals['_DAEMONMESSAGE']._serialized_end=1186
-  _globals['_HOLDBLOCKSREQUEST']._serialized_start=1188
-  _globals['_HOLDBLOCKSREQUEST']._serialized_end=1301
-  _globals['_HOLDBLOCKSRESPONSE']._serialized_start=1303
-  _globals['_HOLDBLOCKSRESPONSE']._serialized_end=1411
-  _globals['_ENGINESERVICE']._serialized_start=1414
-  _globals['_ENGINESERVICE']._serialized_end=1738
+  _globals['_REGISTERKVCACHEREQUEST']._serialized_end=296
+  _globals['_REGISTERKVCACHERESPONSE']._serialized_start=298
+  _globals['_REGISTERKVCACHERESPONSE']._serialized_end=396
+  _globals['_UNREGISTERKVCACHEREQUEST']._serialized_start=398
+  _globals['_UNREGISTERKVCACHEREQUEST']._serialized_end=460
+  _globals['_UNREGISTERKVCACHERESPONSE']._serialized_start=462
+  _globals['_UNREGISTERKVCACHERESPONSE']._serialized_end=489
+  _globals['_COMMIT']._serialized_start=491
+  _globals['_COMMIT']._serialized_end=545
+  _globals['_POSTFORWARD']._serialized_start=547
+  _globals['_POSTFORWARD']._serialized_end=604
+  _globals['_ENGINEHELLO']._serialized_start=606
+  _globals['_ENGINEHELLO']._serialized_end=655
+  _globals['_ENGINEMESSAGE']._serialized_start=658
+  _globals['_ENGINEMESSAGE']._serialized_end=798
+  _globals['_FINISHEDSENDING']._serialized_start=800
+  _globals['_FINISHEDSENDING']._serialized_end=872
+  _globals['_FINISHEDRECVING']._serialized_start=874
+  _globals['_FINISHEDRECVING']._serialized_end=932
+  _globals['_LOADFAILED']._serialized_start=934
+  _globals['_LOADFAILED']._serialized_end=1049
+  _globals['_DAEMONMESSAGE']._serialized_start=1052
+  _globals['_DAEMONMESSAGE']._serialized_end=1224
+  _globals['_HOLDBLOCKSREQUEST']._serialized_start=1227
+  _globals['_HOLDBLOCKSREQUEST']._serialized_end=1393
+  _globals['_HOLDBLOCKSRESPONSE']._serialized_start=1395
+  _globals['_HOLDBLOCKSRESPONSE']._serialized_end=1503
+  _globals['_ENGINESERVICE']._serialized_start=1506
+  _globals['_ENGINESERVICE']._serialized_end=1830
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterKvCacheRequest(_message.Message):
-    __slots__ = ("engine_id", "layout", "regions", "layers", "require_commits", "engine_pid")
+    __slots__ = ("engine_id", "layout", "regions", "layers", "require_commits", "engine_pid", "groups")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_COMMITS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_PID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: _common_pb2.KvLayoutSpec
     regions: _containers.RepeatedCompositeFieldContainer[_common_pb2.MemoryRegion]
     layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.LayerPlacement]
     require_commits: bool
     engine_pid: int
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., require_commits: _Optional[bool] = ..., engine_pid: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[_common_pb2.KvCacheGroup]
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., require_commits: _Optional[bool] = ..., engine_pid: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class RegisterKvCacheResponse(_message.Message):
     __slots__ = ("daemon_incarnation", "agent_name", "registration_id")
@@ -122,18 +124,22 @@ class DaemonMessage(_message.Message):
     def __init__(self, finished_sending: _Optional[_Union[FinishedSending, _Mapping]] = ..., finished_recving: _Optional[_Union[FinishedRecving, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ...) -> None: ...
 
 class HoldBlocksRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "ttl_ms")
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "ttl_ms", "group_block_ids", "group_block_counts")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     ttl_ms: int
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    group_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HoldBlocksResponse(_message.Message):
     __slots__ = ("lease", "kv_transfer_params")

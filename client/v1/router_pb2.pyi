@@ -24,20 +24,24 @@ class SelftestHoldResponse(_message.Message):
     def __init__(self, kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ...) -> None: ...
 
 class StartPullRequest(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "request_id", "local_block_ids", "remote", "deadline_ms")
+    __slots__ = ("engine_id", "tp_rank", "request_id", "local_block_ids", "remote", "deadline_ms", "local_group_block_ids", "local_group_block_counts")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     request_id: str
     local_block_ids: _containers.RepeatedScalarFieldContainer[int]
     remote: _common_pb2.KvTransferParams
     deadline_ms: int
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[int]] = ..., remote: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    local_group_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    local_group_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[int]] = ..., remote: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., deadline_ms: _Optional[int] = ..., local_group_block_ids: _Optional[_Iterable[int]] = ..., local_group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StartPullResponse(_message.Message):
     __slots__ = ("transfer_id",)

@@ -13,6 +13,7 @@ from typing import ClassVar
 __all__ = [
     "DType",
     "KvFormat",
+    "KvGroupKind",
     "KvLayout",
     "KvTransferParams",
     "LayerPlacement",
@@ -63,6 +64,17 @@ class MemoryKind(enum.IntEnum):
     """CUDA IPC handle of a torch storage on the daemon's node"""
 
 
+class KvGroupKind(enum.IntEnum):
+    """What one KV cache group of a hybrid model holds (vLLM's KVCacheGroupSpec kinds). (``kvd.v1.KvGroupKind``)"""
+
+    FULL_ATTENTION = 1
+    """Full attention (MLA included): a request's blocks hold every token [0, num_tokens)."""
+    SLIDING_WINDOW = 2
+    """Sliding-window attention: a request's block list is the tail of the blocks of [0, num_tokens) that the window still needs (vLLM freed the earlier ones)."""
+    STATE = 3
+    """Mamba / linear-attention state (conv + SSM state): opaque per-request state blocks, the state after exactly num_tokens tokens. Layout: KV_FORMAT_MLA, block_size 1, dtype uint8, head_dim = bytes per state block."""
+
+
 class TransferState(enum.IntEnum):
     """``kvd.v1.TransferState``."""
 
@@ -102,3 +114,6 @@ class KvTransferParams:
     num_tokens: int = 0
     request_id: str = ""
     lease_expires_unix_ms: int = 0
+    group_block_ids: tuple[int, ...] = ()
+    """The request's block id lists after the first (block_ids), one per block table of a hybrid model's KV cache groups (see KvCacheGroup.block_table), flattened: list i+1 has the next group_block_counts[i] ids. Empty for a single-group engine."""
+    group_block_counts: tuple[int, ...] = ()

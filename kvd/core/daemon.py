@@ -31,7 +31,8 @@ from kvd.core.peers import HandshakeInfo, Peers, PeerSession, PeerTransport, Pre
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.transfers import Transfer, TransferTable
-from kvd.layout.plan import block_geometry
+from kvd.layout import groups as kv_groups
+from kvd.layout.plan import EngineView, block_geometry
 from kvd.layout.spec import LayerPlacement, LayoutSpec
 from kvd_client.errors import (
     FailedPrecondition,
@@ -40,7 +41,9 @@ from kvd_client.errors import (
     Unavailable,
     UnknownEngine,
     UnknownLease,
+    UnsupportedModelFeature,
 )
+from kvd_client.group_blocks import flatten_groups
 
 logger = logging.getLogger(__name__)
 
@@ -201,15 +204,29 @@ class Daemon:
         placements: Sequence[LayerPlacement],
         require_commits: bool = False,
         engine_pid: int = 0,
+        extra_groups: Sequence[EngineView] = (),
     ) -> EngineRank:
-        """Map the engine's memory (zero copy) and register it with NIXL. All or nothing."""
+        """Map the engine's memory (zero copy) and register it with NIXL. All or nothing.
+
+        ``extra_groups``: a hybrid model's KV cache groups after group 0 (``spec`` and
+        ``placements``), each over the same regions (vLLM overlays groups on one allocation).
+        """
         self.require_serving()
         if not regions:
             raise InvalidArgument("a registration needs at least one memory region")
         if len({region.kind for region in regions}) != 1:
             raise InvalidArgument("all regions of one engine rank must be of one memory kind")
-        self.registry.check_can_add(engine_id, spec)
-        spec.validate_placements(placements, [region.size_bytes for region in regions])
+        groups = (EngineView(spec, tuple(placements)), *extra_groups)
+        kv_groups.validate_groups(groups)
+        self.registry.check_can_add(engine_id, spec, tuple(extra_groups))
+        sizes = [region.size_bytes for region in regions]
+        for index, group in enumerate(groups):
+            try:
+                group.spec.validate_placements(group.placements, sizes)
+            except InvalidArgument as exc:
+                raise InvalidArgument(
+                    f"{kv_groups.describe_group(index, group)}: {exc.message}" if index else exc.message
+                ) from None
         opened = [open_region(region) for region in regions]
         try:
             memory = await self._mem.register(opened, next_registration_id())
@@ -222,6 +239,7 @@ class Daemon:
             memory=memory,
             require_commits=require_commits,
             engine_pid=engine_pid,
+            extra_groups=tuple(extra_groups),
         )
         try:
             self.registry.add(rank)  # a racing registration of the same rank loses here
@@ -233,14 +251,17 @@ class Daemon:
         # Prepare the engine's whole-block table now, so the first pull does not pay for it.
         self._mem.pin(memory)
         try:
-            await memory.table(block_geometry(rank.view, self.config.max_run_blocks), self._executor)
+            for group in rank.groups:
+                await memory.table(block_geometry(group, self.config.max_run_blocks), self._executor)
         finally:
             await self._mem.unpin(memory)
         logger.info(
             "registered engine %s rank %d: %s, %d bytes in %d %s regions",
             engine_id,
             spec.tp_rank,
-            spec.describe(),
+            " + ".join(f"{g.kind.name.lower()} {g.spec.describe()}" for g in rank.groups)
+            if extra_groups
+            else spec.describe(),
             rank.registered_bytes,
             len(opened),
             rank.mem_type,
@@ -317,12 +338,19 @@ class Daemon:
     # --- leases ----------------------------------------------------------------------------------
 
     def hold(
-        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl_s: float = 0.0
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        ttl_s: float = 0.0,
+        group_block_ids: Sequence[Sequence[int]] = (),
     ) -> tuple[Lease, TransferParams]:
-        """Hold a finished request's blocks for a remote reader."""
+        """Hold a finished request's blocks (every KV cache group's) for a remote reader."""
         self.require_serving()
         ranks = self.registry.require_engine(engine_id)
-        spec = next(iter(ranks.values())).spec
+        first = next(iter(ranks.values()))
+        spec = first.spec
         if not request_id:
             raise InvalidArgument("request_id must not be empty")
         if num_tokens < 1:
@@ -333,15 +361,18 @@ class Daemon:
                 f"{num_tokens} tokens need {need} blocks of {spec.block_size} tokens, got {len(block_ids)} block ids"
             )
         spec.validate_block_ids(block_ids, "held block ids")
+        kept = kv_groups.validate_hold_groups(first.groups, group_block_ids, num_tokens)
         ttl = ttl_s or self.config.lease_ttl_s
         if ttl > self.config.max_lease_ttl_s:
             raise InvalidArgument(f"lease ttl {ttl}s exceeds max_lease_ttl_s {self.config.max_lease_ttl_s}s")
         lease = self.leases.create(engine_id, request_id, tuple(block_ids[:need]), num_tokens, ttl)
+        lease.group_block_ids = kept
         self.metrics.leases_held.set(len(self.leases))
         return lease, self.params_of(lease)
 
     def params_of(self, lease: Lease) -> TransferParams:
         spec = next(iter(self.registry.require_engine(lease.engine_id).values())).spec
+        group_ids, group_counts = flatten_groups(lease.group_block_ids)
         return TransferParams(
             daemon_address=self.advertise_address,
             daemon_incarnation=self.incarnation,
@@ -352,6 +383,8 @@ class Daemon:
             num_tokens=lease.num_tokens,
             request_id=lease.request_id,
             lease_expires_unix_ms=int((time.time() + self.leases.remaining_s(lease)) * 1000),
+            group_block_ids=group_ids,
+            group_block_counts=group_counts,
         )
 
     def renew_lease(self, lease_id: str, ttl_s: float = 0.0) -> Lease:
@@ -461,6 +494,7 @@ class Daemon:
             RemoteEngine(
                 engine_id=rank.engine_id,
                 view=rank.view,
+                extra_groups=rank.extra_groups,
                 region_addresses=tuple(rank.region_addresses),
                 region_sizes=tuple(region.size_bytes for region in rank.regions),
                 vram=rank.mem_type == "VRAM",
@@ -487,6 +521,7 @@ class Daemon:
         reader_incarnation: str = "",
         reader_transfer_id: str = "",
         read_timeout_s: float = 0.0,
+        group_block_ids: Sequence[Sequence[int]] = (),
     ) -> PrepareResult:
         """Admit a reader's read of a lease, after waiting (bounded) for committed tokens.
 
@@ -500,6 +535,7 @@ class Daemon:
             raise InvalidArgument(f"block ids {list(block_ids)[:8]} are not a prefix of lease {lease_id!r}'s blocks")
         if not 1 <= num_tokens <= lease.num_tokens:
             raise InvalidArgument(f"the read asks for {num_tokens} tokens, lease {lease_id!r} holds {lease.num_tokens}")
+        self._check_group_read(lease, group_block_ids, num_tokens)
         hold_s = read_timeout_s or self.config.transfer_deadline_s
         if hold_s > self.config.max_lease_ttl_s:
             raise InvalidArgument(
@@ -541,6 +577,23 @@ class Daemon:
             notif_tag=notif.tag(lease_id, admission.admission_id),
         )
 
+    def _check_group_read(self, lease: Lease, group_block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
+        """A read of a hybrid model's lease reads the lease's own group blocks, all its tokens."""
+        if tuple(tuple(ids) for ids in group_block_ids) != lease.group_block_ids:
+            raise InvalidArgument(
+                f"the read names {len(group_block_ids)} KV cache groups' block ids that are not lease "
+                f"{lease.lease_id!r}'s ({len(lease.group_block_ids)} groups after group 0)"
+            )
+        if not lease.group_block_ids or num_tokens == lease.num_tokens:
+            return
+        ranks = self.registry.ranks_of(lease.engine_id)
+        for index, group in enumerate(next(iter(ranks.values())).groups) if ranks else ():
+            if group.kind is not kv_groups.KvGroupKind.FULL_ATTENTION:
+                raise UnsupportedModelFeature(
+                    f"{kv_groups.describe_group(index, group)}: a {group.kind.name.lower()} group holds the state "
+                    f"after all {lease.num_tokens} held tokens; a read of {num_tokens} tokens cannot use it"
+                )
+
     def _holder_ranks(self, engine_id: str, remote_tp_ranks: Sequence[int]) -> dict[int, EngineRank]:
         ranks = self.registry.ranks_of(engine_id)
         missing = [r for r in remote_tp_ranks if r not in ranks]
@@ -574,8 +627,12 @@ class Daemon:
         local_block_ids: Sequence[int],
         remote: TransferParams,
         deadline_s: float = 0.0,
+        local_group_block_ids: Sequence[Sequence[int]] = (),
     ) -> Transfer:
-        """Start pulling ``remote`` into the local rank's blocks; returns at once (see watch)."""
+        """Start pulling ``remote`` into the local rank's blocks; returns at once (see watch).
+
+        ``local_group_block_ids``: a hybrid model's local block ids of the groups after group 0.
+        """
         self.require_serving()
         rank = self.registry.get(engine_id, tp_rank)
         if not remote.daemon_address:
@@ -593,6 +650,20 @@ class Daemon:
                 f"got {len(local_block_ids)} local block ids"
             )
         rank.spec.validate_block_ids(local_block_ids, "local block ids")
+        tables = kv_groups.num_tables(rank.groups)
+        if len(local_group_block_ids) != tables - 1:
+            raise InvalidArgument(
+                f"engine {engine_id!r} has {len(rank.groups)} KV cache groups over {tables} block tables: a pull "
+                f"needs {tables - 1} local block id lists after local_block_ids, got {len(local_group_block_ids)}"
+            )
+        for index, group in enumerate(rank.groups):
+            table = kv_groups.table_of(index, group)
+            if table == 0:
+                continue
+            ids = local_group_block_ids[table - 1]
+            if not ids:
+                raise InvalidArgument(f"{kv_groups.describe_group(index, group)}: no local block ids")
+            group.spec.validate_block_ids(ids, f"{kv_groups.describe_group(index, group)} local block ids")
         if deadline_s < 0:
             raise InvalidArgument(f"deadline must be >= 0, got {deadline_s}")
         transfer = self.transfers.new(
@@ -602,6 +673,7 @@ class Daemon:
             peer_address=remote.daemon_address,
             local_block_ids=tuple(local_block_ids),
             deadline_s=deadline_s or self.config.transfer_deadline_s,
+            local_group_block_ids=tuple(tuple(int(b) for b in ids) for ids in local_group_block_ids),
         )
         self.metrics.in_flight.inc()
         transfer.task = asyncio.get_running_loop().create_task(self._puller.run(transfer, rank, remote))

@@ -71,6 +71,8 @@ class Lease:
     block_ids: tuple[int, ...]
     num_tokens: int
     expires_at: float  # monotonic clock
+    # Block ids of the KV cache groups after group 0 (hybrid models), one tuple per group.
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
     reader_tp_size: int = 0  # learned from the first reader
     done_readers: set[int] = dataclasses.field(default_factory=set)
     admissions: dict[str, Admission] = dataclasses.field(default_factory=dict)  # open ones

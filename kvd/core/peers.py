@@ -47,6 +47,11 @@ class RemoteEngine:
     vram: bool
     device_index: int
     registration_id: int
+    extra_groups: tuple[EngineView, ...] = ()  # KV cache groups after group 0 (``view``)
+
+    @property
+    def groups(self) -> tuple[EngineView, ...]:
+        return (self.view, *self.extra_groups)
 
     @property
     def mem_type(self) -> str:
@@ -86,6 +91,7 @@ class PeerTransport(Protocol):
         reader_transfer_id: str,
         read_timeout_s: float,
         timeout_s: float,
+        group_block_ids: tuple[tuple[int, ...], ...] = (),
     ) -> PrepareResult: ...
 
     async def abandon_pull(

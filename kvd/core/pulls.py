@@ -45,7 +45,8 @@ from kvd.core.registry import EngineRank
 from kvd.core.staging import StagingChunk, StagingPool
 from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.convert_plan import CostModel
-from kvd.layout.plan import PullPlan, Target, block_geometry, plan_pull
+from kvd.layout.groups import plan_groups_pull
+from kvd.layout.plan import PullPlan, Target, block_geometry
 from kvd_client.errors import (
     Aborted,
     DeadlineExceeded,
@@ -55,6 +56,7 @@ from kvd_client.errors import (
     PeerUnavailable,
     UnknownEngine,
 )
+from kvd_client.group_blocks import split_groups
 
 logger = logging.getLogger(__name__)
 
@@ -382,12 +384,14 @@ class Puller:
             if not remote_ranks:
                 raise UnknownEngine(f"the daemon at {remote.daemon_address} serves no engine {remote.engine_id!r}")
 
+            remote_groups = split_groups(remote.group_block_ids, remote.group_block_counts, "kv_transfer_params")
+
             def plan() -> PullPlan:
-                return plan_pull(
-                    {r: e.view for r, e in remote_ranks.items()},
-                    rank.view,
-                    remote.block_ids,
-                    transfer.local_block_ids,
+                return plan_groups_pull(
+                    {r: e.groups for r, e in remote_ranks.items()},
+                    rank.groups,
+                    (remote.block_ids, *remote_groups),
+                    (transfer.local_block_ids, *transfer.local_group_block_ids),
                     remote.num_tokens,
                     max_run_blocks=self.config.max_run_blocks,
                     direct_read_min_bytes=self.config.direct_read_min_bytes,
@@ -403,6 +407,7 @@ class Puller:
             raise _StaleHandshake("cached layout refused", exc) from exc
         transfer.mark("planned")
         holder_spec = remote_ranks[pull_plan.remote_ranks[0]].view.spec
+        groups = {"group_block_ids": remote_groups} if remote_groups else {}
         try:
             prepared = await self._transport.prepare_pull(
                 remote.daemon_address,
@@ -416,6 +421,7 @@ class Puller:
                 reader_transfer_id=transfer.transfer_id,
                 read_timeout_s=max(0.001, transfer.started + transfer.deadline_s - time.monotonic()),
                 timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
+                **groups,
             )
         except UnknownEngine as exc:  # the holder's ranks changed (re-registered with another TP)
             raise _StaleHandshake("holder ranks changed", exc) from exc
@@ -463,7 +469,9 @@ class Puller:
                 else:
                     staging = held.staging
                     assert staging is not None
-                    rows = group.local_geometry.rows_for(group.local_indices, [staging.address], staging.device_index)
+                    rows = group.local_geometry.rows_for(
+                        group.local_indices, [staging.address + group.staging_offset], staging.device_index
+                    )
                     local_table = await asyncio.get_running_loop().run_in_executor(
                         self._executor, dataplane.prepare_table, "NIXL_INIT_AGENT", rows, staging.mem_type
                     )

@@ -40,6 +40,8 @@ class EngineRank:
     memory: LocalMemory
     require_commits: bool
     engine_pid: int
+    # KV cache groups after group 0 (spec + placements): a hybrid model's other groups.
+    extra_groups: tuple[EngineView, ...] = ()
     stream_connected: bool = False
     stream_generation: int = 0  # bumped by every attach: a newer stream supersedes an older one
     pending: collections.deque[EngineEvent] = dataclasses.field(
@@ -59,6 +61,11 @@ class EngineRank:
     @property
     def view(self) -> EngineView:
         return EngineView(self.spec, self.placements)
+
+    @property
+    def groups(self) -> tuple[EngineView, ...]:
+        """Every KV cache group, group 0 (``view``) first (kvd.layout.groups)."""
+        return (self.view, *self.extra_groups)
 
     @property
     def registration_id(self) -> int:
@@ -104,7 +111,7 @@ class Registry:
     def __init__(self) -> None:
         self._ranks: dict[tuple[str, int], EngineRank] = {}
 
-    def check_can_add(self, engine_id: str, spec: LayoutSpec) -> None:
+    def check_can_add(self, engine_id: str, spec: LayoutSpec, groups: tuple[EngineView, ...] = ()) -> None:
         """Raise unless a rank with this id and layout may register (before mapping memory)."""
         if not engine_id:
             raise InvalidArgument("engine_id must not be empty")
@@ -117,9 +124,15 @@ class Registry:
                         f"engine {engine_id!r} rank {spec.tp_rank} has {name}={getattr(spec, name)} but rank "
                         f"{other.tp_rank} registered {name}={getattr(other.spec, name)}: ranks of one engine must agree"
                     )
+            theirs = tuple(g.kind for g in other.extra_groups)
+            if groups and tuple(g.kind for g in groups) != theirs:
+                raise InvalidArgument(
+                    f"engine {engine_id!r} rank {spec.tp_rank} has KV cache groups {[g.kind.name for g in groups]} "
+                    f"after group 0 but rank {other.tp_rank} registered {[k.name for k in theirs]}"
+                )
 
     def add(self, rank: EngineRank) -> None:
-        self.check_can_add(rank.engine_id, rank.spec)
+        self.check_can_add(rank.engine_id, rank.spec, rank.extra_groups)
         self._ranks[rank.key] = rank
 
     def remove(self, engine_id: str, tp_rank: int) -> EngineRank:

@@ -52,6 +52,8 @@ class Transfer:
     peer_address: str
     local_block_ids: tuple[int, ...]
     deadline_s: float
+    # Local block ids of the KV cache groups after group 0 (hybrid models), one tuple per group.
+    local_group_block_ids: tuple[tuple[int, ...], ...] = ()
     state: TransferState = TransferState.PLANNED
     nbytes: int = 0
     descriptors: int = 0

@@ -29,7 +29,17 @@ from kvd.layout.geometry import DescGeometry
 from kvd.layout.plan import EngineView, PullPlan, Target
 from kvd.layout.spec import KvLayout
 
-__all__ = ["ExecutionLog", "byte_offsets", "execute_plan", "gather", "head_ids", "scatter", "token_mask"]
+__all__ = [
+    "ExecutionLog",
+    "byte_offsets",
+    "execute_plan",
+    "gather",
+    "gather_group",
+    "group_tokens",
+    "head_ids",
+    "scatter",
+    "token_mask",
+]
 
 
 def head_ids(view: EngineView) -> range:
@@ -97,6 +107,38 @@ def token_mask(
     return masks
 
 
+# --- KV cache groups (hybrid models): what each group's pull must produce ----------------------
+
+
+def group_tokens(view: EngineView, block_ids: Sequence[int], num_tokens: int) -> tuple[int, int]:
+    """``(first, last)``: the tokens a request's blocks in this group hold, by the group's kind.
+
+    FULL_ATTENTION: ``[0, num_tokens)``. SLIDING_WINDOW: the block ids are the tail of the
+    blocks of ``[0, num_tokens)``, so ``[(blocks - len(ids)) * block_size, num_tokens)``. STATE:
+    one "token" per state block, ``[0, len(ids))`` (the state after all ``num_tokens``).
+    """
+    from kvd_client.v1.schema import KvGroupKind  # noqa: PLC0415
+
+    if view.kind is KvGroupKind.STATE:
+        return 0, len(block_ids)
+    if view.kind is KvGroupKind.SLIDING_WINDOW:
+        return (view.spec.blocks_for(num_tokens) - len(block_ids)) * view.spec.block_size, num_tokens
+    return 0, num_tokens
+
+
+def gather_group(
+    regions: Sequence[torch.Tensor], view: EngineView, block_ids: Sequence[int], num_tokens: int, first: int = -1
+) -> torch.Tensor:
+    """The request's bytes in one group, tokens ``[first, last)`` of :func:`group_tokens` (or from
+    ``first`` when given, a block boundary inside the group's span), as :func:`gather` lays them out."""
+    start, last = group_tokens(view, block_ids, num_tokens)
+    first = start if first < 0 else first
+    bs = view.spec.block_size
+    assert first % bs == 0 and first >= start, "first must be a block boundary inside the group's span"
+    skip = (first - start) // bs
+    return gather(regions, view, list(block_ids)[skip:], last - first)
+
+
 # --- a reference executor: what NIXL and the daemon do with a plan, in plain byte copies ---------
 
 REGION_SHIFT = 40  # region i is "at address" i << REGION_SHIFT, so a row's address names its region
@@ -155,6 +197,8 @@ def execute_plan(
         else:
             targets, writes = [staging], [log.staging_writes]
         d_region, d_off, d_len = _rows(group.local_geometry, group.local_indices, len(targets))
+        if group.local_target is Target.STAGING:
+            d_off = d_off + group.staging_offset  # several groups stage side by side
         assert np.array_equal(s_len, d_len), "a piece's remote and local lengths differ"
         assert int(s_len.sum()) == group.nbytes, "a group's nbytes disagrees with its pieces"
         log.descriptors += int(s_len.size)

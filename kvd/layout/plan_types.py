@@ -19,6 +19,7 @@ import numpy as np
 from kvd.layout.geometry import DescGeometry
 from kvd.layout.spec import KvFormat, LayerPlacement, LayoutSpec
 from kvd_client.errors import IncompatibleLayout, InvalidArgument
+from kvd_client.v1.schema import KvGroupKind
 
 if TYPE_CHECKING:
     import torch
@@ -55,10 +56,17 @@ class Target(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class EngineView:
-    """One engine rank as a planner sees it: its layout and where its layers live."""
+    """One engine rank (or one KV cache group of it) as a planner sees it: its layout and where
+    its layers live. A single-layout engine is one FULL_ATTENTION group (kvd.layout.groups)."""
 
     spec: LayoutSpec
     placements: tuple[LayerPlacement, ...]
+    kind: KvGroupKind = KvGroupKind.FULL_ATTENTION
+    name: str = ""  # the engine's name for the group, for messages
+    sliding_window: int = 0  # tokens (SLIDING_WINDOW groups; informational)
+    # Which of the request's block id lists the group uses (-1: the one at the group's index);
+    # groups of different shapes may share a block table (kvd.layout.groups).
+    block_table: int = -1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,6 +80,9 @@ class ReadGroup:
     local_geometry: DescGeometry
     local_indices: np.ndarray
     nbytes: int
+    # STAGING reads: where this read's staging area starts inside the pull's staging chunk
+    # (several KV cache groups stage side by side).
+    staging_offset: int = 0
 
     @property
     def num_descriptors(self) -> int:

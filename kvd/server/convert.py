@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import TypeVar
 
 from kvd.core.memory import CudaIpcSpec, MemoryKind, RegionRequest
@@ -19,7 +20,9 @@ from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec
 from kvd_client import records
 from kvd_client.dtypes import DTYPE_NAMES, DTYPE_OF_NAME, DType
 from kvd_client.errors import InvalidArgument
+from kvd_client.group_blocks import split_groups
 from kvd_client.v1 import common_pb2, peer_pb2
+from kvd_client.v1.schema import KvGroupKind
 
 E = TypeVar("E", bound=enum.IntEnum)
 
@@ -67,6 +70,40 @@ def placement_from_pb(msg: common_pb2.LayerPlacement) -> LayerPlacement:
 
 def placement_to_pb(p: LayerPlacement) -> common_pb2.LayerPlacement:
     return records.to_message(p, common_pb2.LayerPlacement)
+
+
+def group_from_pb(msg: common_pb2.KvCacheGroup, index: int) -> EngineView:
+    """One KV cache group after group 0 (``index`` >= 1, for messages)."""
+    if not msg.HasField("layout"):
+        raise InvalidArgument(f"KV cache group {index}: layout is required")
+    kind = _enum(KvGroupKind, msg.kind, f"KV cache group {index} kind")
+    try:
+        spec = layout_from_pb(msg.layout)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"KV cache group {index} ({kind.name.lower()}): {exc.message}") from None
+    return EngineView(
+        spec,
+        tuple(placement_from_pb(p) for p in msg.layers),
+        kind=kind,
+        name=msg.name,
+        sliding_window=msg.sliding_window,
+        block_table=msg.block_table - 1,
+    )
+
+
+def group_to_pb(view: EngineView) -> common_pb2.KvCacheGroup:
+    return common_pb2.KvCacheGroup(
+        kind=int(view.kind),  # type: ignore[arg-type]
+        layout=layout_to_pb(view.spec),
+        layers=[placement_to_pb(p) for p in view.placements],
+        sliding_window=view.sliding_window,
+        name=view.name,
+        block_table=view.block_table + 1,
+    )
+
+
+def group_ids_from_pb(ids: Sequence[int], counts: Sequence[int], what: str) -> tuple[tuple[int, ...], ...]:
+    return split_groups(list(ids), list(counts), what)
 
 
 def region_from_pb(msg: common_pb2.MemoryRegion, index: int) -> RegionRequest:
@@ -126,6 +163,7 @@ def handshake_to_pb(info: HandshakeInfo) -> peer_pb2.HandshakeResponse:
                 ],
                 layers=[placement_to_pb(p) for p in e.view.placements],
                 registration_id=e.registration_id,
+                groups=[group_to_pb(g) for g in e.extra_groups],
             )
             for e in info.engines
         ],
@@ -145,6 +183,7 @@ def handshake_from_pb(msg: peer_pb2.HandshakeResponse) -> HandshakeInfo:
                 vram=vram,
                 device_index=e.regions[0].device_index if e.regions else 0,
                 registration_id=e.registration_id,
+                extra_groups=tuple(group_from_pb(g, i) for i, g in enumerate(e.groups, start=1)),
             )
         )
     return HandshakeInfo(msg.incarnation, msg.agent_name, msg.agent_metadata, tuple(engines))

@@ -94,6 +94,7 @@ class GrpcPeerTransport:
         reader_transfer_id: str,
         read_timeout_s: float,
         timeout_s: float,
+        group_block_ids: tuple[tuple[int, ...], ...] = (),
     ) -> PrepareResult:
         request = peer_pb2.PreparePullRequest(
             lease_id=lease_id,
@@ -107,6 +108,8 @@ class GrpcPeerTransport:
             reader_address=self._own_address(),
             reader_transfer_id=reader_transfer_id,
             read_timeout_ms=max(1, int(read_timeout_s * 1000)),
+            group_block_ids=[b for ids in group_block_ids for b in ids],
+            group_block_counts=[len(ids) for ids in group_block_ids],
         )
         response = await self._call(address, "prepare pull", lambda stub: stub.PreparePull(request, timeout=timeout_s))
         return PrepareResult(tuple(response.registration_ids), response.notif_tag)

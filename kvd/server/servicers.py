@@ -30,6 +30,8 @@ def _lease_to_pb(daemon: Daemon, lease: Lease) -> common_pb2.LeaseInfo:
         block_ids=list(lease.block_ids),
         num_tokens=lease.num_tokens,
         expires_unix_ms=params.lease_expires_unix_ms,
+        group_block_ids=list(params.group_block_ids),
+        group_block_counts=list(params.group_block_counts),
     )
 
 
@@ -70,8 +72,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         spec = convert.layout_from_pb(request.layout)
         regions = [convert.region_from_pb(region, i) for i, region in enumerate(request.regions)]
         placements = [convert.placement_from_pb(p) for p in request.layers]
+        groups = [convert.group_from_pb(g, i) for i, g in enumerate(request.groups, start=1)]
         rank = await self.daemon.register_engine(
-            request.engine_id, spec, regions, placements, request.require_commits, request.engine_pid
+            request.engine_id, spec, regions, placements, request.require_commits, request.engine_pid, groups
         )
         return engine_pb2.RegisterKvCacheResponse(
             daemon_incarnation=self.daemon.incarnation,
@@ -91,7 +94,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.HoldBlocksRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.HoldBlocksResponse:
         lease, params = self.daemon.hold(
-            request.engine_id, request.request_id, list(request.block_ids), request.num_tokens, request.ttl_ms / 1000.0
+            request.engine_id,
+            request.request_id,
+            list(request.block_ids),
+            request.num_tokens,
+            request.ttl_ms / 1000.0,
+            convert.group_ids_from_pb(request.group_block_ids, request.group_block_counts, "hold"),
         )
         return engine_pb2.HoldBlocksResponse(
             lease=_lease_to_pb(self.daemon, lease), kv_transfer_params=convert.params_to_pb(params)
@@ -168,6 +176,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             reader_incarnation=request.reader_incarnation,
             reader_transfer_id=request.reader_transfer_id,
             read_timeout_s=request.read_timeout_ms / 1000,
+            group_block_ids=convert.group_ids_from_pb(
+                request.group_block_ids, request.group_block_counts, "prepare pull"
+            ),
         )
         return peer_pb2.PreparePullResponse(registration_ids=list(result.registration_ids), notif_tag=result.notif_tag)
 
@@ -205,6 +216,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             list(request.local_block_ids),
             convert.params_from_pb(request.remote),
             request.deadline_ms / 1000.0,
+            convert.group_ids_from_pb(request.local_group_block_ids, request.local_group_block_counts, "start pull"),
         )
         return router_pb2.StartPullResponse(transfer_id=transfer.transfer_id)
 

@@ -27,6 +27,7 @@ EXPECTED_CODES: dict[type[KvdError], ErrorCode] = {
     errors.AlreadyExists: S.ALREADY_EXISTS,
     errors.FailedPrecondition: S.FAILED_PRECONDITION,
     errors.IncompatibleLayout: S.FAILED_PRECONDITION,
+    errors.UnsupportedModelFeature: S.FAILED_PRECONDITION,
     errors.MemoryOpenError: S.FAILED_PRECONDITION,
     errors.DeadlineExceeded: S.DEADLINE_EXCEEDED,
     errors.LeaseExpired: S.DEADLINE_EXCEEDED,
