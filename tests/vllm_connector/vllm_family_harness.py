@@ -42,7 +42,16 @@ from vllm_harness import VOCAB, make_config
 
 from kvd.demo.reference_engine import oracle_next_token
 
-type(current_platform).support_hybrid_kv_cache = classmethod(lambda cls: True)  # type: ignore[method-assign]
+
+@contextlib.contextmanager
+def hybrid_kv_cache_allowed() -> Iterator[None]:
+    """Let vLLM's config keep the hybrid KV cache manager on this GPU-less box, for one config only.
+
+    Scoped rather than patched at import: the other vLLM tests in the same process must see the
+    platform as it is.
+    """
+    with mock.patch.object(type(current_platform), "support_hybrid_kv_cache", classmethod(lambda cls: True)):
+        yield
 
 
 def model_dir(root: Path, config: Mapping[str, Any]) -> Path:
@@ -105,7 +114,8 @@ class FamilyEngine:
     ) -> None:
         self.engine_id = engine_id
         self.block_size = block_size
-        self.config = make_config(model, engine_id, extra, block_size=block_size, num_blocks=num_blocks)
+        with hybrid_kv_cache_allowed():
+            self.config = make_config(model, engine_id, extra, block_size=block_size, num_blocks=num_blocks)
         assert self.config.scheduler_config.disable_hybrid_kv_cache_manager is False, "HMA must stay on"
         self.config.cache_config.num_gpu_blocks_override = num_blocks
         self.config.cache_config.kv_cache_layout = "LBHNC"
