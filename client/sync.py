@@ -19,6 +19,7 @@ from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, r
 
 from . import _base, _health
 from ._engine_stream import EngineStream
+from ._scheduler_stream import SchedulerStream
 from .channel import ChannelOptions, TlsConfig, create_channel
 from .grpc_errors import rpc_error_code, to_kvd_error, translate, translate_iter
 
@@ -55,6 +56,7 @@ class KvdClient:
         self._router = router_pb2_grpc.RouterServiceStub(channel)
         self._health_check = _health.check_method(channel)
         self._streams: weakref.WeakSet[EngineStream] = weakref.WeakSet()
+        self._scheduler_streams: weakref.WeakSet[SchedulerStream] = weakref.WeakSet()
 
     @property
     def channel(self) -> grpc.Channel:
@@ -114,10 +116,14 @@ class KvdClient:
         block_ids: Iterable[int] | None = None,
         num_tokens: int | None = None,
         ttl_ms: int | None = None,
+        soft: bool | None = None,
         request: engine_pb2.HoldBlocksRequest | None = None,
         timeout_s: float | None = None,
     ) -> engine_pb2.HoldBlocksResponse:
-        """Hold a finished request's blocks under a lease; the answer carries kv_transfer_params."""
+        """Hold a finished request's blocks under a lease; the answer carries kv_transfer_params.
+
+        ``soft``: the engine did not keep the blocks; reads are verified by its scheduler stream.
+        """
         req = _base.build_request(
             engine_pb2.HoldBlocksRequest,
             request,
@@ -126,6 +132,7 @@ class KvdClient:
             block_ids=block_ids,
             num_tokens=num_tokens,
             ttl_ms=ttl_ms,
+            soft=soft,
         )
         return self._engine.HoldBlocks(req, timeout=self._timeout(timeout_s))
 
@@ -137,6 +144,13 @@ class KvdClient:
         """
         stream = EngineStream(self._engine, engine_id, tp_rank, wait_for_ready=wait_for_ready)
         self._streams.add(stream)
+        return stream
+
+    def open_scheduler_stream(self, engine_id: str) -> SchedulerStream:
+        """Open the engine scheduler's long-lived stream (soft-hold checks down; heartbeats,
+        releases and check answers up)."""
+        stream = SchedulerStream(self._engine, engine_id)
+        self._scheduler_streams.add(stream)
         return stream
 
     # -- RouterService -----------------------------------------------------------------------
@@ -307,6 +321,8 @@ class KvdClient:
         """Close the engine streams this client opened, then the channel (if the client made it)."""
         for stream in list(self._streams):
             stream.close()
+        for scheduler_stream in list(self._scheduler_streams):
+            scheduler_stream.close()
         if self._owns_channel:
             self._channel.close()
 
