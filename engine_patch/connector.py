@@ -182,7 +182,10 @@ class KvdConnector(KVConnectorBase_V1):
             return
         pool = kv_cache_manager.block_pool
         if not pool.enable_caching:
-            logger.info("KvdConnector %s: prefix caching is off, so decode cannot hold softly", self.engine_id)
+            logger.info(
+                "KvdConnector %s: prefix caching is off: decode holds hard (soft holds need block hashes)",
+                self.engine_id,
+            )
             return
         self._scheduler.bind_block_identity(VllmBlockIdentity(pool))
 

@@ -430,8 +430,8 @@ class SchedulerLink:
                 block_ids=list(block_ids),
                 num_tokens=num_tokens,
                 ttl_ms=ttl_ms,
-                soft=soft,
                 timeout_s=self._rpc_timeout_s,
+                **({"soft": True} if soft else {}),
             )
         except (errors.Unavailable, errors.DeadlineExceeded):
             self._down_until = self._clock() + self._retry_after_s

@@ -145,7 +145,8 @@ class KvdScheduler:
         self.evicted_checks = 0
 
     def bind_block_identity(self, identity: BlockIdentity | None) -> None:
-        """The engine's block pool (soft holds need it; without one decode holds nothing soft)."""
+        """The engine's block pool. Soft holds need it: an engine without one (the reference
+        engine; vLLM with prefix caching off) holds hard on decode."""
         self._identity = identity
 
     def has_pending_work(self) -> bool:
@@ -378,7 +379,7 @@ class KvdScheduler:
             return False, None
         if _status_name(request) not in _FINISHED_OK or num_tokens <= 0 or self._hold is None:
             return False, None
-        if is_decode and not is_prefill and self.config.decode_hold_mode == "soft":
+        if is_decode and not is_prefill and self.config.decode_hold_mode == "soft" and self._identity is not None:
             return self._hold_soft(request, block_ids, num_tokens)
         blocks = [int(b) for b in block_ids[: math.ceil(num_tokens / self.block_size)]]
         try:
