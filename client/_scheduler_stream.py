@@ -31,6 +31,11 @@ _CLOSE = object()
 class SchedulerStream:
     """One engine scheduler's bidirectional stream to its daemon, driven by a background thread."""
 
+    @classmethod
+    def over(cls, channel: grpc.Channel, engine_id: str) -> SchedulerStream:
+        """Open the stream on ``channel`` (e.g. a :class:`~kvd_client.KvdClient`'s ``channel``)."""
+        return cls(engine_pb2_grpc.EngineServiceStub(channel), engine_id)
+
     def __init__(self, stub: engine_pb2_grpc.EngineServiceStub, engine_id: str) -> None:
         self.engine_id = engine_id
         self._outbox: queue.SimpleQueue[engine_pb2.SchedulerMessage | object] = queue.SimpleQueue()

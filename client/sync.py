@@ -19,7 +19,6 @@ from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, r
 
 from . import _base, _health
 from ._engine_stream import EngineStream
-from ._scheduler_stream import SchedulerStream
 from .channel import ChannelOptions, TlsConfig, create_channel
 from .grpc_errors import rpc_error_code, to_kvd_error, translate, translate_iter
 
@@ -56,7 +55,6 @@ class KvdClient:
         self._router = router_pb2_grpc.RouterServiceStub(channel)
         self._health_check = _health.check_method(channel)
         self._streams: weakref.WeakSet[EngineStream] = weakref.WeakSet()
-        self._scheduler_streams: weakref.WeakSet[SchedulerStream] = weakref.WeakSet()
 
     @property
     def channel(self) -> grpc.Channel:
@@ -144,13 +142,6 @@ class KvdClient:
         """
         stream = EngineStream(self._engine, engine_id, tp_rank, wait_for_ready=wait_for_ready)
         self._streams.add(stream)
-        return stream
-
-    def open_scheduler_stream(self, engine_id: str) -> SchedulerStream:
-        """Open the engine scheduler's long-lived stream (soft-hold checks down; heartbeats,
-        releases and check answers up)."""
-        stream = SchedulerStream(self._engine, engine_id)
-        self._scheduler_streams.add(stream)
         return stream
 
     # -- RouterService -----------------------------------------------------------------------
@@ -321,8 +312,6 @@ class KvdClient:
         """Close the engine streams this client opened, then the channel (if the client made it)."""
         for stream in list(self._streams):
             stream.close()
-        for scheduler_stream in list(self._scheduler_streams):
-            scheduler_stream.close()
         if self._owns_channel:
             self._channel.close()
 

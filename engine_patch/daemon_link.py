@@ -103,6 +103,12 @@ class _Stream(Protocol):
 ClientFactory = Callable[[str, float], Any]
 
 
+def _default_scheduler_stream(client: Any, engine_id: str) -> Any:
+    from kvd_client import SchedulerStream  # noqa: PLC0415 - grpc loads with the first stream, not the import
+
+    return SchedulerStream.over(client.channel, engine_id)
+
+
 def _default_client(target: str, timeout_s: float) -> Any:
     from kvd_client import KvdClient  # noqa: PLC0415 - grpc loads with the first link, not the import
 
@@ -388,6 +394,7 @@ class SchedulerLink:
         retry_after_s: float = 2.0,
         client_factory: ClientFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stream_factory: Callable[[Any, str], Any] | None = None,
     ) -> None:
         self.target = target
         self._rpc_timeout_s = rpc_timeout_s
@@ -401,6 +408,7 @@ class SchedulerLink:
         self._stream: Any = None
         self._stream_retry_at = 0.0
         self._stream_lost = False
+        self._stream_factory = stream_factory or _default_scheduler_stream
         self.stream_opens = 0
 
     def available(self) -> bool:
@@ -471,7 +479,7 @@ class SchedulerLink:
                 self._client = self._client_factory(self.target, self._rpc_timeout_s)
             client = self._client
         try:
-            self._stream = client.open_scheduler_stream(self._engine_id)
+            self._stream = self._stream_factory(client, self._engine_id)
         except Exception:  # never let the step path fail on the daemon
             logger.exception("kvd scheduler stream of %s could not open", self._engine_id)
             self._stream_retry_at = self._clock() + self._retry_after_s

@@ -61,7 +61,13 @@ class HoldClient(Protocol):
     def available(self) -> bool: ...
 
     def hold_blocks(
-        self, engine_id: str, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl_ms: int = 0
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        ttl_ms: int = 0,
+        soft: bool = False,
     ) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
@@ -410,7 +416,7 @@ class KvdScheduler:
             logger.debug("request %s: its blocks are not in the prefix cache; no soft hold", rid)
             return False, None
         try:
-            held = self._hold.hold_blocks(  # type: ignore[call-arg]
+            held = self._hold.hold_blocks(
                 self.engine_id, rid, list(blocks), full * self.block_size, self.config.hold_ttl_ms, soft=True
             )
         except errors.KvdError as err:
