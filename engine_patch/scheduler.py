@@ -143,6 +143,7 @@ class KvdScheduler:
         self._soft: dict[str, _SoftHold] = {}  # request -> its soft hold (nothing pinned)
         self._pins: dict[str, tuple[tuple[int, ...], tuple[Hashable | None, ...]]] = {}  # pin id -> blocks
         self._awaiting: dict[str, tuple[str, str]] = {}  # request -> (holder address, lease id) it will read
+        self._reading: dict[str, tuple[str, str]] = {}  # the same, for requests whose pull was scheduled
         self._last_renew = 0.0
         self.holds = 0
         self.soft_holds = 0
@@ -314,7 +315,9 @@ class KvdScheduler:
         skipped = remote.skipping(local_computed) if remote is not None else None
         if skipped is None:
             return
-        self._awaiting.pop(request.request_id, None)  # the pull's admitted read holds the lease now
+        lease = self._awaiting.pop(request.request_id, None)  # the pull's admitted read holds the lease now
+        if lease is not None:
+            self._reading[request.request_id] = lease
         local_blocks = math.ceil(num_external_tokens / self.block_size)
         if len(block_ids) < local_blocks:
             logger.error(
@@ -359,6 +362,11 @@ class KvdScheduler:
     def update_connector_output(self, results: TransferResults) -> None:
         for rid in results.finished_recving:
             self._pulling.discard(rid)
+            lease = self._reading.pop(rid, None)
+            if rid in results.failed_recving and lease is not None and self._stream is not None:
+                # The pull failed (the request recomputes): nobody here will read the lease again.
+                self.releases += 1
+                self._stream.release([lease], "the pull failed: recomputed")
         self.serve()
 
     # -- finish ---------------------------------------------------------------------------------
@@ -376,6 +384,7 @@ class KvdScheduler:
             # It carried a remote lease and never pulled (aborted, rejected, recomputed): nobody will read it.
             self._release(request, f"request finished ({_status_name(request)}) without pulling")
         self._awaiting.pop(rid, None)
+        self._reading.pop(rid, None)
         num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         if num_tokens > 0:
             self._final_marks[rid] = num_tokens

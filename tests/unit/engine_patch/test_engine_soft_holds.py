@@ -18,7 +18,7 @@ from kvd.demo.reference_engine import EngineRequest, RequestStatus
 from kvd_client.v1 import engine_pb2
 from kvd_client.v1.schema import HoldCheckAction
 from kvd_engine.config import KvdConnectorConfig
-from kvd_engine.engine_api import StepView
+from kvd_engine.engine_api import StepView, TransferResults
 from kvd_engine.scheduler import KvdScheduler
 
 
@@ -228,3 +228,15 @@ def test_a_pull_below_the_threshold_releases_at_once() -> None:
     assert stream.releases == [([("peer:7400", "LX")], "below the pull threshold: recomputed")]
     _step(sched)
     assert stream.renewals == []  # nothing to renew any more
+
+
+def test_a_failed_pull_releases_the_lease_it_was_reading() -> None:
+    sched, _, _, stream, _ = _sched()
+    ok = EngineRequest("ok", list(range(10)), 5, _remote(10, [7, 8, 9]))
+    bad = EngineRequest("bad", list(range(10)), 5, _remote(10, [7, 8, 9]))
+    for req in (ok, bad):
+        sched.on_new_request(req)
+        assert sched.get_num_new_matched_tokens(req, 0) == (10, True)
+        sched.update_state_after_alloc(req, [1, 2, 3], 10)
+    sched.update_connector_output(TransferResults(finished_recving={"ok", "bad"}, failed_recving={"bad"}))
+    assert stream.releases == [([("peer:7400", "LX")], "the pull failed: recomputed")]
