@@ -171,9 +171,9 @@ class Daemon:
         for rank in list(self.registry):
             await self._unregister(rank, "daemon shutting down")
         await self._settle_followups()
-        for task in self._background:
+        for task in [*self._background, *self._remote_calls]:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self._background, *self._remote_calls, return_exceptions=True)
         if self.peers is not None:
             await self.peers.drop_all()
         await self._transport.close()
