@@ -50,9 +50,7 @@ def _pinned_by_holds(engine: VllmEngine) -> int:
     holds delay their free), plus those the connector pinned for soft reads in flight."""
     sched = engine.scheduler
     kept = sum(
-        len(sched.kv_cache_manager.get_block_ids(rid)[0])
-        for rid, req in sched.requests.items()
-        if req.is_finished()
+        len(sched.kv_cache_manager.get_block_ids(rid)[0]) for rid, req in sched.requests.items() if req.is_finished()
     )
     return kept + int(engine.connector._scheduler.pinned_blocks)
 
