@@ -26,6 +26,7 @@ from .errors import (
     DeadlineExceeded,
     ErrorCode,
     FailedPrecondition,
+    HeldKvEvicted,
     IncompatibleLayout,
     Internal,
     InvalidArgument,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from ._aio_engine_stream import AsyncEngineStream
     from ._base import DEFAULT_TIMEOUT_S
     from ._engine_stream import EngineStream
+    from ._scheduler_stream import SchedulerStream
     from .aio import AsyncKvdClient
     from .channel import MAX_MESSAGE_BYTES, TlsConfig, create_aio_channel, create_channel
     from .sync import KvdClient
@@ -60,6 +62,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "DEFAULT_TIMEOUT_S": ("._base", "DEFAULT_TIMEOUT_S"),
     "EngineStream": ("._engine_stream", "EngineStream"),
     "KvdClient": (".sync", "KvdClient"),
+    "SchedulerStream": ("._scheduler_stream", "SchedulerStream"),
     "MAX_MESSAGE_BYTES": (".channel", "MAX_MESSAGE_BYTES"),
     "TlsConfig": (".channel", "TlsConfig"),
     "create_aio_channel": (".channel", "create_aio_channel"),
@@ -108,11 +111,13 @@ __all__ = [
     "NotFound",
     "PeerUnavailable",
     "ResourceExhausted",
+    "SchedulerStream",
     "TlsConfig",
     "Unavailable",
     "UnknownEngine",
     "UnknownLease",
     "UnknownTransfer",
+    "HeldKvEvicted",
     "create_aio_channel",
     "create_channel",
     "error_class_named",

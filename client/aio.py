@@ -115,10 +115,14 @@ class AsyncKvdClient:
         block_ids: Iterable[int] | None = None,
         num_tokens: int | None = None,
         ttl_ms: int | None = None,
+        soft: bool | None = None,
         request: engine_pb2.HoldBlocksRequest | None = None,
         timeout_s: float | None = None,
     ) -> engine_pb2.HoldBlocksResponse:
-        """Hold a finished request's blocks under a lease; the answer carries kv_transfer_params."""
+        """Hold a finished request's blocks under a lease; the answer carries kv_transfer_params.
+
+        ``soft``: the engine did not keep the blocks; reads are verified by its scheduler stream.
+        """
         req = _base.build_request(
             engine_pb2.HoldBlocksRequest,
             request,
@@ -127,6 +131,7 @@ class AsyncKvdClient:
             block_ids=block_ids,
             num_tokens=num_tokens,
             ttl_ms=ttl_ms,
+            soft=soft,
         )
         return await self._engine.HoldBlocks(req, timeout=self._timeout(timeout_s))
 

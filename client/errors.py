@@ -68,6 +68,11 @@ class UnknownTransfer(NotFound):
     """No transfer with that id is known."""
 
 
+class HeldKvEvicted(NotFound):
+    """A soft hold's blocks no longer hold its request's KV (the engine evicted or reused them):
+    recompute. Raised before a read (nothing was read) or after it (the pull fails, never DONE)."""
+
+
 class AlreadyExists(KvdError):
     """The thing the request would create exists already (e.g. a second registration of a rank)."""
 

@@ -114,10 +114,14 @@ class KvdClient:
         block_ids: Iterable[int] | None = None,
         num_tokens: int | None = None,
         ttl_ms: int | None = None,
+        soft: bool | None = None,
         request: engine_pb2.HoldBlocksRequest | None = None,
         timeout_s: float | None = None,
     ) -> engine_pb2.HoldBlocksResponse:
-        """Hold a finished request's blocks under a lease; the answer carries kv_transfer_params."""
+        """Hold a finished request's blocks under a lease; the answer carries kv_transfer_params.
+
+        ``soft``: the engine did not keep the blocks; reads are verified by its scheduler stream.
+        """
         req = _base.build_request(
             engine_pb2.HoldBlocksRequest,
             request,
@@ -126,6 +130,7 @@ class KvdClient:
             block_ids=block_ids,
             num_tokens=num_tokens,
             ttl_ms=ttl_ms,
+            soft=soft,
         )
         return self._engine.HoldBlocks(req, timeout=self._timeout(timeout_s))
 

@@ -43,6 +43,15 @@ class KvdConnectorConfig:
     hold_on_decode: bool = True
     """Decode holds a finished request's KV under a lease for the next turn's prefill (multi-turn)."""
 
+    decode_hold_mode: str = "soft"
+    """How decode holds (hold_on_decode): "soft" pins nothing (the blocks go back to vLLM's prefix
+    cache; a pull verifies them by block hash and pins them only while it reads), "hard" keeps
+    the blocks until the lease ends (vLLM frees them at finished_sending)."""
+
+    lease_renew_interval_ms: int = 1000
+    """A request that will pull renews the holder's lease this often while it waits (reader
+    heartbeats, batched per holder); 0 turns heartbeats off. Keep it well under the holder's TTL."""
+
     hold_ttl_ms: int = 0
     """Lease length asked for at hold time (0: the daemon's default)."""
 
@@ -86,7 +95,9 @@ class KvdConnectorConfig:
             problems.append(f"commit_every_steps must be >= 1, got {self.commit_every_steps}")
         if self.pull_threshold_tokens < 0:
             problems.append(f"pull_threshold_tokens must be >= 0, got {self.pull_threshold_tokens}")
-        for name in ("hold_ttl_ms", "pull_deadline_ms"):
+        if self.decode_hold_mode not in ("soft", "hard"):
+            problems.append(f"decode_hold_mode must be 'soft' or 'hard', got {self.decode_hold_mode!r}")
+        for name in ("hold_ttl_ms", "pull_deadline_ms", "lease_renew_interval_ms"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("rpc_timeout_s", "reconnect_initial_s", "reconnect_max_s", "pull_timeout_slack_s"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -61,6 +62,28 @@ __all__ = ["KvdConnector", "KvdVllmMetadata"]
 @dataclasses.dataclass
 class KvdVllmMetadata(KvdConnectorMetadata, KVConnectorMetadata):
     """:class:`KvdConnectorMetadata` with vLLM's marker base."""
+
+
+class VllmBlockIdentity:
+    """Soft holds' view of vLLM's block pool: a block's identity is its prefix-cache hash.
+
+    Used on the scheduler's thread only (the connector's scheduler hooks), which owns the pool.
+    A pin is a reference like a prefix hit's (``touch``); an unpin gives it back (``free_blocks``,
+    tail first, as vLLM frees a request's blocks).
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+
+    def identities(self, block_ids: Sequence[int]) -> list[Hashable | None]:
+        blocks = self.pool.blocks
+        return [blocks[b].block_hash for b in block_ids]
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        self.pool.touch([self.pool.blocks[b] for b in block_ids])
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        self.pool.free_blocks([self.pool.blocks[b] for b in reversed(block_ids)])
 
 
 def _tp_rank_and_size() -> tuple[int, int]:
@@ -131,6 +154,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: KvdWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             hold = SchedulerLink(self.config.target, rpc_timeout_s=self.config.rpc_timeout_s)
+            hold.start_stream(self.engine_id)
             self._scheduler = KvdScheduler(
                 self.config,
                 self.engine_id,
@@ -141,6 +165,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 has_state=multi
                 and self.group_order is not None
                 and any(g.kind is KvGroupKind.STATE for g in self.group_order.groups),
+                stream=hold,
             )
             self._scheduler.metadata_cls = KvdVllmMetadata
         else:
@@ -182,6 +207,27 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side ---------------------------------------------------------------------------
 
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is None:
+            return
+        pool = kv_cache_manager.block_pool
+        if not pool.enable_caching:
+            logger.info(
+                "KvdConnector %s: prefix caching is off: decode holds hard (soft holds need block hashes)",
+                self.engine_id,
+            )
+            return
+        self._scheduler.bind_block_identity(VllmBlockIdentity(pool))
+
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
+    def has_pending_push_work(self) -> bool:
+        """True while a soft hold lives: vLLM keeps stepping, so its checks are answered."""
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -199,10 +245,6 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 block_ids = groups[0] if groups else []
         self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens, extra)
-
-    def on_new_request(self, request: Request) -> None:
-        assert self._scheduler is not None
-        self._scheduler.on_new_request(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None

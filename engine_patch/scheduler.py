@@ -14,16 +14,34 @@ Runs in the engine's scheduler process (vLLM's engine core). Roles, per request,
 Holding calls the daemon (``HoldBlocks``) and returns the lease in the request's output; a
 daemon that is down means the blocks are freed at once and no params are returned (the
 other side recomputes). The engine never fails a request because of kvd.
+
+**Soft holds** (decode, ``decode_hold_mode: "soft"``, the default) cost no KV capacity: the
+blocks go back to vLLM's prefix cache at finish like any request's, and the scheduler remembers
+each full block's identity (vLLM's block hash: its tokens and every token before). A later pull
+is admitted only after the daemon asked, over the scheduler stream, and this scheduler found the
+blocks still carrying those hashes and pinned them (a reference in vLLM's block pool) for the
+read; after the read it checks again and unpins. Evicted or reused blocks answer no. The checks
+run here, between steps, because vLLM's block pool belongs to the scheduler's thread; so that an
+idle engine still answers, :meth:`KvdScheduler.has_pending_work` keeps vLLM stepping while a soft
+hold lives (as vLLM's own connectors do while they hold or move KV).
+
+**Nobody will read → released at once.** A request that came with a remote lease and finishes
+(aborted, rejected) or is recomputed without pulling tells its daemon, which tells the holder;
+while it waits to pull, the scheduler renews that lease every ``lease_renew_interval_ms``
+(heartbeats), so short TTLs survive long queues and a dead reader's leases lapse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 from kvd_client import errors
+from kvd_client.v1.schema import HoldCheckAction
 
 from .config import KvdConnectorConfig
 from .engine_api import ConnectorRequest, StepView, TransferResults
@@ -32,9 +50,10 @@ from .params import make_params, remote_kv
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HoldClient", "KvdScheduler"]
+__all__ = ["BlockIdentity", "HoldClient", "KvdScheduler", "SchedulerStreamClient"]
 
 PULL_DONE_KEY = "_kvd_pull_scheduled"
+RELEASED_KEY = "_kvd_lease_released"
 _FINISHED_OK = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
@@ -49,9 +68,42 @@ class HoldClient(Protocol):
         num_tokens: int,
         ttl_ms: int = 0,
         group_block_ids: Sequence[Sequence[int]] = (),
+        soft: bool = False,
     ) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+
+class SchedulerStreamClient(Protocol):
+    """The scheduler stream (:class:`kvd_engine.daemon_link.SchedulerLink`): never blocks."""
+
+    def poll_commands(self) -> tuple[list[Any], bool]: ...
+
+    def send_check_result(self, seq: int, ok: bool, reason: str = "") -> bool: ...
+
+    def renew(self, leases: Sequence[tuple[str, str]]) -> bool: ...
+
+    def release(self, leases: Sequence[tuple[str, str]], reason: str) -> bool: ...
+
+
+class BlockIdentity(Protocol):
+    """The engine's block pool as soft holds see it (vLLM's ``BlockPool`` through the facade)."""
+
+    def identities(self, block_ids: Sequence[int]) -> list[Hashable | None]:
+        """Each block's identity now (vLLM: its block hash; None when it has none)."""
+        ...
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        """Take a reference: the engine will not evict or reuse the blocks until unpinned."""
+
+    def unpin(self, block_ids: Sequence[int]) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _SoftHold:
+    lease_id: str
+    block_ids: tuple[int, ...]
+    identities: tuple[Hashable | None, ...]
 
 
 def _status_name(request: Any) -> str:
@@ -75,6 +127,8 @@ class KvdScheduler:
         speculative: bool = False,
         num_groups: int = 1,
         has_state: bool = False,
+        stream: SchedulerStreamClient | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``num_groups``: the engine's KV cache groups (hybrid models > 1); ``has_state``: one of
         them is Mamba / linear-attention state (the prefill engine leaves the last prompt token to
@@ -92,8 +146,135 @@ class KvdScheduler:
         self._pulling: set[str] = set()
         self._final_marks: dict[str, int] = {}
         self._new_holds: dict[str, int] = {}
+        self._stream = stream
+        self._clock = clock
+        self._identity: BlockIdentity | None = None
+        self._soft: dict[str, _SoftHold] = {}  # request -> its soft hold (nothing pinned)
+        self._pins: dict[str, tuple[tuple[int, ...], tuple[Hashable | None, ...]]] = {}  # pin id -> blocks
+        self._awaiting: dict[str, tuple[str, str]] = {}  # request -> (holder address, lease id) it will read
+        self._reading: dict[str, tuple[str, str]] = {}  # the same, for requests whose pull was scheduled
+        self._last_renew = 0.0
         self.holds = 0
+        self.soft_holds = 0
         self.hold_failures = 0
+        self.releases = 0
+        self.evicted_checks = 0
+
+    def bind_block_identity(self, identity: BlockIdentity | None) -> None:
+        """The engine's block pool. Soft holds need it: an engine without one (the reference
+        engine; vLLM with prefix caching off) holds hard on decode."""
+        self._identity = identity
+
+    def has_pending_work(self) -> bool:
+        """Keep the engine stepping while a soft hold lives: its checks are answered between steps."""
+        return bool(self._soft or self._pins)
+
+    @property
+    def pinned_blocks(self) -> int:
+        """Blocks pinned for soft reads in flight (0 when no read is under way)."""
+        return sum(len(blocks) for blocks, _ in self._pins.values())
+
+    # -- requests that will read a lease elsewhere ------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """A new request: renew the remote lease it carries while it waits to pull, and stop a
+        prefill of a model with state groups one prompt token short (:meth:`_truncate_for_state`)."""
+        remote = remote_kv(request.kv_transfer_params)
+        if remote is not None:
+            self._awaiting[request.request_id] = (
+                str(remote.fields.get("daemon_address", "")),
+                str(remote.fields.get("lease_id", "")),
+            )
+        self._truncate_for_state(request)
+
+    def _release(self, request: ConnectorRequest, reason: str) -> None:
+        """Nobody here will read the request's remote lease: tell the holder now."""
+        lease = self._awaiting.pop(request.request_id, None)
+        params = request.kv_transfer_params
+        if lease is None:
+            remote = remote_kv(params)
+            if remote is None:
+                return
+            lease = (str(remote.fields.get("daemon_address", "")), str(remote.fields.get("lease_id", "")))
+        if params is not None:
+            if params.get(RELEASED_KEY):
+                return
+            params[RELEASED_KEY] = True
+        self.releases += 1
+        logger.debug("request %s: releasing remote lease %s at %s (%s)", request.request_id, lease[1], lease[0], reason)
+        if self._stream is not None:
+            self._stream.release([lease], reason)
+
+    def _heartbeat(self) -> None:
+        interval_s = self.config.lease_renew_interval_ms / 1000.0
+        if not self._awaiting or self._stream is None or interval_s <= 0:
+            return
+        now = self._clock()
+        if now - self._last_renew < interval_s:
+            return
+        self._last_renew = now
+        self._stream.renew(list(self._awaiting.values()))
+
+    # -- soft holds: the daemon's checks ------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Answer the daemon's soft-hold checks (engine thread, between steps; never blocks)."""
+        if self._stream is None:
+            return
+        commands, lost = self._stream.poll_commands()
+        if lost:
+            self._drop_soft_state("the scheduler stream to the daemon was lost")
+        for command in commands:
+            kind = command.WhichOneof("kind")
+            if kind == "check":
+                check = command.check
+                ok, why = self._check(check.action, check.request_id, check.lease_id, check.pin_id)
+                if check.action != HoldCheckAction.UNPIN:
+                    self._stream.send_check_result(check.seq, ok, why)
+            elif kind == "hold_ended":
+                ended = command.hold_ended
+                hold = self._soft.get(ended.request_id)
+                if hold is not None and hold.lease_id == ended.lease_id:
+                    del self._soft[ended.request_id]
+
+    def _check(self, action: int, request_id: str, lease_id: str, pin_id: str) -> tuple[bool, str]:
+        identity = self._identity
+        if identity is None:
+            return False, "this engine has no block pool bound"
+        if action == HoldCheckAction.PIN:
+            hold = self._soft.get(request_id)
+            if hold is None or hold.lease_id != lease_id:
+                return False, f"no soft hold of request {request_id!r} under that lease here"
+            if pin_id in self._pins:
+                return True, ""
+            if tuple(identity.identities(hold.block_ids)) != hold.identities:
+                del self._soft[request_id]
+                self.evicted_checks += 1
+                return False, f"request {request_id!r}'s blocks were evicted or reused"
+            identity.pin(hold.block_ids)
+            self._pins[pin_id] = (hold.block_ids, hold.identities)
+            return True, ""
+        pinned = self._pins.pop(pin_id, None)
+        if pinned is None:
+            return False, "that read holds no pin here"
+        blocks, expected = pinned
+        same = tuple(identity.identities(blocks)) == expected
+        identity.unpin(blocks)
+        if action == HoldCheckAction.VERIFY_UNPIN and not same:
+            self.evicted_checks += 1
+            self._soft.pop(request_id, None)
+            return False, f"request {request_id!r}'s blocks changed during the read"
+        return True, ""
+
+    def _drop_soft_state(self, why: str) -> None:
+        """The daemon that knew our soft holds and pins is gone: forget them, give the pins back."""
+        if self._soft or self._pins:
+            logger.info("kvd: dropping %d soft holds and %d pins: %s", len(self._soft), len(self._pins), why)
+        self._soft.clear()
+        pins, self._pins = self._pins, {}
+        if self._identity is not None:
+            for blocks, _ in pins.values():
+                self._identity.unpin(blocks)
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -103,10 +284,11 @@ class KvdScheduler:
         """Tokens to pull beyond the local hit (0: recompute), and whether the load is async."""
         params = request.kv_transfer_params
         remote = remote_kv(params)
-        if remote is None or params is None or params.get(PULL_DONE_KEY):
+        if remote is None or params is None or params.get(PULL_DONE_KEY) or params.get(RELEASED_KEY):
             return 0, False
         count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         if count <= 0:
+            self._release(request, "the local prefix cache holds every remote token")
             return 0, False
         reverse = bool(params.get("do_remote_decode")) and not params.get("do_remote_prefill")
         if reverse and count < self.config.pull_threshold_tokens:
@@ -116,6 +298,7 @@ class KvdScheduler:
                 count,
                 self.config.pull_threshold_tokens,
             )
+            self._release(request, "below the pull threshold: recomputed")
             return 0, False
         if self.num_groups > 1 and (num_computed_tokens or count != remote.num_tokens):
             # A hybrid model's sliding-window and state groups hold what follows all held tokens:
@@ -159,6 +342,9 @@ class KvdScheduler:
         skipped = remote.skipping(local_computed) if remote is not None else None
         if skipped is None:
             return
+        lease = self._awaiting.pop(request.request_id, None)  # the pull's admitted read holds the lease now
+        if lease is not None:
+            self._reading[request.request_id] = lease
         local_blocks = math.ceil(num_external_tokens / self.block_size)
         if len(block_ids) < local_blocks:
             logger.error(
@@ -181,7 +367,7 @@ class KvdScheduler:
         )
         params[PULL_DONE_KEY] = True  # one transfer per request, even if rescheduled
 
-    def on_new_request(self, request: Any) -> None:
+    def _truncate_for_state(self, request: Any) -> None:
         """A prefill engine of a model with state groups stops one prompt token short.
 
         The decode engine pulls the state after N-1 tokens and recomputes the last prompt
@@ -208,6 +394,8 @@ class KvdScheduler:
     # -- per step -----------------------------------------------------------------------------
 
     def build_connector_meta(self, step: StepView) -> KvdConnectorMetadata:
+        self.serve()
+        self._heartbeat()
         meta = self.metadata_cls(
             pulls=list(self._pending_pulls.values()),
             final_watermarks=self._final_marks,
@@ -226,6 +414,12 @@ class KvdScheduler:
     def update_connector_output(self, results: TransferResults) -> None:
         for rid in results.finished_recving:
             self._pulling.discard(rid)
+            lease = self._reading.pop(rid, None)
+            if rid in results.failed_recving and lease is not None and self._stream is not None:
+                # The pull failed (the request recomputes): nobody here will read the lease again.
+                self.releases += 1
+                self._stream.release([lease], "the pull failed: recomputed")
+        self.serve()
 
     # -- finish ---------------------------------------------------------------------------------
 
@@ -239,6 +433,11 @@ class KvdScheduler:
         if self._pending_pulls.pop(rid, None) is not None:
             logger.debug("request %s finished before its pull started", rid)
         params = request.kv_transfer_params or {}
+        if not params.get(PULL_DONE_KEY) and (rid in self._awaiting or remote_kv(params) is not None):
+            # It carried a remote lease and never pulled (aborted, rejected, recomputed): nobody will read it.
+            self._release(request, f"request finished ({_status_name(request)}) without pulling")
+        self._awaiting.pop(rid, None)
+        self._reading.pop(rid, None)
         num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         if num_tokens > 0:
             self._final_marks[rid] = num_tokens
@@ -248,10 +447,18 @@ class KvdScheduler:
             return False, None
         if _status_name(request) not in _FINISHED_OK or num_tokens <= 0 or self._hold is None:
             return False, None
+        # A soft hold is verified through one block table's hashes: hybrid models hold hard.
+        soft = self.config.decode_hold_mode == "soft" and self._identity is not None and self.num_groups == 1
+        if is_decode and not is_prefill and soft:
+            return self._hold_soft(request, block_ids, num_tokens)
         blocks = [int(b) for b in block_ids[: math.ceil(num_tokens / self.block_size)]]
         try:
-            groups = {"group_block_ids": group_block_ids} if group_block_ids else {}
-            held = self._hold.hold_blocks(self.engine_id, rid, blocks, num_tokens, self.config.hold_ttl_ms, **groups)
+            if group_block_ids:  # a hybrid model's other block tables (plain engines pass none)
+                held = self._hold.hold_blocks(
+                    self.engine_id, rid, blocks, num_tokens, self.config.hold_ttl_ms, group_block_ids=group_block_ids
+                )
+            else:
+                held = self._hold.hold_blocks(self.engine_id, rid, blocks, num_tokens, self.config.hold_ttl_ms)
         except errors.KvdError as err:
             self.hold_failures += 1
             logger.warning("request %s: kvd could not hold its KV (%s); the reader will recompute", rid, err)
@@ -259,6 +466,35 @@ class KvdScheduler:
         self.holds += 1
         self._new_holds[rid] = int(held.get("lease_expires_unix_ms", 0))
         return True, make_params(held, block_size=self.block_size, receiver_pulls_prefill=is_prefill)
+
+    def _hold_soft(
+        self, request: ConnectorRequest, block_ids: Sequence[int], num_tokens: int
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the request's full blocks softly: vLLM frees them now (into its prefix cache).
+
+        Only full blocks carry a hash, so the hold covers them; the last partial block (fewer
+        than ``block_size`` tokens) is recomputed by the reader.
+        """
+        rid = request.request_id
+        full = num_tokens // self.block_size
+        if self._identity is None or self._hold is None or full <= 0:
+            return False, None
+        blocks = tuple(int(b) for b in block_ids[:full])
+        identities = tuple(self._identity.identities(blocks))
+        if any(i is None for i in identities):
+            logger.debug("request %s: its blocks are not in the prefix cache; no soft hold", rid)
+            return False, None
+        try:
+            held = self._hold.hold_blocks(
+                self.engine_id, rid, list(blocks), full * self.block_size, self.config.hold_ttl_ms, soft=True
+            )
+        except errors.KvdError as err:
+            self.hold_failures += 1
+            logger.info("request %s: kvd could not hold its KV softly (%s); the next turn recomputes", rid, err)
+            return False, None
+        self.soft_holds += 1
+        self._soft[rid] = _SoftHold(str(held.get("lease_id", "")), blocks, identities)
+        return False, make_params(held, block_size=self.block_size, receiver_pulls_prefill=False)
 
     def shutdown(self) -> None:
         if self._hold is not None:

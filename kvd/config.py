@@ -96,6 +96,13 @@ class KvdConfig:
         default=5.0,
         metadata={"help": "How long a pull waits for the holder's tokens to be committed before failing."},
     )
+    hold_check_timeout_s: float = dataclasses.field(
+        default=2.0,
+        metadata={
+            "help": "How long a read of a soft hold waits for the holder engine's scheduler to verify (and pin, "
+            "or unpin) its blocks; it answers between engine steps. No answer: the read is refused or fails."
+        },
+    )
     fence_timeout_s: float = dataclasses.field(
         default=2.0,
         metadata={
@@ -211,6 +218,7 @@ class KvdConfig:
             "transfer_deadline_s",
             "handshake_timeout_s",
             "commit_wait_s",
+            "hold_check_timeout_s",
             "staging_wait_s",
             "fence_timeout_s",
             "peer_idle_s",

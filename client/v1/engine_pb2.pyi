@@ -1,11 +1,23 @@
 from kvd_client.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class HoldCheckAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HOLD_CHECK_ACTION_UNSPECIFIED: _ClassVar[HoldCheckAction]
+    HOLD_CHECK_ACTION_PIN: _ClassVar[HoldCheckAction]
+    HOLD_CHECK_ACTION_VERIFY_UNPIN: _ClassVar[HoldCheckAction]
+    HOLD_CHECK_ACTION_UNPIN: _ClassVar[HoldCheckAction]
+HOLD_CHECK_ACTION_UNSPECIFIED: HoldCheckAction
+HOLD_CHECK_ACTION_PIN: HoldCheckAction
+HOLD_CHECK_ACTION_VERIFY_UNPIN: HoldCheckAction
+HOLD_CHECK_ACTION_UNPIN: HoldCheckAction
 
 class RegisterKvCacheRequest(_message.Message):
     __slots__ = ("engine_id", "layout", "regions", "layers", "require_commits", "engine_pid", "groups")
@@ -124,7 +136,7 @@ class DaemonMessage(_message.Message):
     def __init__(self, finished_sending: _Optional[_Union[FinishedSending, _Mapping]] = ..., finished_recving: _Optional[_Union[FinishedRecving, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ...) -> None: ...
 
 class HoldBlocksRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "ttl_ms", "group_block_ids", "group_block_counts")
+    __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "ttl_ms", "group_block_ids", "group_block_counts", "soft")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +144,7 @@ class HoldBlocksRequest(_message.Message):
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SOFT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -139,7 +152,8 @@ class HoldBlocksRequest(_message.Message):
     ttl_ms: int
     group_block_ids: _containers.RepeatedScalarFieldContainer[int]
     group_block_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    soft: bool
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ..., soft: _Optional[bool] = ...) -> None: ...
 
 class HoldBlocksResponse(_message.Message):
     __slots__ = ("lease", "kv_transfer_params")
@@ -148,3 +162,85 @@ class HoldBlocksResponse(_message.Message):
     lease: _common_pb2.LeaseInfo
     kv_transfer_params: _common_pb2.KvTransferParams
     def __init__(self, lease: _Optional[_Union[_common_pb2.LeaseInfo, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ...) -> None: ...
+
+class SchedulerHello(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class HoldCheck(_message.Message):
+    __slots__ = ("seq", "request_id", "lease_id", "pin_id", "action")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    request_id: str
+    lease_id: str
+    pin_id: str
+    action: HoldCheckAction
+    def __init__(self, seq: _Optional[int] = ..., request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., pin_id: _Optional[str] = ..., action: _Optional[_Union[HoldCheckAction, str]] = ...) -> None: ...
+
+class HoldEnded(_message.Message):
+    __slots__ = ("request_id", "lease_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SchedulerCommand(_message.Message):
+    __slots__ = ("check", "hold_ended")
+    CHECK_FIELD_NUMBER: _ClassVar[int]
+    HOLD_ENDED_FIELD_NUMBER: _ClassVar[int]
+    check: HoldCheck
+    hold_ended: HoldEnded
+    def __init__(self, check: _Optional[_Union[HoldCheck, _Mapping]] = ..., hold_ended: _Optional[_Union[HoldEnded, _Mapping]] = ...) -> None: ...
+
+class HoldCheckResult(_message.Message):
+    __slots__ = ("seq", "ok", "reason")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    ok: bool
+    reason: str
+    def __init__(self, seq: _Optional[int] = ..., ok: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RemoteLease(_message.Message):
+    __slots__ = ("daemon_address", "lease_id")
+    DAEMON_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    daemon_address: str
+    lease_id: str
+    def __init__(self, daemon_address: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class RenewRemoteLeases(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[RemoteLease]
+    def __init__(self, leases: _Optional[_Iterable[_Union[RemoteLease, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRemoteLeases(_message.Message):
+    __slots__ = ("leases", "reason")
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[RemoteLease]
+    reason: str
+    def __init__(self, leases: _Optional[_Iterable[_Union[RemoteLease, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("hello", "check_result", "renew", "release")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    CHECK_RESULT_FIELD_NUMBER: _ClassVar[int]
+    RENEW_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    hello: SchedulerHello
+    check_result: HoldCheckResult
+    renew: RenewRemoteLeases
+    release: ReleaseRemoteLeases
+    def __init__(self, hello: _Optional[_Union[SchedulerHello, _Mapping]] = ..., check_result: _Optional[_Union[HoldCheckResult, _Mapping]] = ..., renew: _Optional[_Union[RenewRemoteLeases, _Mapping]] = ..., release: _Optional[_Union[ReleaseRemoteLeases, _Mapping]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class EngineServiceStub:
                 request_serializer=kvd_dot_v1_dot_engine__pb2.HoldBlocksRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_engine__pb2.HoldBlocksResponse.FromString,
                 _registered_method=True)
+        self.SchedulerStream = channel.stream_stream(
+                '/kvd.v1.EngineService/SchedulerStream',
+                request_serializer=kvd_dot_v1_dot_engine__pb2.SchedulerMessage.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_engine__pb2.SchedulerCommand.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -87,6 +92,15 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SchedulerStream(self, request_iterator, context):
+        """One long-lived stream per engine (its scheduler process): the daemon asks it to verify and pin
+        the blocks of a soft hold around a read; the scheduler renews or releases leases it will read
+        from (or never will) on other daemons.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +123,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.HoldBlocks,
                     request_deserializer=kvd_dot_v1_dot_engine__pb2.HoldBlocksRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_engine__pb2.HoldBlocksResponse.SerializeToString,
+            ),
+            'SchedulerStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SchedulerStream,
+                    request_deserializer=kvd_dot_v1_dot_engine__pb2.SchedulerMessage.FromString,
+                    response_serializer=kvd_dot_v1_dot_engine__pb2.SchedulerCommand.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +238,33 @@ class EngineService:
             '/kvd.v1.EngineService/HoldBlocks',
             kvd_dot_v1_dot_engine__pb2.HoldBlocksRequest.SerializeToString,
             kvd_dot_v1_dot_engine__pb2.HoldBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SchedulerStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvd.v1.EngineService/SchedulerStream',
+            kvd_dot_v1_dot_engine__pb2.SchedulerMessage.SerializeToString,
+            kvd_dot_v1_dot_engine__pb2.SchedulerCommand.FromString,
             options,
             channel_credentials,
             insecure,

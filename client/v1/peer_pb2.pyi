@@ -86,12 +86,14 @@ class PreparePullRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_tp_size: _Optional[int] = ..., remote_tp_ranks: _Optional[_Iterable[int]] = ..., reader_address: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ..., read_timeout_ms: _Optional[int] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PreparePullResponse(_message.Message):
-    __slots__ = ("registration_ids", "notif_tag")
+    __slots__ = ("registration_ids", "notif_tag", "verify_after_read")
     REGISTRATION_IDS_FIELD_NUMBER: _ClassVar[int]
     NOTIF_TAG_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_AFTER_READ_FIELD_NUMBER: _ClassVar[int]
     registration_ids: _containers.RepeatedScalarFieldContainer[int]
     notif_tag: str
-    def __init__(self, registration_ids: _Optional[_Iterable[int]] = ..., notif_tag: _Optional[str] = ...) -> None: ...
+    verify_after_read: bool
+    def __init__(self, registration_ids: _Optional[_Iterable[int]] = ..., notif_tag: _Optional[str] = ..., verify_after_read: _Optional[bool] = ...) -> None: ...
 
 class AbandonPullRequest(_message.Message):
     __slots__ = ("lease_id", "reader_tp_rank", "reason", "reader_incarnation", "reader_transfer_id")
@@ -108,5 +110,45 @@ class AbandonPullRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reason: _Optional[str] = ..., reader_incarnation: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ...) -> None: ...
 
 class AbandonPullResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FinishReadRequest(_message.Message):
+    __slots__ = ("lease_id", "reader_tp_rank", "reader_incarnation", "reader_transfer_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    READER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    READER_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    reader_tp_rank: int
+    reader_incarnation: str
+    reader_transfer_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ...) -> None: ...
+
+class FinishReadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("unknown_lease_ids",)
+    UNKNOWN_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    unknown_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, unknown_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseLeasesRequest(_message.Message):
+    __slots__ = ("lease_ids", "reason")
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeasesResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

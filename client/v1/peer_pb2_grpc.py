@@ -49,6 +49,21 @@ class PeerServiceStub:
                 request_serializer=kvd_dot_v1_dot_peer__pb2.AbandonPullRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_peer__pb2.AbandonPullResponse.FromString,
                 _registered_method=True)
+        self.FinishRead = channel.unary_unary(
+                '/kvd.v1.PeerService/FinishRead',
+                request_serializer=kvd_dot_v1_dot_peer__pb2.FinishReadRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_peer__pb2.FinishReadResponse.FromString,
+                _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/kvd.v1.PeerService/RenewLeases',
+                request_serializer=kvd_dot_v1_dot_peer__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_peer__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
+        self.ReleaseLeases = channel.unary_unary(
+                '/kvd.v1.PeerService/ReleaseLeases',
+                request_serializer=kvd_dot_v1_dot_peer__pb2.ReleaseLeasesRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_peer__pb2.ReleaseLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -76,6 +91,28 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinishRead(self, request, context):
+        """The reader's READs of a soft hold are final: the holder verifies the blocks still hold the
+        request's KV (through its engine's scheduler) and unpins them. An error fails the pull.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewLeases(self, request, context):
+        """Reader heartbeats: requests that will read these leases still wait; each is renewed by its own TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLeases(self, request, context):
+        """Nobody will read these leases (the reading request was aborted or recomputed): end them now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +130,21 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.AbandonPull,
                     request_deserializer=kvd_dot_v1_dot_peer__pb2.AbandonPullRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_peer__pb2.AbandonPullResponse.SerializeToString,
+            ),
+            'FinishRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishRead,
+                    request_deserializer=kvd_dot_v1_dot_peer__pb2.FinishReadRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_peer__pb2.FinishReadResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=kvd_dot_v1_dot_peer__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_peer__pb2.RenewLeasesResponse.SerializeToString,
+            ),
+            'ReleaseLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLeases,
+                    request_deserializer=kvd_dot_v1_dot_peer__pb2.ReleaseLeasesRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_peer__pb2.ReleaseLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +228,87 @@ class PeerService:
             '/kvd.v1.PeerService/AbandonPull',
             kvd_dot_v1_dot_peer__pb2.AbandonPullRequest.SerializeToString,
             kvd_dot_v1_dot_peer__pb2.AbandonPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.PeerService/FinishRead',
+            kvd_dot_v1_dot_peer__pb2.FinishReadRequest.SerializeToString,
+            kvd_dot_v1_dot_peer__pb2.FinishReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.PeerService/RenewLeases',
+            kvd_dot_v1_dot_peer__pb2.RenewLeasesRequest.SerializeToString,
+            kvd_dot_v1_dot_peer__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.PeerService/ReleaseLeases',
+            kvd_dot_v1_dot_peer__pb2.ReleaseLeasesRequest.SerializeToString,
+            kvd_dot_v1_dot_peer__pb2.ReleaseLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

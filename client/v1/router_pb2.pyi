@@ -98,20 +98,26 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineSummary(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "tp_size", "registered_bytes", "stream_connected", "layout")
+    __slots__ = ("engine_id", "tp_rank", "tp_size", "registered_bytes", "stream_connected", "layout", "held_bytes", "soft_held_bytes", "draining_bytes")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     STREAM_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOFT_HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_BYTES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     tp_size: int
     registered_bytes: int
     stream_connected: bool
     layout: _common_pb2.KvLayoutSpec
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., stream_connected: _Optional[bool] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ...) -> None: ...
+    held_bytes: int
+    soft_held_bytes: int
+    draining_bytes: int
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., stream_connected: _Optional[bool] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., held_bytes: _Optional[int] = ..., soft_held_bytes: _Optional[int] = ..., draining_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerSummary(_message.Message):
     __slots__ = ("address", "incarnation", "agent_name", "last_contact_s_ago")
@@ -126,7 +132,14 @@ class PeerSummary(_message.Message):
     def __init__(self, address: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., last_contact_s_ago: _Optional[float] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "metrics_address", "admitted_reads", "quarantined_bytes", "remote_agents")
+    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "metrics_address", "admitted_reads", "quarantined_bytes", "remote_agents", "holds_ended")
+    class HoldsEndedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +154,7 @@ class GetStatusResponse(_message.Message):
     ADMITTED_READS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_AGENTS_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_ENDED_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_name: str
     peer_address: str
@@ -155,4 +169,5 @@ class GetStatusResponse(_message.Message):
     admitted_reads: int
     quarantined_bytes: int
     remote_agents: int
-    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., metrics_address: _Optional[str] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ...) -> None: ...
+    holds_ended: _containers.ScalarMap[str, int]
+    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., metrics_address: _Optional[str] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ..., holds_ended: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 __all__ = [
     "DType",
+    "HoldCheckAction",
     "KvFormat",
     "KvGroupKind",
     "KvLayout",
@@ -86,6 +87,17 @@ class TransferState(enum.IntEnum):
     ABORTED = 6
     FENCING = 7
     """Failed, and waiting until no byte of it can still land in the engine's blocks; then FAILED or ABORTED."""
+
+
+class HoldCheckAction(enum.IntEnum):
+    """``kvd.v1.HoldCheckAction``."""
+
+    PIN = 1
+    """Verify the soft hold's blocks still carry their identities (vLLM block hashes), then pin them."""
+    VERIFY_UNPIN = 2
+    """Verify again (the read is over) and unpin: a mismatch fails the read."""
+    UNPIN = 3
+    """Unpin without a verdict (the read was abandoned or timed out)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,11 +152,18 @@ def message_to_dict(message: Message) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in message.DESCRIPTOR.fields:
         value = getattr(message, field.name)
-        if _is_repeated(field):
+        if _is_map(field):
+            out[field.name] = dict(value)
+        elif _is_repeated(field):
             out[field.name] = [_field_value(field, item) for item in value]
         else:
             out[field.name] = _field_value(field, value)
     return out
+
+
+def _is_map(field: Any) -> bool:
+    entry = field.message_type if field.type == FieldDescriptor.TYPE_MESSAGE else None
+    return entry is not None and entry.GetOptions().map_entry
 
 
 def _is_repeated(field: Any) -> bool:
@@ -191,6 +198,9 @@ def render(snapshot: Snapshot, previous: Snapshot | None, target: str) -> str:
     lines += _engines(s)
     lines += _peers(s)
     lines.append(f"leases: {s.leases_held} held, {s.leases_draining} draining (reads under way)")
+    if s.holds_ended:
+        ended = ", ".join(f"{count} {reason}" for reason, count in sorted(s.holds_ended.items()))
+        lines.append(f"  ended since start: {ended}")
     lines.append(f"transfers in flight: {s.transfers_in_flight}")
     lines.append("")
     lines += _traffic(snapshot, previous)
@@ -201,7 +211,7 @@ def _engines(s: router_pb2.GetStatusResponse) -> list[str]:
     if not s.engines:
         return ["engines: none registered", ""]
     total = sum(e.registered_bytes for e in s.engines)
-    rows = [["ENGINE", "RANK", "STREAM", "REGISTERED", "LAYOUT"]]
+    rows = [["ENGINE", "RANK", "STREAM", "REGISTERED", "HELD/SOFT/DRAINING", "LAYOUT"]]
     for e in sorted(s.engines, key=lambda e: (e.engine_id, e.tp_rank)):
         rows.append(
             [
@@ -209,6 +219,7 @@ def _engines(s: router_pb2.GetStatusResponse) -> list[str]:
                 f"{e.tp_rank}/{e.tp_size}",
                 "connected" if e.stream_connected else "none",
                 _bytes(e.registered_bytes),
+                f"{_bytes(e.held_bytes)}/{_bytes(e.soft_held_bytes)}/{_bytes(e.draining_bytes)}",
                 _layout(e.layout),
             ]
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -22,6 +23,7 @@ from kvd.core import notif
 from kvd.core.commits import CommitTracker
 from kvd.core.dataplane import DataPlane
 from kvd.core.events import FinishedSending
+from kvd.core.holdchecks import HoldChecks, SchedulerChannel
 from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseEnd, LeaseTable
 from kvd.core.local_memory import LocalMemory, Memories
 from kvd.core.memory import RegionRequest, open_region
@@ -36,14 +38,17 @@ from kvd.layout.plan import EngineView, block_geometry
 from kvd.layout.spec import LayerPlacement, LayoutSpec
 from kvd_client.errors import (
     FailedPrecondition,
+    HeldKvEvicted,
     Internal,
     InvalidArgument,
+    KvdError,
     Unavailable,
     UnknownEngine,
     UnknownLease,
     UnsupportedModelFeature,
 )
 from kvd_client.group_blocks import flatten_groups
+from kvd_client.v1.schema import HoldCheckAction
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,9 @@ class DaemonStatus:
     remote_agents: int
     serving: bool
     uptime_s: float
+    # (engine_id, tp_rank) -> (hard-held, soft-held, draining) bytes of that rank's blocks
+    held_bytes: dict[tuple[str, int], tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    holds_ended: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class Daemon:
@@ -88,6 +96,8 @@ class Daemon:
             admission_margin_s=config.read_admission_margin_s,
         )
         self.commits = CommitTracker()
+        self.holdchecks = HoldChecks()
+        self.holds_ended: dict[str, int] = {}  # LeaseEnd value -> count since start
         self.transfers = TransferTable()
         self._transport = transport
         self.dataplane: DataPlane | None = None
@@ -98,6 +108,10 @@ class Daemon:
         self._background: list[asyncio.Task[None]] = []
         self._followups: set[asyncio.Task[None]] = set()  # unpins scheduled by lease callbacks
         self._reader_labels: dict[str, str] = {}  # admission id -> reader's address (metrics label)
+        # admission id -> (engine, request) of a soft read pinned by the engine (to unpin it when
+        # the admission ends after its lease did)
+        self._soft_pins: dict[str, tuple[str, str]] = {}
+        self._remote_calls: set[asyncio.Task[None]] = set()  # heartbeats and releases sent to peers
         self._selftest_seed = -1
         self.serving = False
         self.started_at = time.monotonic()
@@ -161,9 +175,9 @@ class Daemon:
         for rank in list(self.registry):
             await self._unregister(rank, "daemon shutting down")
         await self._settle_followups()
-        for task in self._background:
+        for task in [*self._background, *self._remote_calls]:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self._background, *self._remote_calls, return_exceptions=True)
         if self.peers is not None:
             await self.peers.drop_all()
         await self._transport.close()
@@ -291,6 +305,9 @@ class Daemon:
             rank.wakeup.set()
         self.metrics.engines.set(len(self.registry))
         self.metrics.registered_bytes.remove(rank.engine_id, str(rank.tp_rank))
+        for state in ("hard", "soft", "draining"):
+            with contextlib.suppress(KeyError):
+                self.metrics.held_bytes.remove(rank.engine_id, str(rank.tp_rank), state)
         self._lease_gauges()
         logger.info("unregistered engine %s rank %d: %s", rank.engine_id, rank.tp_rank, reason)
         await self._mem.fence(rank.memory)
@@ -345,9 +362,18 @@ class Daemon:
         num_tokens: int,
         ttl_s: float = 0.0,
         group_block_ids: Sequence[Sequence[int]] = (),
+        soft: bool = False,
     ) -> tuple[Lease, TransferParams]:
-        """Hold a finished request's blocks (every KV cache group's) for a remote reader."""
+        """Hold a finished request's blocks (every KV cache group's) for a remote reader.
+
+        ``soft``: the engine kept nothing; each read is verified by its scheduler (kvd.core.holdchecks).
+        """
         self.require_serving()
+        if soft and not self.holdchecks.connected(engine_id):
+            raise FailedPrecondition(
+                f"engine {engine_id!r} has no scheduler stream: a soft hold could never be verified "
+                "(open the stream first, or hold hard)"
+            )
         ranks = self.registry.require_engine(engine_id)
         first = next(iter(ranks.values()))
         spec = first.spec
@@ -362,10 +388,15 @@ class Daemon:
             )
         spec.validate_block_ids(block_ids, "held block ids")
         kept = kv_groups.validate_hold_groups(first.groups, group_block_ids, num_tokens)
+        if soft and kept:
+            raise FailedPrecondition(
+                f"engine {engine_id!r} has {len(first.groups)} KV cache groups: a soft hold is verified through "
+                "one block table's hashes only, so hold a hybrid model's request hard"
+            )
         ttl = ttl_s or self.config.lease_ttl_s
         if ttl > self.config.max_lease_ttl_s:
             raise InvalidArgument(f"lease ttl {ttl}s exceeds max_lease_ttl_s {self.config.max_lease_ttl_s}s")
-        lease = self.leases.create(engine_id, request_id, tuple(block_ids[:need]), num_tokens, ttl)
+        lease = self.leases.create(engine_id, request_id, tuple(block_ids[:need]), num_tokens, ttl, soft=soft)
         lease.group_block_ids = kept
         self.metrics.leases_held.set(len(self.leases))
         return lease, self.params_of(lease)
@@ -398,6 +429,68 @@ class Daemon:
         self.leases.end(lease_id, LeaseEnd.RELEASED)
         self._lease_gauges()
 
+    def release_leases(self, lease_ids: Sequence[str], reason: str) -> int:
+        """Nobody will read these leases (the reading request was aborted or recomputed): end
+        them now (each drains first if a read is admitted). Unknown ids are skipped. How many ended."""
+        ended = 0
+        for lease_id in lease_ids:
+            lease = self.leases.find(lease_id)
+            if lease is None or lease.draining:
+                continue
+            self.leases.end(lease_id, LeaseEnd.ABORTED)
+            ended += 1
+            logger.info("lease %s on %s/%s released: %s", lease_id, lease.engine_id, lease.request_id, reason)
+        self._lease_gauges()
+        return ended
+
+    def renew_leases(self, lease_ids: Sequence[str]) -> list[str]:
+        """Reader heartbeats: each live lease is renewed by its own TTL; returns the ids not live."""
+        return self.leases.renew_by_own_ttl(list(lease_ids))
+
+    def scheduler_attached(self, engine_id: str) -> SchedulerChannel:
+        return self.holdchecks.attach(engine_id)
+
+    def scheduler_detached(self, channel: SchedulerChannel) -> None:
+        """The engine's scheduler is gone (or reconnected without its state): its soft holds
+        cannot be verified any more; they end."""
+        if not self.holdchecks.detach(channel):
+            return
+        for lease in self.leases.all():
+            if lease.soft and lease.engine_id == channel.engine_id:
+                self.leases.end(lease.lease_id, LeaseEnd.ENGINE_GONE)
+        self._lease_gauges()
+
+    def remote_leases(self, leases: Sequence[tuple[str, str]], release: bool, reason: str = "") -> None:
+        """A local engine's requests will read these (address, lease id) leases later (renew), or
+        never (release): tell their holders, batched per holder. Best effort, in the background."""
+        by_holder: dict[str, list[str]] = {}
+        for address, lease_id in leases:
+            if address and lease_id:
+                by_holder.setdefault(address, []).append(lease_id)
+        for address, ids in by_holder.items():
+            if address == self.advertise_address:
+                if release:
+                    self.release_leases(ids, reason)
+                else:
+                    self.renew_leases(ids)
+                continue
+            task = asyncio.get_running_loop().create_task(self._tell_holder(address, ids, release, reason))
+            self._remote_calls.add(task)
+            task.add_done_callback(self._remote_calls.discard)
+
+    async def _tell_holder(self, address: str, lease_ids: list[str], release: bool, reason: str) -> None:
+        try:
+            if release:
+                await self._transport.release_leases(address, lease_ids, reason, self.config.handshake_timeout_s)
+            else:
+                unknown = await self._transport.renew_leases(address, lease_ids, self.config.handshake_timeout_s)
+                if unknown:
+                    logger.debug("holder %s no longer holds leases %s", address, unknown[:8])
+        except KvdError as exc:  # best effort: an unrenewed lease expires, an unreleased one too
+            logger.info(
+                "%s %d leases at %s failed: %s", "releasing" if release else "renewing", len(lease_ids), address, exc
+            )
+
     def lookup_held(self, engine_id: str = "", request_id: str = "") -> list[TransferParams]:
         return [
             self.params_of(lease)
@@ -408,11 +501,18 @@ class Daemon:
         ]
 
     def _lease_over(self, lease: Lease, how: LeaseEnd) -> None:
-        """LeaseTable callback: no reader can read the blocks any more; tell every rank, once."""
-        for rank in self.registry.ranks_of(lease.engine_id).values():
-            rank.post(FinishedSending(lease.request_id, lease.lease_id, expired=how is LeaseEnd.EXPIRED))
+        """LeaseTable callback: no reader can read the blocks any more; tell every rank, once.
+
+        A soft lease's engine never kept the blocks: only its scheduler hears (it forgets the hold).
+        """
+        if lease.soft:
+            self.holdchecks.tell_ended(lease.engine_id, lease.request_id, lease.lease_id, how.value)
+        else:
+            for rank in self.registry.ranks_of(lease.engine_id).values():
+                rank.post(FinishedSending(lease.request_id, lease.lease_id, expired=how is LeaseEnd.EXPIRED))
         self.commits.forget_request(lease.engine_id, lease.request_id)
         self.metrics.leases_ended.labels(how.value).inc()
+        self.holds_ended[how.value] = self.holds_ended.get(how.value, 0) + 1
         self._lease_gauges()
         logger.debug("lease %s on %s/%s ended: %s", lease.lease_id, lease.engine_id, lease.request_id, how.value)
 
@@ -431,6 +531,16 @@ class Daemon:
                 admission.reader_rank,
             )
         self.metrics.admissions_ended.labels(admission.ended.value).inc()
+        if admission.soft_pinned:  # the engine pinned the soft hold's blocks for this read
+            admission.soft_pinned = False
+            lease = self.leases.find(admission.lease_id)
+            engine_id, request_id = self._soft_pins.pop(admission.admission_id, ("", ""))
+            if lease is not None:
+                engine_id, request_id = lease.engine_id, lease.request_id
+            if engine_id:
+                self.holdchecks.unpin(engine_id, request_id, admission.lease_id, admission.admission_id)
+        else:
+            self._soft_pins.pop(admission.admission_id, None)
         pinned, admission.pinned = list(admission.pinned), []
         clean = admission.ended.clean
         for memory in pinned:
@@ -445,6 +555,9 @@ class Daemon:
             self.dataplane.fast_poll_until = self.leases.latest_admission_deadline()
 
     def _lease_gauges(self) -> None:
+        for (engine_id, tp_rank), values in self.held_bytes().items():
+            for state, value in zip(("hard", "soft", "draining"), values, strict=True):
+                self.metrics.held_bytes.labels(engine_id, str(tp_rank), state).set(value)
         self.metrics.leases_held.set(len(self.leases))
         self.metrics.leases_draining.set(self.leases.draining)
         self.metrics.admitted_reads.set(self.leases.open_admissions)
@@ -572,9 +685,12 @@ class Daemon:
         if reader_address:
             self._reader_labels[admission.admission_id] = reader_address
         self._lease_gauges()
+        if lease.soft:
+            await self._pin_soft(lease, admission)
         return PrepareResult(
             registration_ids=tuple(ranks[r].registration_id for r in remote_tp_ranks),
             notif_tag=notif.tag(lease_id, admission.admission_id),
+            verify_after_read=lease.soft,
         )
 
     def _check_group_read(self, lease: Lease, group_block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
@@ -593,6 +709,71 @@ class Daemon:
                     f"{kv_groups.describe_group(index, group)}: a {group.kind.name.lower()} group holds the state "
                     f"after all {lease.num_tokens} held tokens; a read of {num_tokens} tokens cannot use it"
                 )
+
+    async def _pin_soft(self, lease: Lease, admission: Admission) -> None:
+        """Have the engine verify the soft hold's blocks and pin them for this read, or refuse it.
+
+        The admission is open meanwhile (its memory pinned like any read's); a refusal ends it
+        (nothing was posted) and the lease with it: the blocks are gone for every reader.
+        """
+        self._soft_pins[admission.admission_id] = (lease.engine_id, lease.request_id)
+        ok, why = await self.holdchecks.check(
+            lease.engine_id,
+            HoldCheckAction.PIN,
+            lease.request_id,
+            lease.lease_id,
+            admission.admission_id,
+            self.config.hold_check_timeout_s,
+        )
+        if ok and admission.ended is None:
+            admission.soft_pinned = True
+            return
+        if ok:  # the read ended while the engine pinned (the lease was released): drop the pin
+            self.holdchecks.unpin(lease.engine_id, lease.request_id, lease.lease_id, admission.admission_id)
+        self._soft_pins.pop(admission.admission_id, None)
+        self.leases.finish_read(lease.lease_id, admission, verified=False)
+        self._lease_gauges()
+        raise HeldKvEvicted(
+            f"request {lease.request_id!r} on engine {lease.engine_id!r}: its blocks no longer hold its KV "
+            f"({why or 'the read ended'}); recompute"
+        )
+
+    async def finish_read(
+        self, lease_id: str, reader_tp_rank: int, reader_incarnation: str = "", reader_transfer_id: str = ""
+    ) -> None:
+        """A soft lease's reader's READs are final: verify the blocks again and unpin them.
+
+        HeldKvEvicted when they no longer carry the request's KV (the reader must not report the
+        pull done); the lease then ends as evicted.
+        """
+        reader = f"{reader_incarnation or 'unknown'}/{reader_transfer_id}"
+        admission = self.leases.admission_of(lease_id, reader, reader_tp_rank)
+        lease = self.leases.find(lease_id)
+        if admission is None or lease is None:
+            raise UnknownLease(f"lease {lease_id!r} has no read admitted for rank {reader_tp_rank} of that reader")
+        if not lease.soft:
+            raise FailedPrecondition(f"lease {lease_id!r} is a hard hold: its reads end with their notifications")
+        ok, why = False, "the engine's pin of the blocks was lost"
+        if admission.soft_pinned:
+            admission.soft_pinned = False
+            self._soft_pins.pop(admission.admission_id, None)
+            ok, why = await self.holdchecks.check(
+                lease.engine_id,
+                HoldCheckAction.VERIFY_UNPIN,
+                lease.request_id,
+                lease_id,
+                admission.admission_id,
+                self.config.hold_check_timeout_s,
+            )
+            if not ok:  # a silent scheduler: drop the pin anyway (the verdict is "not verified")
+                self.holdchecks.unpin(lease.engine_id, lease.request_id, lease_id, admission.admission_id)
+        self.leases.finish_read(lease_id, admission, verified=ok)
+        self._lease_gauges()
+        if not ok:
+            raise HeldKvEvicted(
+                f"request {lease.request_id!r} on engine {lease.engine_id!r}: its blocks changed during the read "
+                f"({why}); the pulled bytes must not be used"
+            )
 
     def _holder_ranks(self, engine_id: str, remote_tp_ranks: Sequence[int]) -> dict[int, EngineRank]:
         ranks = self.registry.ranks_of(engine_id)
@@ -746,7 +927,22 @@ class Daemon:
             remote_agents=len(self.peers.agents()) if self.peers else 0,
             serving=self.serving,
             uptime_s=time.monotonic() - self.started_at,
+            held_bytes=self.held_bytes(),
+            holds_ended=dict(self.holds_ended),
         )
+
+    def held_bytes(self) -> dict[tuple[str, int], tuple[int, int, int]]:
+        """Per registered rank: bytes of its blocks under hard leases, soft leases, and draining ones."""
+        out: dict[tuple[str, int], tuple[int, int, int]] = {}
+        per_engine: dict[str, list[int]] = {}
+        for lease in self.leases.every():
+            counts = per_engine.setdefault(lease.engine_id, [0, 0, 0])
+            counts[2 if lease.draining else 1 if lease.soft else 0] += len(lease.block_ids)
+        for rank in self.registry:
+            counts = per_engine.get(rank.engine_id, [0, 0, 0])
+            per_block = rank.spec.total_bytes // max(1, rank.spec.num_blocks)
+            out[(rank.engine_id, rank.tp_rank)] = (counts[0] * per_block, counts[1] * per_block, counts[2] * per_block)
+        return out
 
 
 def _process_alive(pid: int) -> bool:

@@ -36,6 +36,8 @@ class LeaseEnd(enum.Enum):
     EXPIRED = "expired"
     ENGINE_GONE = "engine_gone"
     SHUTDOWN = "shutdown"
+    ABORTED = "aborted"  # the reading side said nobody will read (aborted, rejected, recomputed)
+    EVICTED = "evicted"  # a soft hold's blocks no longer hold its KV (the engine evicted or reused them)
 
 
 class AdmissionEnd(enum.Enum):
@@ -58,9 +60,16 @@ class Admission:
     reader_rank: int
     deadline: float  # monotonic
     parts_seen: set[int] = dataclasses.field(default_factory=set)
+    parts: int = 0  # how many parts the reader posts (learned from its notifications)
     # Holder memory pinned for this read (kvd.core.local_memory.LocalMemory), owned by the daemon.
     pinned: list[object] = dataclasses.field(default_factory=list)
     ended: AdmissionEnd | None = None
+    soft_pinned: bool = False  # a soft lease's blocks are pinned by the engine for this read
+
+    @property
+    def reads_seen(self) -> bool:
+        """Every part's notification arrived: none of the reader's READs is still moving."""
+        return self.parts > 0 and len(self.parts_seen) >= self.parts
 
 
 @dataclasses.dataclass(eq=False)
@@ -77,6 +86,10 @@ class Lease:
     done_readers: set[int] = dataclasses.field(default_factory=set)
     admissions: dict[str, Admission] = dataclasses.field(default_factory=dict)  # open ones
     ending: LeaseEnd | None = None  # set while draining
+    ttl_s: float = 0.0  # what a renewal without a ttl extends it by (the reader's heartbeats)
+    # A soft hold: the engine did not keep the blocks; each read is verified (and the blocks
+    # pinned) by the engine's scheduler, and the reader ends its read with FinishRead.
+    soft: bool = False
 
     @property
     def draining(self) -> bool:
@@ -121,7 +134,13 @@ class LeaseTable:
         return max((a.deadline for lease in self._leases.values() for a in lease.admissions.values()), default=0.0)
 
     def create(
-        self, engine_id: str, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        ttl_s: float,
+        soft: bool = False,
     ) -> Lease:
         if ttl_s <= 0:
             raise InvalidArgument(f"lease ttl must be > 0, got {ttl_s}")
@@ -132,6 +151,8 @@ class LeaseTable:
             block_ids=block_ids,
             num_tokens=num_tokens,
             expires_at=self._clock() + ttl_s,
+            ttl_s=ttl_s,
+            soft=soft,
         )
         self._leases[lease.lease_id] = lease
         return lease
@@ -151,6 +172,22 @@ class LeaseTable:
         lease = self.get(lease_id)
         lease.expires_at = self._clock() + ttl_s
         return lease
+
+    def renew_by_own_ttl(self, lease_ids: list[str]) -> list[str]:
+        """Reader heartbeats: renew each live lease by its own TTL; the ids that are not live."""
+        unknown = []
+        now = self._clock()
+        for lease_id in lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.draining or lease.expires_at <= now:
+                unknown.append(lease_id)
+                continue
+            lease.expires_at = max(lease.expires_at, now + lease.ttl_s)
+        return unknown
+
+    def find(self, lease_id: str) -> Lease | None:
+        """The lease, live or draining (None once it ended)."""
+        return self._leases.get(lease_id)
 
     # --- admitted reads -------------------------------------------------------------------------
 
@@ -185,7 +222,33 @@ class LeaseTable:
         if lease is None or admission is None or not 0 <= part < parts:
             return
         admission.parts_seen.add(part)
-        if len(admission.parts_seen) < parts:
+        admission.parts = parts
+        if len(admission.parts_seen) < parts or lease.soft:
+            return  # a soft lease's read ends with the reader's FinishRead (verified again first)
+        lease.done_readers.add(admission.reader_rank)
+        self._end_admission(lease, admission, AdmissionEnd.READ)
+        if lease.lease_id in self._leases and len(lease.done_readers) >= lease.reader_tp_size and not lease.draining:
+            self._finish(lease, LeaseEnd.READ)
+
+    def admission_of(self, lease_id: str, reader: str, reader_rank: int) -> Admission | None:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return None
+        for admission in lease.admissions.values():
+            if admission.reader == reader and admission.reader_rank == reader_rank:
+                return admission
+        return None
+
+    def finish_read(self, lease_id: str, admission: Admission, verified: bool) -> None:
+        """A soft lease's reader ended its read (FinishRead): counted as read when the blocks were
+        verified again; otherwise the lease ends as evicted. Either way no byte still moves."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.admissions.get(admission.admission_id) is not admission:
+            return
+        if not verified:
+            if not lease.draining:
+                lease.ending = LeaseEnd.EVICTED
+            self._end_admission(lease, admission, AdmissionEnd.ABANDONED)
             return
         lease.done_readers.add(admission.reader_rank)
         self._end_admission(lease, admission, AdmissionEnd.READ)
@@ -239,7 +302,10 @@ class LeaseTable:
         for lease in list(self._leases.values()):
             for admission in list(lease.admissions.values()):
                 if admission.deadline + self.admission_margin_s <= now:
-                    self._end_admission(lease, admission, AdmissionEnd.TIMED_OUT)
+                    # A soft lease's reader that never said FinishRead: if every part arrived,
+                    # its READs are over (clean); otherwise not proven over.
+                    how = AdmissionEnd.ABANDONED if admission.reads_seen else AdmissionEnd.TIMED_OUT
+                    self._end_admission(lease, admission, how)
             if lease.lease_id in self._leases and not lease.draining and lease.expires_at <= now:
                 self._request_end(lease, LeaseEnd.EXPIRED)
 
@@ -259,6 +325,10 @@ class LeaseTable:
 
     def of_engine(self, engine_id: str) -> list[Lease]:
         return [lease for lease in self._leases.values() if lease.engine_id == engine_id and not lease.draining]
+
+    def every(self) -> list[Lease]:
+        """Leases held or draining."""
+        return list(self._leases.values())
 
     def all(self) -> list[Lease]:
         """Leases held (not draining)."""

@@ -36,7 +36,17 @@ class Metrics:
         self.in_flight = Gauge("kvd_transfers_in_flight", "Pulls not yet finished", registry=r)
         self.leases_held = Gauge("kvd_leases_held", "Leases currently held for remote readers", registry=r)
         self.leases_ended = Counter(
-            "kvd_leases_ended", "Leases ended, by how (read, released, expired, engine_gone)", ["reason"], registry=r
+            "kvd_leases_ended",
+            "Leases (holds) ended, by how (read, released, aborted, expired, evicted, engine_gone, shutdown)",
+            ["reason"],
+            registry=r,
+        )
+        self.held_bytes = Gauge(
+            "kvd_held_bytes",
+            "KV bytes of an engine rank under leases, by state (hard: pinned; soft: verified on demand, "
+            "nothing pinned; draining: ended, waiting for admitted reads)",
+            ["engine_id", "tp_rank", "state"],
+            registry=r,
         )
         self.handshakes = Counter("kvd_handshakes", "Peer handshakes by outcome", ["peer", "outcome"], registry=r)
         self.peer_drops = Counter("kvd_peer_drops", "Cached peer handshakes dropped", ["peer", "reason"], registry=r)

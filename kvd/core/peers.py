@@ -70,6 +70,7 @@ class HandshakeInfo:
 class PrepareResult:
     registration_ids: tuple[int, ...]
     notif_tag: str
+    verify_after_read: bool = False  # a soft hold: FinishRead must succeed before the pull is done
 
 
 class PeerTransport(Protocol):
@@ -97,6 +98,18 @@ class PeerTransport(Protocol):
     async def abandon_pull(
         self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float
     ) -> None: ...
+
+    async def finish_read(
+        self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, timeout_s: float
+    ) -> None:
+        """A soft hold's read is over: the holder verifies its blocks again (an error fails the pull)."""
+
+    async def renew_leases(self, address: str, lease_ids: list[str], timeout_s: float) -> list[str]:
+        """Reader heartbeats; returns the ids the holder no longer holds."""
+        ...
+
+    async def release_leases(self, address: str, lease_ids: list[str], reason: str, timeout_s: float) -> None:
+        """Nobody will read these leases."""
 
     async def forget(self, address: str) -> None:
         """Close the channel to a dropped peer."""

@@ -486,6 +486,17 @@ class Puller:
             transfer.mark("posted")
             await dataplane.wait(held.xfers)
             transfer.mark("read")
+            if prepared.verify_after_read:
+                # A soft hold: the holder's engine checks its blocks still hold the request's KV
+                # (they were pinned for the read); until it says so the bytes are not ours.
+                await self._transport.finish_read(
+                    remote.daemon_address,
+                    remote.lease_id,
+                    rank.tp_rank,
+                    transfer.transfer_id,
+                    self.config.hold_check_timeout_s + self.config.handshake_timeout_s,
+                )
+                transfer.mark("verified")
         except PeerUnavailable:
             await self.peers.drop_if(session, "disconnected")
             raise

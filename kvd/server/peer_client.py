@@ -112,7 +112,7 @@ class GrpcPeerTransport:
             group_block_counts=[len(ids) for ids in group_block_ids],
         )
         response = await self._call(address, "prepare pull", lambda stub: stub.PreparePull(request, timeout=timeout_s))
-        return PrepareResult(tuple(response.registration_ids), response.notif_tag)
+        return PrepareResult(tuple(response.registration_ids), response.notif_tag, response.verify_after_read)
 
     async def abandon_pull(
         self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float
@@ -125,6 +125,26 @@ class GrpcPeerTransport:
             reader_transfer_id=reader_transfer_id,
         )
         await self._call(address, "abandon pull", lambda stub: stub.AbandonPull(request, timeout=timeout_s))
+
+    async def finish_read(
+        self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, timeout_s: float
+    ) -> None:
+        request = peer_pb2.FinishReadRequest(
+            lease_id=lease_id,
+            reader_tp_rank=reader_tp_rank,
+            reader_incarnation=self._own_incarnation(),
+            reader_transfer_id=reader_transfer_id,
+        )
+        await self._call(address, "finish read", lambda stub: stub.FinishRead(request, timeout=timeout_s))
+
+    async def renew_leases(self, address: str, lease_ids: list[str], timeout_s: float) -> list[str]:
+        request = peer_pb2.RenewLeasesRequest(lease_ids=lease_ids)
+        response = await self._call(address, "renew leases", lambda stub: stub.RenewLeases(request, timeout=timeout_s))
+        return list(response.unknown_lease_ids)
+
+    async def release_leases(self, address: str, lease_ids: list[str], reason: str, timeout_s: float) -> None:
+        request = peer_pb2.ReleaseLeasesRequest(lease_ids=lease_ids, reason=reason[:500])
+        await self._call(address, "release leases", lambda stub: stub.ReleaseLeases(request, timeout=timeout_s))
 
     async def forget(self, address: str) -> None:
         """Close the channel to a dropped peer (a later call opens a new one)."""

@@ -11,6 +11,7 @@ import grpc
 
 from kvd.core.daemon import Daemon
 from kvd.core.events import EngineEvent, FinishedRecving, FinishedSending, LoadFailed
+from kvd.core.holdchecks import HoldCheckCommand, SchedulerChannel, SchedulerCommandItem
 from kvd.core.leases import Lease
 from kvd.core.registry import EngineRank
 from kvd.server import convert
@@ -100,6 +101,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             request.num_tokens,
             request.ttl_ms / 1000.0,
             convert.group_ids_from_pb(request.group_block_ids, request.group_block_counts, "hold"),
+            soft=request.soft,
         )
         return engine_pb2.HoldBlocksResponse(
             lease=_lease_to_pb(self.daemon, lease), kv_transfer_params=convert.params_to_pb(params)
@@ -147,6 +149,66 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             else:
                 raise InvalidArgument(f"unexpected {kind!r} message on an open engine stream")
 
+    @rpc
+    async def SchedulerStream(
+        self, request_iterator: AsyncIterator[engine_pb2.SchedulerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.SchedulerCommand]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "hello" or not first.hello.engine_id:
+            raise InvalidArgument("the first message of a scheduler stream must be hello(engine_id)")
+        channel = self.daemon.scheduler_attached(first.hello.engine_id)
+        reader = asyncio.get_running_loop().create_task(self._read_scheduler(channel, request_iterator))
+        try:
+            while not channel.closed:
+                getter = asyncio.ensure_future(channel.outbox.get())
+                await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    break
+                item = getter.result()
+                if item is None:
+                    break
+                yield _command_to_pb(item)
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+        finally:
+            reader.cancel()
+            self.daemon.scheduler_detached(channel)
+
+    async def _read_scheduler(
+        self, channel: SchedulerChannel, request_iterator: AsyncIterator[engine_pb2.SchedulerMessage]
+    ) -> None:
+        async for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            if kind == "check_result":
+                result = message.check_result
+                self.daemon.holdchecks.answer(channel, result.seq, result.ok, result.reason)
+            elif kind == "renew":
+                self.daemon.remote_leases([(x.daemon_address, x.lease_id) for x in message.renew.leases], release=False)
+            elif kind == "release":
+                release = message.release
+                self.daemon.remote_leases(
+                    [(x.daemon_address, x.lease_id) for x in release.leases], release=True, reason=release.reason
+                )
+            else:
+                raise InvalidArgument(f"unexpected {kind!r} message on an open scheduler stream")
+
+
+def _command_to_pb(item: SchedulerCommandItem) -> engine_pb2.SchedulerCommand:
+    if isinstance(item, HoldCheckCommand):
+        return engine_pb2.SchedulerCommand(
+            check=engine_pb2.HoldCheck(
+                seq=item.seq,
+                request_id=item.request_id,
+                lease_id=item.lease_id,
+                pin_id=item.pin_id,
+                action=int(item.action),  # type: ignore[arg-type]
+            )
+        )
+    return engine_pb2.SchedulerCommand(
+        hold_ended=engine_pb2.HoldEnded(request_id=item.request_id, lease_id=item.lease_id, reason=item.reason)
+    )
+
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def __init__(self, daemon: Daemon) -> None:
@@ -180,7 +242,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                 request.group_block_ids, request.group_block_counts, "prepare pull"
             ),
         )
-        return peer_pb2.PreparePullResponse(registration_ids=list(result.registration_ids), notif_tag=result.notif_tag)
+        return peer_pb2.PreparePullResponse(
+            registration_ids=list(result.registration_ids),
+            notif_tag=result.notif_tag,
+            verify_after_read=result.verify_after_read,
+        )
 
     @rpc
     async def AbandonPull(
@@ -194,6 +260,31 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             reader_transfer_id=request.reader_transfer_id,
         )
         return peer_pb2.AbandonPullResponse()
+
+    @rpc
+    async def FinishRead(
+        self, request: peer_pb2.FinishReadRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.FinishReadResponse:
+        await self.daemon.finish_read(
+            request.lease_id,
+            request.reader_tp_rank,
+            reader_incarnation=request.reader_incarnation,
+            reader_transfer_id=request.reader_transfer_id,
+        )
+        return peer_pb2.FinishReadResponse()
+
+    @rpc
+    async def RenewLeases(
+        self, request: peer_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.RenewLeasesResponse:
+        return peer_pb2.RenewLeasesResponse(unknown_lease_ids=self.daemon.renew_leases(list(request.lease_ids)))
+
+    @rpc
+    async def ReleaseLeases(
+        self, request: peer_pb2.ReleaseLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.ReleaseLeasesResponse:
+        self.daemon.release_leases(list(request.lease_ids), request.reason or "released by the reader's daemon")
+        return peer_pb2.ReleaseLeasesResponse()
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -282,6 +373,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     registered_bytes=r.registered_bytes,
                     stream_connected=r.stream_connected,
                     layout=convert.layout_to_pb(r.spec),
+                    held_bytes=s.held_bytes.get((r.engine_id, r.tp_rank), (0, 0, 0))[0],
+                    soft_held_bytes=s.held_bytes.get((r.engine_id, r.tp_rank), (0, 0, 0))[1],
+                    draining_bytes=s.held_bytes.get((r.engine_id, r.tp_rank), (0, 0, 0))[2],
                 )
                 for r in s.engines
             ],
@@ -303,6 +397,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             admitted_reads=s.admitted_reads,
             quarantined_bytes=s.quarantined_bytes,
             remote_agents=s.remote_agents,
+            holds_ended=s.holds_ended,
         )
 
     @rpc

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 from kvtest import ShmEngine, small_spec
 
 from kvd.server import convert
 from kvd_client import errors
-from kvd_client.v1 import common_pb2
+from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -196,3 +197,36 @@ def test_unknown_transfer_and_unreachable_peer(pair, spawn_daemon) -> None:
     params.daemon_address = "127.0.0.1:1"  # nothing listens there
     err = _pull_error(reader, params, [1])
     assert isinstance(err, errors.Unavailable) and "127.0.0.1:1" in err.message
+
+
+def test_a_soft_hold_without_a_scheduler_stream_is_refused_and_changes_nothing(pair) -> None:
+    _, _, holder, _ = pair
+    before = _snapshot(holder)
+    with pytest.raises(errors.FailedPrecondition, match="no scheduler stream"):
+        holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[0, 1], num_tokens=20, soft=True)
+    assert _snapshot(holder) == before
+
+
+def test_a_scheduler_stream_must_say_hello_first(pair) -> None:
+    a, _, holder, _ = pair
+    with grpc.insecure_channel(a.unix_target) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        renew = engine_pb2.SchedulerMessage(renew=engine_pb2.RenewRemoteLeases())
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.SchedulerStream(iter([renew]), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hello" in caught.value.details()
+
+
+def test_peer_lease_calls_on_unknown_leases_change_nothing(pair) -> None:
+    a, _, holder, _ = pair
+    held = holder.client.hold_blocks(engine_id="holder", request_id="r", block_ids=[0, 1], num_tokens=20)
+    before = _snapshot(holder)
+    with grpc.insecure_channel(a.tcp) as channel:
+        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        renewed = stub.RenewLeases(peer_pb2.RenewLeasesRequest(lease_ids=["nosuch"]), timeout=10)
+        assert list(renewed.unknown_lease_ids) == ["nosuch"]
+        stub.ReleaseLeases(peer_pb2.ReleaseLeasesRequest(lease_ids=["nosuch"], reason="test"), timeout=10)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.FinishRead(peer_pb2.FinishReadRequest(lease_id=held.lease.lease_id, reader_tp_rank=0), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND and "no read admitted" in caught.value.details()
+    assert _snapshot(holder) == before

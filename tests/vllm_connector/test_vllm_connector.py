@@ -23,7 +23,13 @@ from kvd_engine.cache_layout import KvFormat, KvLayout
 pytestmark = pytest.mark.vllm
 
 PROMPT = list(range(300, 340))  # 40 tokens: 3 blocks of 16
-EXTRA = {"kvd_socket": "/fake.sock", "reconnect_initial_s": 0.01, "pull_threshold_tokens": 32}
+# The fake daemon holds hard only (soft holds need a scheduler stream: test_vllm_holds.py).
+EXTRA = {
+    "kvd_socket": "/fake.sock",
+    "reconnect_initial_s": 0.01,
+    "pull_threshold_tokens": 32,
+    "decode_hold_mode": "hard",
+}
 
 
 @pytest.fixture
@@ -119,6 +125,7 @@ def test_multi_turn_pull_back_above_the_threshold(
     run(daemon, d, p)
     held = d.outputs["t1"].kv_transfer_params
     turn2 = d.tokens["t1"] + [1, 2, 3]
+    p = engines("p2")  # a prefill engine whose prefix cache does not already hold the prompt
     p.add_request("t2", turn2, max_tokens=1, kv_transfer_params=held)
     p.step()
     waiting = p.scheduler.requests["t2"].status.name == "WAITING_FOR_REMOTE_KVS"

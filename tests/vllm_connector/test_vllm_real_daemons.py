@@ -133,6 +133,15 @@ def spy_matches(engine: VllmEngine) -> list[tuple[str, int, tuple[int | None, bo
     return calls
 
 
+def free_blocks(engine: VllmEngine) -> int:
+    """Blocks vLLM may allocate now (free, or cached and unreferenced): none pinned by holds."""
+    return int(engine.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def leases_ended(daemon: DaemonProcess, reason: str) -> float:
+    return metric_value(scrape(daemon.metrics), "kvd_leases_ended_total", reason=reason)
+
+
 def transfers(daemon: DaemonProcess, **labels: str) -> float:
     return metric_value(scrape(daemon.metrics), "kvd_transfers_total", **labels)
 
@@ -191,7 +200,7 @@ def test_prefill_to_decode_through_two_daemons(nodes: Any, engines: Any) -> None
     assert back["do_remote_decode"] is True and back["kvd"]["daemon_address"] == node_b.tcp
 
 
-@pytest.mark.parametrize("prompt_tokens,pulled", [(8, False), (60, True)], ids=["below-threshold", "above-threshold"])
+@pytest.mark.parametrize("prompt_tokens,pulled", [(20, False), (60, True)], ids=["below-threshold", "above-threshold"])
 def test_multi_turn_pull_back_from_decode(nodes: Any, engines: Any, prompt_tokens: int, pulled: bool) -> None:
     node_a, node_b = nodes
     p, d = engines(node_a, "prefill"), engines(node_b, "decode")
@@ -204,9 +213,15 @@ def test_multi_turn_pull_back_from_decode(nodes: Any, engines: Any, prompt_token
     held = d.outputs["t1"].kv_transfer_params
     assert held["do_remote_decode"] is True and held["kvd"]["daemon_address"] == node_b.tcp
     n = held["kvd"]["num_tokens"]
-    assert n == len(d.tokens["t1"]) - 1  # the last sampled token has no KV yet
+    # A soft hold covers the full blocks of the KV decode computed (the last sampled token has none).
+    assert n == (len(d.tokens["t1"]) - 1) // d.block_size * d.block_size
+    # ... and pins nothing: vLLM freed the request's blocks into its prefix cache at once.
+    assert not d.scheduler.requests and "t1" not in sent(d)
+    assert free_blocks(d) == d.kv_cache_config.num_blocks - 1  # every block but vLLM's null block
     decode_kv = d.kv_of("t1", n).clone()
 
+    # The next turn goes to another prefill engine (on node A), whose prefix cache is cold.
+    p = engines(node_a, "prefill2")
     before = (transfers(node_a), transfers(node_b))
     turn2 = d.tokens["t1"] + [1, 2, 3]
     matched = spy_matches(p)
@@ -218,18 +233,21 @@ def test_multi_turn_pull_back_from_decode(nodes: Any, engines: Any, prompt_token
     run(p, d)
     assert torch.equal(p.kv_of("t2", len(turn2)), expected_kv(turn2))
     if pulled:
-        # Prefill pulled the conversation back through daemon A from daemon B, bit for bit.
+        # Prefill pulled the conversation back through daemon A from daemon B, bit for bit, after
+        # decode's scheduler verified (and pinned for the read) the blocks in its prefix cache.
         assert "t2" in received(p) and not failed(p)
         assert torch.equal(p.kv_of("t2", n).view(torch.uint8), decode_kv.view(torch.uint8))
         assert transfers(node_a, peer=node_b.tcp, direction="pull", outcome="done") == 1  # A read from B
-        release_holds(d)
-        assert "t1" in sent(d) and not d.scheduler.requests  # decode's lease ended on the read
         assert transfers(node_b, direction="serve", outcome="done") == 1
+        _wait(lambda: leases_ended(node_b, "read") == 1, "decode's soft lease did not end on the read")
+        assert d.connector._scheduler.pinned_blocks == 0  # the read's pin was given back
+        assert free_blocks(d) == d.kv_cache_config.num_blocks - 1
     else:
-        # Below the threshold: recomputed, no transfer on either daemon.
+        # Below the threshold: recomputed, no transfer on either daemon, and decode's lease is
+        # released at once (nobody will read it).
         assert "t2" not in received(p)
         assert (transfers(node_a), transfers(node_b)) == before
-        assert "t1" not in sent(d) and "t1" in d.scheduler.requests  # still held for a later turn
+        _wait(lambda: leases_ended(node_b, "aborted") == 1, "decode's lease was not released")
 
 
 def test_a_failed_load_is_reported_and_recomputed(nodes: Any, engines: Any) -> None:

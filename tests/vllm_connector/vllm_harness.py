@@ -19,6 +19,8 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -145,6 +147,10 @@ class VllmEngine:
         self.scheduler = Scheduler(
             self.config, self.kv_cache_config, StructuredOutputManager(self.config), block_size=block_size
         )
+        # As vLLM's EngineCore: requests hash their full blocks (the prefix cache's block identity).
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(block_size, hash_fn, self.config.num_hash_lookahead_tokens)
         self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
         self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
         self.worker.register_kv_caches(self.kv_caches)
@@ -162,7 +168,7 @@ class VllmEngine:
     ) -> Request:
         extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
-        request = Request(request_id, list(prompt), params, None)
+        request = Request(request_id, list(prompt), params, None, block_hasher=self.block_hasher)
         self.tokens[request_id] = list(prompt)
         self.scheduler.add_request(request)
         return request

@@ -37,6 +37,7 @@ EXPECTED_CODES: dict[type[KvdError], ErrorCode] = {
     errors.ResourceExhausted: S.RESOURCE_EXHAUSTED,
     errors.Cancelled: S.CANCELLED,
     errors.Internal: S.INTERNAL,
+    errors.HeldKvEvicted: S.NOT_FOUND,
 }
 
 
