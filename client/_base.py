@@ -81,7 +81,8 @@ def is_terminal(status: common_pb2.TransferStatus) -> bool:
 def transfer_error(status: common_pb2.TransferStatus) -> errors.KvdError | None:
     """The error a FAILED or ABORTED transfer stands for; None for any other state.
 
-    The daemon reports the error code *name* (e.g. ``"UNAVAILABLE"``) in ``error_code``; an
+    The daemon reports the error code *name* (e.g. ``"UNAVAILABLE"``) in ``error_code`` and the
+    exact class (e.g. ``"PeerUnavailable"``) in ``error_class``: the caller gets that class. An
     unknown or missing name falls back to ABORTED / INTERNAL so that a caller still gets a class.
     """
     if status.state == common_pb2.TRANSFER_STATE_ABORTED:
@@ -92,7 +93,7 @@ def transfer_error(status: common_pb2.TransferStatus) -> errors.KvdError | None:
         return None
     code = ErrorCode.__members__.get(status.error_code, fallback)
     message = status.error_message or (f"transfer {status.transfer_id} {common_pb2.TransferState.Name(status.state)}")
-    return errors.from_status(code, message)
+    return errors.from_status(code, message, status.error_class)
 
 
 def final_status(status: common_pb2.TransferStatus) -> common_pb2.TransferStatus:
