@@ -144,9 +144,7 @@ def apply_nixl_env(config: KvdConfig, environ: MutableMapping[str, str] | None =
     env = os.environ if environ is None else environ
     if not config.nixl_net_devices:
         return
-    previous = env.get("UCX_NET_DEVICES")
-    if previous is not None and previous != config.nixl_net_devices:
-        logger.warning("UCX_NET_DEVICES=%s from the environment is replaced by nixl_net_devices", previous)
+    logger.info("NIXL/UCX limited to devices %s (nixl_net_devices)", config.nixl_net_devices)
     env["UCX_NET_DEVICES"] = config.nixl_net_devices
 
 
