@@ -34,7 +34,9 @@ from .errors import (
     MemoryOpenError,
     NotFound,
     PeerUnavailable,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     UnknownEngine,
     UnknownLease,
@@ -46,7 +48,7 @@ from .errors import (
 if TYPE_CHECKING:
     from . import pb
     from ._aio_engine_stream import AsyncEngineStream
-    from ._base import DEFAULT_TIMEOUT_S
+    from ._base import DEFAULT_TIMEOUT_S, load_error
     from ._engine_stream import EngineStream
     from .aio import AsyncKvdClient
     from .channel import MAX_MESSAGE_BYTES, TlsConfig, create_aio_channel, create_channel
@@ -60,6 +62,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "DEFAULT_TIMEOUT_S": ("._base", "DEFAULT_TIMEOUT_S"),
     "EngineStream": ("._engine_stream", "EngineStream"),
     "KvdClient": (".sync", "KvdClient"),
+    "load_error": ("._base", "load_error"),
     "MAX_MESSAGE_BYTES": (".channel", "MAX_MESSAGE_BYTES"),
     "TlsConfig": (".channel", "TlsConfig"),
     "create_aio_channel": (".channel", "create_aio_channel"),
@@ -107,8 +110,10 @@ __all__ = [
     "MemoryOpenError",
     "NotFound",
     "PeerUnavailable",
+    "PermissionDenied",
     "ResourceExhausted",
     "TlsConfig",
+    "Unauthenticated",
     "Unavailable",
     "UnknownEngine",
     "UnknownLease",
@@ -118,5 +123,6 @@ __all__ = [
     "error_class_named",
     "errors",
     "from_status",
+    "load_error",
     "pb",
 ]

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from kvd_client.v1 import common_pb2
+from kvd_client.v1 import common_pb2, engine_pb2
 
 from . import errors
 from .errors import ErrorCode
@@ -94,6 +94,14 @@ def transfer_error(status: common_pb2.TransferStatus) -> errors.KvdError | None:
     code = ErrorCode.__members__.get(status.error_code, fallback)
     message = status.error_message or (f"transfer {status.transfer_id} {common_pb2.TransferState.Name(status.state)}")
     return errors.from_status(code, message, status.error_class)
+
+
+def load_error(message: engine_pb2.LoadFailed) -> errors.KvdError:
+    """The error a LoadFailed (on the engine stream) stands for: its exact class when the daemon
+    named one (``error_class``), else the general class of ``error_code``."""
+    code = ErrorCode.__members__.get(message.error_code, ErrorCode.INTERNAL)
+    text = message.error_message or f"loading {message.request_id} failed ({message.error_code or 'no code'})"
+    return errors.from_status(code, text, message.error_class)
 
 
 def final_status(status: common_pb2.TransferStatus) -> common_pb2.TransferStatus:

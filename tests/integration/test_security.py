@@ -318,3 +318,57 @@ def test_client_raises_the_auth_classes(mtls_pair, pki: Path) -> None:
         pytest.raises(errors.PermissionDenied, match="needs role"),
     ):
         stranger.lookup_held()
+
+
+def _tcp_listeners(pid: int) -> list[str]:
+    """The addresses of every listening TCP socket process ``pid`` owns (its fds in /proc/net/tcp[6])."""
+    from kvd.server.authz import _proc_address
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, _ = _proc_address(fields[1])
+                out.append(str(getattr(address, "ipv4_mapped", None) or address))
+    return out
+
+
+def test_nixl_listeners_bind_only_the_configured_devices(spawn_daemon) -> None:
+    """nixl_net_devices=lo: UCX (and so NIXL) listens on loopback only, and pulls still work."""
+    import ipaddress
+
+    a = spawn_daemon("--nixl-net-devices=lo", name="a")
+    b = spawn_daemon("--nixl-net-devices=lo", name="b")
+    holder = ShmEngine(a.unix_target, "holder", small_spec())
+    reader = ShmEngine(b.unix_target, "reader", small_spec())
+    try:
+        holder.register()
+        reader.register()
+        holder.fill_random(21)
+        params = holder.client.hold_blocks(
+            engine_id="holder", request_id="r", block_ids=[1, 2], num_tokens=20
+        ).kv_transfer_params
+        started = reader.client.start_pull(
+            engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[3, 4], remote=params
+        )
+        assert reader.client.wait_transfer(started.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+        assert reader.token_bytes([3, 4], 20).equal(holder.token_bytes([1, 2], 20))
+        for daemon in (a, b):
+            listening = _tcp_listeners(daemon.process.pid)
+            assert len(listening) >= 2, listening  # gRPC, metrics, and UCX's own
+            assert all(ipaddress.ip_address(x).is_loopback for x in listening), listening
+    finally:
+        holder.close()
+        reader.close()
+    # For the record (-s): without the setting, UCX listens on every device's address.
+    c = spawn_daemon(name="c")
+    print(f"default (no nixl_net_devices) listeners: {_tcp_listeners(c.process.pid)}")
