@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import stat
@@ -94,6 +95,9 @@ def test_the_kernel_socket_table_names_the_uid_of_a_loopback_caller() -> None:
         host, port = client.getsockname()
         assert authz.tcp_peer_uid(f"ipv4:{host}:{port}", server.getsockname()[1]) == os.getuid()
         assert authz.tcp_peer_uid(f"ipv4:{host}:{port}", server.getsockname()[1] + 1) is None
+        # The fallback where netlink is unavailable reads the same answer from /proc/net/tcp.
+        address = ipaddress.ip_address(host)
+        assert authz._proc_uid(address, port, server.getsockname()[1], "/proc/net") == os.getuid()
     finally:
         client.close()
         server.close()
