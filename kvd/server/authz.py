@@ -417,24 +417,30 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.policy = policy
         self.listener = listener
         self.on_denied = on_denied
+        self._wrapped: dict[str, Any] = {}  # method -> its wrapped handler (built once per method)
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Any:
+        method = handler_call_details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is not None:
+            return wrapped
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = handler_call_details.method
-        metadata = tuple(handler_call_details.invocation_metadata or ())
-        return self._wrap(handler, method, metadata)
+        wrapped = self._wrap(handler, method)
+        if method in RPC_ROLES:  # bounded: unknown method names are not cached
+            self._wrapped[method] = wrapped
+        return wrapped
 
-    async def _authorize(self, method: str, context: grpc.aio.ServicerContext, metadata: Sequence[Any]) -> None:
+    async def _authorize(self, method: str, context: grpc.aio.ServicerContext) -> None:
         allowed = RPC_ROLES.get(method)
         if allowed is ANYONE:
             return
-        principal = self.policy.principal(self.listener, context, metadata)
+        principal = self.policy.principal(self.listener, context, context.invocation_metadata() or ())
         if allowed is not None and principal.roles & allowed:
             return
         error = _denial(method, allowed, principal)
@@ -443,7 +449,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             self.on_denied(method, error.code.name)
         await _refuse(context, error)
 
-    def _wrap(self, handler: Any, method: str, metadata: Sequence[Any]) -> Any:
+    def _wrap(self, handler: Any, method: str) -> Any:
         original = handler.request_deserializer
         cls = getattr(original, "__self__", None)
         parse = _parser(cls) if isinstance(cls, type) and issubclass(cls, Message) else original
@@ -465,7 +471,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             unary_unary = handler.unary_unary
 
             async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await authorize(method, context, metadata)
+                await authorize(method, context)
                 return await unary_unary(await checked(request, context), context)
 
             return grpc.unary_unary_rpc_method_handler(uu, parse, serialize)
@@ -473,7 +479,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             unary_stream = handler.unary_stream
 
             async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                await authorize(method, context, metadata)
+                await authorize(method, context)
                 async for item in _results(unary_stream(await checked(request, context), context)):
                     yield item
 
@@ -482,14 +488,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             stream_unary = handler.stream_unary
 
             async def su(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-                await authorize(method, context, metadata)
+                await authorize(method, context)
                 return await stream_unary(checked_stream(requests), context)
 
             return grpc.stream_unary_rpc_method_handler(su, parse, serialize)
         stream_stream = handler.stream_stream
 
         async def ss(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            await authorize(method, context, metadata)
+            await authorize(method, context)
             async for item in _results(stream_stream(checked_stream(requests), context)):
                 yield item
 

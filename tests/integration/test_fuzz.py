@@ -24,6 +24,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from kvtest import ShmEngine, small_spec
 
+from kvd.server import convert
 from kvd_client.v1 import common_pb2, engine_pb2, peer_pb2, router_pb2
 
 pytestmark = pytest.mark.integration
@@ -123,8 +124,28 @@ class Fuzzer:
                     setattr(msg, field.name, self.scalar(field))
         return msg
 
-    def payload(self, cls: type[Message]) -> bytes:
+    def mutate(self, template: Message) -> Message:
+        """A valid request with one or two fields replaced by fuzzed values (reaches deep paths)."""
+        msg = type(template)()
+        msg.CopyFrom(template)
+        # engine_pid stays unset: a registration of a random pid that succeeds would be released
+        # later, when the daemon notices that pid is gone (a change no failed call made).
+        fields = [f for f in msg.DESCRIPTOR.fields if f.type != FieldDescriptor.TYPE_MESSAGE and f.name != "engine_pid"]
+        for field in self.rng.sample(fields, min(len(fields), self.rng.choice([1, 1, 2]))):
+            msg.ClearField(field.name)
+            if self.rng.random() < 0.2:
+                continue  # left unset
+            if field.is_repeated:
+                getattr(msg, field.name).extend(self.scalar(field) for _ in range(self.rng.choice([0, 1, 2, 5, 40])))
+            else:
+                with contextlib.suppress(ValueError):
+                    setattr(msg, field.name, self.scalar(field))
+        return msg
+
+    def payload(self, cls: type[Message], template: Message | None = None) -> bytes:
         r = self.rng.random()
+        if template is not None and r < 0.3:
+            return self.mutate(template).SerializeToString()
         if r < 0.65:
             return self.message(cls.DESCRIPTOR, cls).SerializeToString()
         if r < 0.85:
@@ -146,6 +167,10 @@ def _cls(descriptor: Descriptor) -> type[Message]:
     from google.protobuf import message_factory
 
     return message_factory.GetMessageClass(descriptor)
+
+
+def holder_layout(engine: ShmEngine) -> common_pb2.KvLayoutSpec:
+    return convert.layout_to_pb(engine.spec)
 
 
 @pytest.fixture
@@ -235,6 +260,47 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
                     [commit, post, fuzz.message(engine_pb2.EngineMessage.DESCRIPTOR, engine_pb2.EngineMessage)]
                 ).SerializeToString()
 
+    remote = holder.client.hold_blocks(
+        engine_id="holder", request_id="tmpl", block_ids=[6, 7], num_tokens=20, ttl_ms=600_000
+    ).kv_transfer_params
+    registration = engine_pb2.RegisterKvCacheRequest()
+    registration.ParseFromString(
+        engine_pb2.RegisterKvCacheRequest(
+            engine_id="fuzzed",
+            layout=holder_layout(holder),
+            regions=[
+                common_pb2.MemoryRegion(
+                    kind=common_pb2.MEMORY_KIND_SHM, size_bytes=holder.spec.total_bytes, shm_name=holder.shm_name
+                )
+            ],
+            layers=[convert.placement_to_pb(p) for p in holder.placements],
+        ).SerializeToString()
+    )
+    templates: dict[str, Message] = {
+        "HoldBlocks": engine_pb2.HoldBlocksRequest(
+            engine_id="holder", request_id="t", block_ids=[0, 1], num_tokens=20, ttl_ms=1000
+        ),
+        "RegisterKvCache": registration,
+        "UnregisterKvCache": engine_pb2.UnregisterKvCacheRequest(engine_id="fuzzed", tp_rank=0),
+        "StartPull": router_pb2.StartPullRequest(
+            engine_id="reader", tp_rank=0, request_id="t", local_block_ids=[1, 2], remote=remote, deadline_ms=2000
+        ),
+        "PreparePull": peer_pb2.PreparePullRequest(
+            lease_id=remote.lease_id,
+            engine_id="holder",
+            block_ids=[6, 7],
+            num_tokens=20,
+            reader_incarnation=b.incarnation,
+            reader_tp_rank=0,
+            reader_tp_size=1,
+            remote_tp_ranks=[0],
+            reader_transfer_id="fuzz",
+            read_timeout_ms=50,
+        ),
+        "RenewLease": router_pb2.RenewLeaseRequest(lease_id=remote.lease_id, ttl_ms=600_000),
+        "SelftestHold": router_pb2.SelftestHoldRequest(size_bytes=1 << 16, seed=5),
+    }
+    ids.append(remote.lease_id)
     methods = _methods()
     counts: collections.Counter[str] = collections.Counter()
     spent: collections.Counter[str] = collections.Counter()
@@ -243,6 +309,7 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
     t0 = time.monotonic()
     for i in range(CALLS):
         name, method = rng.choice(methods)
+        short = name.rsplit("/", 1)[-1]
         node = rng.choice(["a", "b"])
         listener = (
             "unix" if "EngineService" in name else ("tcp" if "PeerService" in name else rng.choice(["unix", "tcp"]))
@@ -261,11 +328,13 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
                     pass
             elif method.server_streaming:
                 for _ in channel.unary_stream(name, ident, ident)(
-                    fuzz.payload(request_cls), timeout=timeout if early_close else 3
+                    fuzz.payload(request_cls, templates.get(short)), timeout=timeout if early_close else 3
                 ):
                     pass
             else:
-                channel.unary_unary(name, ident, ident)(fuzz.payload(request_cls), timeout=timeout)
+                channel.unary_unary(name, ident, ident)(
+                    fuzz.payload(request_cls, templates.get(short)), timeout=timeout
+                )
             code = "OK"
             details = ""
         except grpc.RpcError as err:
@@ -282,7 +351,6 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
         if i % 200 == 0:
             for daemon in daemons.values():
                 assert daemon.process.poll() is None, f"daemon {daemon.name} died at call {i}"
-        short = name.rsplit("/", 1)[-1]
         if code == "OK" and short in READ_ONLY:
             continue  # answered without changing anything: the state is still ``before``
         if code == "OK" or early_close:
