@@ -221,6 +221,16 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
             sorted(p.lease_id for p in held.held if p.lease_expires_unix_ms > horizon),
         )
 
+    def settled(node: str) -> tuple:
+        previous, deadline = snapshot(node), time.monotonic() + 3
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            current = snapshot(node)
+            if current == previous:
+                return current
+            previous = current
+        return previous
+
     def restore(node: str) -> None:
         """A successful fuzz call may unregister the test's engine: register it again."""
         engine = engines[node]
@@ -300,7 +310,6 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
         "RenewLease": router_pb2.RenewLeaseRequest(lease_id=remote.lease_id, ttl_ms=600_000),
         "SelftestHold": router_pb2.SelftestHoldRequest(size_bytes=1 << 16, seed=5),
     }
-    ids.append(remote.lease_id)
     methods = _methods()
     counts: collections.Counter[str] = collections.Counter()
     spent: collections.Counter[str] = collections.Counter()
@@ -356,13 +365,20 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
         if code == "OK" or early_close:
             # A successful (or cut short) call may change state: let it settle, take the new state.
             if short == "StartPull":
+                # The pull read the other daemon's lease: that daemon ends it on the reader's
+                # notification, a moment after the transfer is done here. Wait until it settled.
                 wait_transfers(node)
+                other = "b" if node == "a" else "a"
+                before[other] = settled(other)
             if short in ("UnregisterKvCache", "EngineStream") or early_close:
                 restore(node)
             before[node] = snapshot(node)
             continue
         after = snapshot(node)
-        assert after == before[node], f"call {i}: {name} failed with {code} yet changed {node}: {details[:300]}"
+        assert after == before[node], (
+            f"call {i}: {name} failed with {code} yet changed {node}: {details[:300]}\n"
+            f"before {before[node]}\nafter  {after}"
+        )
     elapsed = time.monotonic() - t0
     print(f"\nfuzz: {CALLS} calls in {elapsed:.1f}s (seed {SEED}); by status: {dict(sorted(counts.items()))}")
     for method_name, per in sorted(by_method.items()):
