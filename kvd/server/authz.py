@@ -178,12 +178,12 @@ class Policy:
         identified = False
         auth = context.auth_context() or {}
         peer = context.peer() or ""
-        if auth.get("transport_security_type") == [b"ssl"]:
-            names = [v.decode("utf-8", "replace") for k in ("peer_dns", "peer_uri") for v in auth.get(k, [])]
-            identified = bool(names)
+        names = [v.decode("utf-8", "replace") for k in ("peer_dns", "peer_uri") for v in auth.get(k, [])]
+        if auth.get("transport_security_type") == [b"ssl"] and names:
+            identified = True
             roles |= self.roles_of_names(names)
-            what.append(f"certificate {clip(', '.join(names), 120) or '(no SAN)'}")
-        else:
+            what.append(f"certificate {clip(', '.join(names), 120)}")
+        else:  # plaintext, or TLS without a client certificate (no tls_ca): no identity from TLS
             uid = tcp_peer_uid(peer, self.tcp_port) if is_loopback_peer(peer) else None
             if uid is not None and uid in self.trusted_uids:
                 roles |= {PEER, ROUTER, OPERATOR}
@@ -438,7 +438,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def _authorize(self, method: str, context: grpc.aio.ServicerContext) -> None:
         allowed = RPC_ROLES.get(method)
-        if allowed is ANYONE:
+        if allowed is not None and not allowed:  # ANYONE
             return
         principal = self.policy.principal(self.listener, context, context.invocation_metadata() or ())
         if allowed is not None and principal.roles & allowed:

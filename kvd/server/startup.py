@@ -116,6 +116,11 @@ def check_tcp_security(config: KvdConfig) -> None:
     Whoever may call Handshake gets the NIXL metadata that lets it read and write every engine's
     registered memory: on a reachable address that must be a verified peer (mTLS).
     """
+    if config.tls_enabled and not config.tls_ca:
+        logger.warning(
+            "TLS without tls_ca: TCP clients present no certificate, so none holds a role from one "
+            "(only router tokens and, on loopback, trusted uids do); set tls_ca for peers (docs/security.md)"
+        )
     if config.tls_enabled or is_loopback_host(config.host):
         return
     if not config.allow_insecure_tcp:

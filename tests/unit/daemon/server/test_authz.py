@@ -181,3 +181,43 @@ def test_nixl_net_devices_become_ucx_net_devices_in_one_place() -> None:
     assert env == {"UCX_NET_DEVICES": "lo"}
     with pytest.raises(ValueError, match="nixl_net_devices"):
         KvdConfig(nixl_net_devices="lo; rm -rf /")
+
+
+class _Context:
+    """The two things the policy reads from a grpc ServicerContext."""
+
+    def __init__(self, auth: dict[str, list[bytes]], peer: str) -> None:
+        self._auth, self._peer = auth, peer
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
+
+    def peer(self) -> str:
+        return self._peer
+
+
+def test_principals_of_each_kind_of_caller(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t0k3n\n")
+    policy = _policy(tls_cert="c", tls_key="k", tls_peer_names=("spiffe://kvd/node/*",), router_token_file=str(tokens))
+    ssl = {"transport_security_type": [b"ssl"], "peer_uri": [b"spiffe://kvd/node/a"], "peer_dns": [b"localhost"]}
+    remote = "ipv4:10.0.0.9:4000"
+    assert policy.principal(authz.TCP, _Context(ssl, remote), ()).roles == {PEER}  # type: ignore[arg-type]
+    stranger = {**ssl, "peer_uri": [b"spiffe://other/x"]}
+    p = policy.principal(authz.TCP, _Context(stranger, remote), ())  # type: ignore[arg-type]
+    assert p.roles == set() and p.identified
+    # TLS without a client certificate (no tls_ca) is no identity: nothing, unless a router token.
+    anonymous = {"transport_security_type": [b"ssl"]}
+    p = policy.principal(authz.TCP, _Context(anonymous, remote), ())  # type: ignore[arg-type]
+    assert p.roles == set() and not p.identified
+    p = policy.principal(authz.TCP, _Context(anonymous, remote), [("authorization", "Bearer t0k3n")])  # type: ignore[arg-type]
+    assert p.roles == {ROUTER}
+    p = policy.principal(authz.TCP, _Context(anonymous, remote), [("authorization", "Bearer nope")])  # type: ignore[arg-type]
+    assert p.roles == set() and p.identified
+    # Plaintext off loopback: only with allow_insecure_tcp.
+    plain = {"transport_security_type": [b"insecure"]}
+    assert not _policy().principal(authz.TCP, _Context(plain, remote), ()).roles  # type: ignore[arg-type]
+    insecure = _policy(allow_insecure_tcp=True)
+    assert insecure.principal(authz.TCP, _Context(plain, remote), ()).roles == {PEER, ROUTER, OPERATOR}  # type: ignore[arg-type]
+    # The engine socket: engine, router, operator; never peer.
+    assert _policy().principal(authz.UNIX, _Context(plain, "unix:"), ()).roles == {ENGINE, ROUTER, OPERATOR}  # type: ignore[arg-type]
