@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 from kvtest import ShmEngine, small_spec
 from pki import make_identities
@@ -205,41 +204,52 @@ def test_router_token_grants_the_router_role_and_a_wrong_token_nothing(mtls_pair
         assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED  # a router token is no peer
 
 
-def _bare_nixl_read(handshake: peer_pb2.HandshakeResponse, engine_id: str, nbytes: int) -> bytes:
-    """What the reported attack did: load the metadata into a bare NIXL agent and READ engine memory."""
-    import torch
+_BARE_AGENT = textwrap.dedent(
+    """
+    import sys, uuid
+    import numpy as np, torch
     from nixl._api import nixl_agent, nixl_agent_config
-
-    region = next(e for e in handshake.engines if e.engine_id == engine_id).regions[0]
+    metadata, address, nbytes = open(sys.argv[1], "rb").read(), int(sys.argv[2]), int(sys.argv[3])
     buffer = torch.zeros(nbytes, dtype=torch.uint8)
     agent = nixl_agent(f"kvd-test-attacker-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
-    registration = agent.register_memory(buffer)
-    remote = agent.add_remote_agent(handshake.agent_metadata)
+    agent.register_memory(buffer)
+    remote = agent.add_remote_agent(metadata)
     local_h = agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[buffer.data_ptr(), nbytes, 0]], np.int64), "DRAM")
-    remote_h = agent.prep_xfer_dlist(remote, np.array([[region.address, nbytes, 0]], np.int64), "DRAM")
-    try:
-        handle = agent.make_prepped_xfer("READ", local_h, np.array([0], np.int32), remote_h, np.array([0], np.int32))
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        handle.release()
-        assert state == "DONE", state
-        return bytes(buffer.numpy())
-    finally:
-        local_h.release()
-        remote_h.release()
-        agent.remove_remote_agent(remote)
-        agent.deregister_memory(registration)
+    remote_h = agent.prep_xfer_dlist(remote, np.array([[address, nbytes, 0]], np.int64), "DRAM")
+    handle = agent.make_prepped_xfer("READ", local_h, np.array([0], np.int32), remote_h, np.array([0], np.int32))
+    state = agent.transfer(handle)
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    print(state, bytes(buffer.numpy()).hex())
+    """
+)
 
 
-def test_stranger_gets_no_metadata_so_a_bare_nixl_agent_has_nothing_to_read_with(mtls_pair, pki: Path) -> None:
+def _bare_nixl_read(handshake: peer_pb2.HandshakeResponse, engine_id: str, nbytes: int, workdir: Path) -> bytes:
+    """What the reported attack did: load the metadata into a bare NIXL agent and READ engine memory
+    (in a child process: a NIXL agent is not something to leave in the test process)."""
+    region = next(e for e in handshake.engines if e.engine_id == engine_id).regions[0]
+    metadata = workdir / "stolen-metadata"
+    metadata.write_bytes(handshake.agent_metadata)
+    result = subprocess.run(
+        [sys.executable, "-c", _BARE_AGENT, str(metadata), str(region.address), str(nbytes)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    state, _, data = result.stdout.strip().splitlines()[-1].partition(" ")
+    assert state == "DONE", result.stdout + result.stderr
+    return bytes.fromhex(data)
+
+
+def test_stranger_gets_no_metadata_so_a_bare_nixl_agent_has_nothing_to_read_with(
+    mtls_pair, pki: Path, tmp_path: Path
+) -> None:
     a, _, holder, _ = mtls_pair
     target = a.tcp.replace("127.0.0.1", "localhost")
     before = bytes(holder.buffer[:4096].numpy())
     # Control: with a peer's certificate the attack apparatus works (this is what NIXL grants a peer).
     with _channel(pki, "node-b", target) as channel:
         info = peer_pb2_grpc.PeerServiceStub(channel).Handshake(peer_pb2.HandshakeRequest(), timeout=10)
-    assert _bare_nixl_read(info, "holder", 4096) == before
+    assert _bare_nixl_read(info, "holder", 4096, tmp_path) == before
     # The stranger (same CA, no role), a foreign CA's "peer", and plaintext: no metadata at all.
     with _channel(pki, "stranger", target) as channel, pytest.raises(grpc.RpcError) as caught:
         peer_pb2_grpc.PeerServiceStub(channel).Handshake(peer_pb2.HandshakeRequest(), timeout=10)
