@@ -35,7 +35,9 @@ from .errors import (
     MemoryOpenError,
     NotFound,
     PeerUnavailable,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     UnknownEngine,
     UnknownLease,
@@ -47,7 +49,7 @@ from .errors import (
 if TYPE_CHECKING:
     from . import pb
     from ._aio_engine_stream import AsyncEngineStream
-    from ._base import DEFAULT_TIMEOUT_S
+    from ._base import DEFAULT_TIMEOUT_S, load_error
     from ._engine_stream import EngineStream
     from ._scheduler_stream import SchedulerStream
     from .aio import AsyncKvdClient
@@ -63,6 +65,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "EngineStream": ("._engine_stream", "EngineStream"),
     "KvdClient": (".sync", "KvdClient"),
     "SchedulerStream": ("._scheduler_stream", "SchedulerStream"),
+    "load_error": ("._base", "load_error"),
     "MAX_MESSAGE_BYTES": (".channel", "MAX_MESSAGE_BYTES"),
     "TlsConfig": (".channel", "TlsConfig"),
     "create_aio_channel": (".channel", "create_aio_channel"),
@@ -110,9 +113,11 @@ __all__ = [
     "MemoryOpenError",
     "NotFound",
     "PeerUnavailable",
+    "PermissionDenied",
     "ResourceExhausted",
     "SchedulerStream",
     "TlsConfig",
+    "Unauthenticated",
     "Unavailable",
     "UnknownEngine",
     "UnknownLease",
@@ -123,5 +128,6 @@ __all__ = [
     "error_class_named",
     "errors",
     "from_status",
+    "load_error",
     "pb",
 ]

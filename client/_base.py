@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from kvd_client.v1 import common_pb2
+from kvd_client.v1 import common_pb2, engine_pb2
 
 from . import errors
 from .errors import ErrorCode
@@ -81,7 +81,8 @@ def is_terminal(status: common_pb2.TransferStatus) -> bool:
 def transfer_error(status: common_pb2.TransferStatus) -> errors.KvdError | None:
     """The error a FAILED or ABORTED transfer stands for; None for any other state.
 
-    The daemon reports the error code *name* (e.g. ``"UNAVAILABLE"``) in ``error_code``; an
+    The daemon reports the error code *name* (e.g. ``"UNAVAILABLE"``) in ``error_code`` and the
+    exact class (e.g. ``"PeerUnavailable"``) in ``error_class``: the caller gets that class. An
     unknown or missing name falls back to ABORTED / INTERNAL so that a caller still gets a class.
     """
     if status.state == common_pb2.TRANSFER_STATE_ABORTED:
@@ -92,7 +93,15 @@ def transfer_error(status: common_pb2.TransferStatus) -> errors.KvdError | None:
         return None
     code = ErrorCode.__members__.get(status.error_code, fallback)
     message = status.error_message or (f"transfer {status.transfer_id} {common_pb2.TransferState.Name(status.state)}")
-    return errors.from_status(code, message)
+    return errors.from_status(code, message, status.error_class)
+
+
+def load_error(message: engine_pb2.LoadFailed) -> errors.KvdError:
+    """The error a LoadFailed (on the engine stream) stands for: its exact class when the daemon
+    named one (``error_class``), else the general class of ``error_code``."""
+    code = ErrorCode.__members__.get(message.error_code, ErrorCode.INTERNAL)
+    text = message.error_message or f"loading {message.request_id} failed ({message.error_code or 'no code'})"
+    return errors.from_status(code, text, message.error_class)
 
 
 def final_status(status: common_pb2.TransferStatus) -> common_pb2.TransferStatus:

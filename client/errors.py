@@ -136,6 +136,19 @@ class Cancelled(KvdError):
     code = ErrorCode.CANCELLED
 
 
+class PermissionDenied(KvdError):
+    """The caller is known but its roles do not include the one the RPC needs (the message names it)."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class Unauthenticated(KvdError):
+    """The caller presented no identity the daemon accepts (no client certificate, no trusted uid,
+    no valid bearer token); the message names the role the RPC needs."""
+
+    code = ErrorCode.UNAUTHENTICATED
+
+
 class Internal(KvdError):
     """A bug or an unexpected failure inside the daemon."""
 
@@ -154,6 +167,8 @@ ERROR_OF_STATUS: dict[ErrorCode, type[KvdError]] = {
     ErrorCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     ErrorCode.CANCELLED: Cancelled,
     ErrorCode.INTERNAL: Internal,
+    ErrorCode.PERMISSION_DENIED: PermissionDenied,
+    ErrorCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 # Codes that mean "this endpoint is failing right now": safe to retry (idempotent calls) or fail over.

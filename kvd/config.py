@@ -173,6 +173,52 @@ class KvdConfig:
     tls_cert: str = dataclasses.field(default="", metadata={"help": "PEM certificate for TCP (mTLS with tls_ca)."})
     tls_key: str = dataclasses.field(default="", metadata={"help": "PEM private key for TCP."})
     tls_ca: str = dataclasses.field(default="", metadata={"help": "PEM CA that peer certificates must chain to."})
+    allow_insecure_tcp: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "Allow plaintext TCP on a non-loopback host (refused otherwise): every caller that reaches the "
+            "port is then trusted as peer, router and operator, i.e. may read and write all registered KV "
+            "memory. Logged as a warning at every start. Only for isolated test networks."
+        },
+    )
+    tls_peer_names: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata={
+            "help": "Client-certificate SANs (DNS names or URIs such as SPIFFE IDs; shell wildcards allowed) "
+            "that hold the peer role: Handshake, PreparePull, AbandonPull, i.e. NIXL access to all "
+            "registered memory. When none of tls_*_names is set, every certificate tls_ca signed holds "
+            "every TCP role."
+        },
+    )
+    tls_router_names: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata={"help": "Client-certificate SANs that hold the router role (pulls, leases, lookups, status)."},
+    )
+    tls_operator_names: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata={"help": "Client-certificate SANs that hold the operator role (status, selftest)."},
+    )
+    router_token_file: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "File of bearer tokens (one per line, '#' comments) that grant the router role to a TCP "
+            "caller sending 'authorization: Bearer <token>'. Read at start-up."
+        },
+    )
+    loopback_uids: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata={
+            "help": "Extra uids whose plaintext loopback TCP connections hold the peer, router and operator roles "
+            "(the daemon's own uid always does; the kernel's socket table says who owns a connection)."
+        },
+    )
+    nixl_net_devices: str = dataclasses.field(
+        default="",
+        metadata={
+            "help": "Network devices NIXL's UCX backend may use and listen on (UCX_NET_DEVICES, e.g. "
+            "'mlx5_0:1,eth1'); empty: UCX's default (every device). Set it to the peer network's devices."
+        },
+    )
     ready_file: str = dataclasses.field(
         default="",
         metadata={"help": "Write a JSON line with the bound addresses here once serving (for supervisors, tests)."},
@@ -245,6 +291,11 @@ class KvdConfig:
             problems.append("nixl_backends must name at least one backend")
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("tls_cert and tls_key must be given together")
+        bad_uids = [u for u in self.loopback_uids if not u.isdigit()]
+        if bad_uids:
+            problems.append(f"loopback_uids must be numeric uids, got {bad_uids}")
+        if self.nixl_net_devices and not re.fullmatch(r"[A-Za-z0-9_.:,-]+", self.nixl_net_devices):
+            problems.append(f"nixl_net_devices {self.nixl_net_devices!r} is not a comma-separated device list")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             problems.append(f"log_level {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
         if problems:

@@ -196,7 +196,7 @@ class KvTransferParams(_message.Message):
     def __init__(self, daemon_address: _Optional[str] = ..., daemon_incarnation: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "engine_id", "tp_rank", "peer_address", "state", "bytes", "descriptors", "error_code", "error_message", "elapsed_s", "direct", "phase_s")
+    __slots__ = ("transfer_id", "request_id", "engine_id", "tp_rank", "peer_address", "state", "bytes", "descriptors", "error_code", "error_message", "elapsed_s", "direct", "phase_s", "error_class")
     class PhaseSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class TransferStatus(_message.Message):
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
     PHASE_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     engine_id: str
@@ -230,7 +231,8 @@ class TransferStatus(_message.Message):
     elapsed_s: float
     direct: bool
     phase_s: _containers.ScalarMap[str, float]
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., direct: _Optional[bool] = ..., phase_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    error_class: str
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., bytes: _Optional[int] = ..., descriptors: _Optional[int] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., direct: _Optional[bool] = ..., phase_s: _Optional[_Mapping[str, float]] = ..., error_class: _Optional[str] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "engine_id", "request_id", "block_ids", "num_tokens", "expires_unix_ms", "group_block_ids", "group_block_counts")

@@ -112,18 +112,20 @@ class FinishedRecving(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class LoadFailed(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "error_code", "error_message", "block_ids")
+    __slots__ = ("request_id", "transfer_id", "error_code", "error_message", "block_ids", "error_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     error_code: str
     error_message: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    error_class: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., error_class: _Optional[str] = ...) -> None: ...
 
 class DaemonMessage(_message.Message):
     __slots__ = ("finished_sending", "finished_recving", "load_failed")

@@ -31,6 +31,7 @@ class LoadFailed:
     error_code: str
     error_message: str
     block_ids: tuple[int, ...]
+    error_class: str = ""  # the KvdError subclass's name, so the engine sees the exact class
 
 
 EngineEvent = FinishedSending | FinishedRecving | LoadFailed

@@ -298,7 +298,12 @@ class Puller:
         self.metrics.errors.labels("pull", error.code.name).inc()
         rank.post(
             LoadFailed(
-                transfer.request_id, transfer.transfer_id, error.code.name, error.message, transfer.local_block_ids
+                transfer.request_id,
+                transfer.transfer_id,
+                error.code.name,
+                error.message,
+                transfer.local_block_ids,
+                type(error).__name__,
             )
         )
         logger.warning("pull %s of %s failed: %s", transfer.transfer_id, transfer.request_id, error.message)

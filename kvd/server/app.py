@@ -44,6 +44,7 @@ from kvd.config import KvdConfig
 from kvd.core.daemon import Daemon
 from kvd.core.metrics import Metrics
 from kvd.server import startup
+from kvd.server.authz import TCP, UNIX, AuthInterceptor, Policy
 from kvd.server.notify import Notifier, watchdog
 from kvd.server.peer_client import GrpcPeerTransport
 from kvd.server.servicers import EngineServicer, PeerServicer, RouterServicer
@@ -92,6 +93,17 @@ def _credentials(config: KvdConfig) -> tuple[grpc.ServerCredentials | None, grpc
     return server, channel
 
 
+def _policy(config: KvdConfig) -> Policy:
+    try:
+        return Policy.from_config(config)
+    except (OSError, ValueError) as exc:
+        raise StartupError(
+            f"cannot read router_token_file {config.router_token_file}: {exc}",
+            "fix router_token_file (one token per line, readable by the daemon)",
+            CONFIG_ERROR,
+        ) from exc
+
+
 def _add_port(
     server: grpc.aio.Server, what: str, flag: str, host: str, port: int, creds: grpc.ServerCredentials | None
 ) -> int:
@@ -131,6 +143,9 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     server_creds, channel_creds = _credentials(config)
     gid = startup.resolve_group(config.engine_group)
     startup.check_ports(config)
+    startup.check_tcp_security(config)
+    policy = _policy(config)
+    startup.apply_nixl_env(config)
     startup.prepare_socket_dir(config.unix_socket, gid, undo)
 
     notifier.status("starting: creating the NIXL agent")
@@ -145,7 +160,10 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     health = HealthServicer()
     engine, peer, router = EngineServicer(daemon), PeerServicer(daemon), RouterServicer(daemon, transport.last_contact)
 
-    unix_server = grpc.aio.server(options=SERVER_OPTIONS)
+    def denied(method: str, code: str) -> None:
+        metrics.errors.labels(method.rsplit("/", 1)[-1], code).inc()
+
+    unix_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(policy, UNIX, denied)])
     engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, unix_server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, unix_server)
     health_pb2_grpc.add_HealthServicer_to_server(health, unix_server)
@@ -159,7 +177,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         ) from exc
     undo.push("engine server", lambda: unix_server.stop(None))
 
-    tcp_server = grpc.aio.server(options=SERVER_OPTIONS)
+    tcp_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(policy, TCP, denied)])
     peer_pb2_grpc.add_PeerServiceServicer_to_server(peer, tcp_server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, tcp_server)
     health_pb2_grpc.add_HealthServicer_to_server(health, tcp_server)
@@ -168,6 +186,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         tcp_server,
     )
     port = _add_port(tcp_server, "TCP", "", config.host, config.port, server_creds)
+    policy.tcp_port = port
     undo.push("TCP server", lambda: tcp_server.stop(None))
     tcp_address = f"{config.host}:{port}"
     daemon.advertise_address = config.advertise_address or tcp_address

@@ -142,6 +142,7 @@ def transfer_to_pb(t: Transfer) -> common_pb2.TransferStatus:
         descriptors=t.descriptors,
         error_code=t.error.code.name if t.error else "",
         error_message=t.error.message if t.error else "",
+        error_class=type(t.error).__name__ if t.error else "",
         elapsed_s=t.elapsed_s,
         direct=t.direct,
         phase_s=t.phases,

@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+MAX_DETAILS = 2000
+"""Longest status message the daemon sends (grpc's default metadata limit is 8 KiB)."""
+
 
 async def _abort(
     context: grpc.aio.ServicerContext, metrics: Metrics | None, operation: str, exc: BaseException
@@ -34,7 +37,19 @@ async def _abort(
     if metrics is not None:
         metrics.errors.labels(operation, code.name).inc()
     context.set_trailing_metadata(error_metadata(exc))
-    await context.abort(status_code(code), exc.message)
+    await context.abort(status_code(code), _bounded(exc.message))
+
+
+def _bounded(message: str) -> str:
+    """At most MAX_DETAILS characters: a message quoting a huge input must not outgrow grpc's
+    metadata limit (it would arrive as RESOURCE_EXHAUSTED instead of its own status)."""
+    if len(message) <= MAX_DETAILS:
+        return message
+    return (
+        message[: MAX_DETAILS // 2]
+        + f"...({len(message) - MAX_DETAILS} characters elided)..."
+        + message[-MAX_DETAILS // 4 :]
+    )
 
 
 def rpc(method: F) -> F:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
+from kvd.core import scratch
 from kvd.core.daemon import Daemon
 from kvd.core.events import EngineEvent, FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.holdchecks import HoldCheckCommand, SchedulerChannel, SchedulerCommandItem
@@ -20,6 +21,9 @@ from kvd_client.errors import InvalidArgument
 from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+SELFTEST_SEED_LIMIT = 1 << 63
+"""The scratch pattern computes in signed 64-bit words: larger seeds would overflow."""
 
 
 def _lease_to_pb(daemon: Daemon, lease: Lease) -> common_pb2.LeaseInfo:
@@ -55,6 +59,7 @@ def _event_to_pb(event: EngineEvent) -> engine_pb2.DaemonMessage:
             error_code=event.error_code,
             error_message=event.error_message,
             block_ids=list(event.block_ids),
+            error_class=event.error_class,
         )
     )
 
@@ -404,6 +409,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def SelftestHold(
         self, request: router_pb2.SelftestHoldRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.SelftestHoldResponse:
+        # Validate before anything is touched: a bad request must not replace the scratch engine.
+        if not 0 <= request.seed < SELFTEST_SEED_LIMIT:
+            raise InvalidArgument(f"selftest seed must be in 0..2^63-1, got {request.seed}")
+        if not 0 < request.size_bytes <= scratch.MAX_SCRATCH_BYTES:
+            raise InvalidArgument(
+                f"selftest size must be in 1..{scratch.MAX_SCRATCH_BYTES} bytes, got {request.size_bytes}"
+            )
         spec, params = await self.daemon.selftest_hold(request.size_bytes, request.seed)
         return router_pb2.SelftestHoldResponse(
             kv_transfer_params=convert.params_to_pb(params), layout=convert.layout_to_pb(spec)

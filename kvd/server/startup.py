@@ -16,11 +16,12 @@ import contextlib
 import errno
 import grp
 import inspect
+import ipaddress
 import logging
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 from kvd.config import KvdConfig
@@ -75,6 +76,7 @@ def preflight(config: KvdConfig) -> None:
                 read_tls_file(field, getattr(config, field))
     resolve_group(config.engine_group)
     check_ports(config)
+    check_tcp_security(config)
     sock_path = Path(config.unix_socket)
     existing = sock_path.parent
     while not existing.exists() and existing != existing.parent:
@@ -83,8 +85,10 @@ def preflight(config: KvdConfig) -> None:
         raise _dir_error(existing, NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
     if not os.access(existing, os.W_OK | os.X_OK):
         raise _dir_error(existing, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
-    if existing == sock_path.parent and (sock_path.is_symlink() or sock_path.exists()):
-        _refuse_live_or_foreign(sock_path)
+    if existing == sock_path.parent:
+        check_socket_dir(existing)
+        if sock_path.is_symlink() or sock_path.exists():
+            _refuse_live_or_foreign(sock_path)
 
 
 def check_ports(config: KvdConfig) -> None:
@@ -94,6 +98,59 @@ def check_ports(config: KvdConfig) -> None:
         check_port("metrics", "metrics-", config.metrics_host, config.metrics_port)
     if config.health_port >= 0:
         check_port("health", "health-", config.health_host, config.health_port)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether every address ``host`` resolves to is a loopback address (False if it does not resolve)."""
+    bare = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(bare, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
+
+
+def check_tcp_security(config: KvdConfig) -> None:
+    """Refuse plaintext TCP beyond loopback unless ``allow_insecure_tcp``; then warn at every start.
+
+    Whoever may call Handshake gets the NIXL metadata that lets it read and write every engine's
+    registered memory: on a reachable address that must be a verified peer (mTLS).
+    """
+    if config.tls_enabled and not config.tls_ca:
+        logger.warning(
+            "TLS without tls_ca: TCP clients present no certificate, so none holds a role from one "
+            "(only router tokens and, on loopback, trusted uids do); set tls_ca for peers (docs/security.md)"
+        )
+    if config.tls_enabled or is_loopback_host(config.host):
+        return
+    if not config.allow_insecure_tcp:
+        raise StartupError(
+            f"plaintext TCP on {config.host}, which is not a loopback address, would hand NIXL access to every "
+            "engine's memory to anyone who reaches the port",
+            "set tls_cert, tls_key and tls_ca (mTLS, see docs/security.md), bind host to 127.0.0.1, or set "
+            "allow_insecure_tcp = true on an isolated test network",
+            CONFIG_ERROR,
+        )
+    logger.warning(
+        "INSECURE: plaintext TCP on %s with allow_insecure_tcp: every caller that reaches port %d may read and "
+        "write all registered KV memory. Use mTLS outside isolated test networks (docs/security.md).",
+        config.host,
+        config.port,
+    )
+
+
+def apply_nixl_env(config: KvdConfig, environ: MutableMapping[str, str] | None = None) -> None:
+    """Tell UCX (NIXL's backend) which devices to use and listen on, before the agent is created.
+
+    UCX reads its settings from the environment when NIXL creates the UCX backend; this is the one
+    place kvd writes them, from ``nixl_net_devices``. Unset, UCX's own default applies (or what the
+    service's environment says).
+    """
+    env = os.environ if environ is None else environ
+    if not config.nixl_net_devices:
+        return
+    logger.info("NIXL/UCX limited to devices %s (nixl_net_devices)", config.nixl_net_devices)
+    env["UCX_NET_DEVICES"] = config.nixl_net_devices
 
 
 def read_tls_file(field: str, path: str) -> bytes:
@@ -177,8 +234,9 @@ def bind_error(what: str, flag: str, host: str, port: int, exc: OSError) -> Star
 def prepare_socket_dir(path: str, gid: int | None, undo: Undo) -> None:
     """Make the engine socket's directory (0700, or 0750 of ``gid``); refuse a live socket, clear a stale one.
 
-    An existing directory is left as it is (it may be /run/kvd from systemd's RuntimeDirectory,
-    or a shared /tmp); only a warning says when engines of ``gid`` cannot get through it.
+    An existing directory is used as it is (it may be /run/kvd from systemd's RuntimeDirectory)
+    if it belongs to the daemon's uid (or root) and nobody else may write it (see
+    :func:`check_socket_dir`); a warning says when engines of ``gid`` cannot get through it.
     """
     sock_path = Path(path)
     directory = sock_path.parent
@@ -205,6 +263,8 @@ def prepare_socket_dir(path: str, gid: int | None, undo: Undo) -> None:
         )
     if not os.access(directory, os.W_OK | os.X_OK):
         raise _dir_error(directory, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
+    if not missing:
+        check_socket_dir(directory)
     if gid is not None and not missing:
         info = directory.stat()
         if not ((info.st_gid == gid and info.st_mode & 0o010) or info.st_mode & 0o001):
@@ -219,6 +279,31 @@ def prepare_socket_dir(path: str, gid: int | None, undo: Undo) -> None:
     if sock_path.is_symlink() or sock_path.exists():
         _refuse_live_or_foreign(sock_path)
         sock_path.unlink()  # stale: its daemon is gone
+
+
+def check_socket_dir(directory: Path) -> None:
+    """Refuse an existing socket directory that lets someone else in.
+
+    Whoever may write the directory can replace the engine socket with their own (engines would
+    then hand their memory to an impostor) or race the daemon's clean-up. So the directory must
+    belong to the daemon's uid or root, and nobody else may write it, unless it is sticky
+    (``/tmp``: others cannot remove or rename what the daemon created).
+    """
+    info = directory.stat()
+    mode = stat.S_IMODE(info.st_mode)
+    owners = {os.getuid(), 0}
+    if info.st_uid not in owners:
+        raise StartupError(
+            f"the socket directory {directory} belongs to uid {info.st_uid}, not to the daemon's uid {os.getuid()}",
+            "remove it (the daemon creates it 0700) or choose another --unix-socket",
+            CONFIG_ERROR,
+        )
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        raise StartupError(
+            f"the socket directory {directory} is mode {mode:o}: others may write it and replace the engine socket",
+            f"chmod go-w {directory} (0700, or 0750 with engine_group) or choose another --unix-socket",
+            CONFIG_ERROR,
+        )
 
 
 def _refuse_live_or_foreign(sock_path: Path) -> None:

@@ -65,10 +65,20 @@ def _ucx_env(device: str) -> dict[str, str]:
 def test_link_cut_mid_read_fails_in_time_and_no_late_byte_lands(spawn_daemon) -> None:
     with two_hosts() as (ns_h, ns_r, dev_h, dev_r):
         holder_daemon = spawn_daemon(
-            "--host", HOLDER_ADDR, name="holder", env=_ucx_env(dev_h), command_prefix=("ip", "netns", "exec", ns_h)
+            "--host",
+            HOLDER_ADDR,
+            "--allow-insecure-tcp=true",
+            name="holder",
+            env=_ucx_env(dev_h),
+            command_prefix=("ip", "netns", "exec", ns_h),
         )
         reader_daemon = spawn_daemon(
-            "--host", READER_ADDR, name="reader", env=_ucx_env(dev_r), command_prefix=("ip", "netns", "exec", ns_r)
+            "--host",
+            READER_ADDR,
+            "--allow-insecure-tcp=true",
+            name="reader",
+            env=_ucx_env(dev_r),
+            command_prefix=("ip", "netns", "exec", ns_r),
         )
         spec = llama_spec(num_blocks=256)  # 512 MiB: long enough over TCP to cut the link mid-read
         holder = ShmEngine(holder_daemon.unix_target, "p", spec)

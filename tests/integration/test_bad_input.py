@@ -83,7 +83,7 @@ def test_lengths_that_disagree_are_invalid_argument(pair) -> None:
     # A forged token count larger than the lease is refused by the holder, naming the lease.
     params.num_tokens = 30
     err = _pull_error(reader, params, [5, 6])
-    assert isinstance(err, errors.InvalidArgument) and "holds 20" in err.message
+    assert type(err) is errors.InvalidArgument and "holds 20" in err.message
 
 
 def test_unknown_and_expired_leases(pair) -> None:
@@ -95,12 +95,13 @@ def test_unknown_and_expired_leases(pair) -> None:
     forged.CopyFrom(params)
     forged.lease_id = "not-a-lease"
     err = _pull_error(reader, forged, [1])
-    assert isinstance(err, errors.NotFound) and "not-a-lease" in err.message
+    assert type(err) is errors.UnknownLease and "not-a-lease" in err.message
     time.sleep(0.6)
     err = _pull_error(reader, params, [1])
-    assert isinstance(err, (errors.DeadlineExceeded, errors.NotFound)), err
+    # Expired: LeaseExpired until the sweeper removes it, UnknownLease after (each an exact class).
+    assert type(err) in (errors.LeaseExpired, errors.UnknownLease), err
     assert params.lease_id in err.message or "expired" in err.message
-    with pytest.raises(errors.NotFound):
+    with pytest.raises((errors.LeaseExpired, errors.UnknownLease)):
         holder.client.renew_lease(params.lease_id)
 
 
@@ -115,7 +116,7 @@ def test_layout_the_daemon_cannot_serve_is_failed_precondition(spawn_daemon) -> 
             engine_id="holder", request_id="r", block_ids=[0], num_tokens=8
         ).kv_transfer_params
         err = _pull_error(reader, params, [0])
-        assert isinstance(err, errors.FailedPrecondition)
+        assert type(err) is errors.IncompatibleLayout
         assert "dtype: remote float16 vs local bfloat16" in err.message
     finally:
         holder.close()
@@ -196,7 +197,7 @@ def test_unknown_transfer_and_unreachable_peer(pair, spawn_daemon) -> None:
     ).kv_transfer_params
     params.daemon_address = "127.0.0.1:1"  # nothing listens there
     err = _pull_error(reader, params, [1])
-    assert isinstance(err, errors.Unavailable) and "127.0.0.1:1" in err.message
+    assert type(err) is errors.PeerUnavailable and "127.0.0.1:1" in err.message
 
 
 def test_a_soft_hold_without_a_scheduler_stream_is_refused_and_changes_nothing(pair) -> None:

@@ -213,8 +213,8 @@ def test_a_failure_after_the_socket_exists_removes_it(shared_tmp: Path) -> None:
     """The daemon's user is not in engine_group: discovered only once the socket is bound, and
     the socket, the servers and the NIXL agent are all undone before the one-line exit."""
     run = shared_tmp / "run"
-    run.mkdir(mode=0o777)
-    run.chmod(0o777)
+    run.mkdir(mode=0o700)
+    os.chown(run, NOBODY, NOBODY)  # the daemon's own directory: nobody else may write it
     result = _serve(
         "--unix-socket", str(run / "engine.sock"), "--port", "0", "--metrics-port", "0",
         "--engine-group", "54321", user=as_user(NOBODY, NOBODY, []),
@@ -222,3 +222,22 @@ def test_a_failure_after_the_socket_exists_removes_it(shared_tmp: Path) -> None:
     )  # fmt: skip
     _one_line_failure(result, 1, "group 54321", "not a member", "SupplementaryGroups")
     assert list(run.iterdir()) == []
+
+
+def test_plaintext_tcp_off_loopback_is_refused(tmp_path: Path) -> None:
+    """Whoever reaches a plaintext port could ask for NIXL metadata: off loopback, mTLS or an explicit opt-in."""
+    result = _serve(
+        "--unix-socket", str(tmp_path / "run" / "engine.sock"), "--host", "0.0.0.0", "--port", "0",
+        "--metrics-port", "-1",
+    )  # fmt: skip
+    _one_line_failure(result, 2, "0.0.0.0", "not a loopback address", "tls_cert", "allow_insecure_tcp")
+    assert not (tmp_path / "run").exists()  # refused before anything was created
+
+
+def test_socket_directory_others_may_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    result = _serve("--unix-socket", str(shared / "engine.sock"), "--port", "0", "--metrics-port", "-1")
+    _one_line_failure(result, 2, str(shared), "others may write it", "chmod go-w")
+    assert not (shared / "engine.sock").exists()

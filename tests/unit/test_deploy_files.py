@@ -182,3 +182,19 @@ def test_probes_use_the_plaintext_health_listener_not_the_mtls_port() -> None:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["health"] != ports["grpc"]
+
+
+def test_example_configs_use_mtls_with_named_roles(tmp_path: Path) -> None:
+    """Off loopback, plaintext TCP is refused: both examples bind a node address, so both use mTLS
+    and say which certificate names hold the peer role (NIXL access to engine memory)."""
+    docs = _manifest()
+    env = {"KVD_HOST": "10.1.2.3", "KVD_HEALTH_HOST": "10.1.2.3"}
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (tmp_path / "configmap.toml").write_text(docs["ConfigMap"]["data"]["kvd.toml"])
+    configs = [load_config(tmp_path / "configmap.toml", env=env), load_config(DEPLOY / "kvd.toml", env={})]
+    for config in configs:
+        assert config.tls_enabled and config.tls_ca and config.tls_peer_names
+        assert not config.allow_insecure_tcp
+    assert "secret" in volumes[mounts[str(Path(configs[0].tls_cert).parent)]]

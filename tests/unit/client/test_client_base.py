@@ -129,3 +129,24 @@ def test_every_grpc_code_has_a_kvd_code() -> None:
 
 def test_error_metadata_names_the_exact_class() -> None:
     assert error_metadata(errors.LeaseExpired("x")) == (("kvd-error-class", "LeaseExpired"),)
+
+
+def test_transfer_and_load_errors_keep_the_exact_class() -> None:
+    """The daemon names the class (error_class): a router tells IncompatibleLayout (never retry)
+    from PeerUnavailable (retry), though both travel with their general code."""
+    for code, name, cls in (
+        ("FAILED_PRECONDITION", "IncompatibleLayout", errors.IncompatibleLayout),
+        ("UNAVAILABLE", "PeerUnavailable", errors.PeerUnavailable),
+        ("DEADLINE_EXCEEDED", "LeaseExpired", errors.LeaseExpired),
+    ):
+        status = common_pb2.TransferStatus(
+            state=common_pb2.TRANSFER_STATE_FAILED, error_code=code, error_class=name, error_message="m"
+        )
+        assert type(_base.transfer_error(status)) is cls
+        failed = engine_pb2.LoadFailed(request_id="r", error_code=code, error_class=name, error_message="m")
+        assert type(_base.load_error(failed)) is cls
+    # A class whose code disagrees is not trusted: the code's general class.
+    odd = common_pb2.TransferStatus(
+        state=common_pb2.TRANSFER_STATE_FAILED, error_code="UNAVAILABLE", error_class="IncompatibleLayout"
+    )
+    assert type(_base.transfer_error(odd)) is errors.Unavailable

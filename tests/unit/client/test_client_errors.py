@@ -36,6 +36,8 @@ EXPECTED_CODES: dict[type[KvdError], ErrorCode] = {
     errors.Aborted: S.ABORTED,
     errors.ResourceExhausted: S.RESOURCE_EXHAUSTED,
     errors.Cancelled: S.CANCELLED,
+    errors.PermissionDenied: S.PERMISSION_DENIED,
+    errors.Unauthenticated: S.UNAUTHENTICATED,
     errors.Internal: S.INTERNAL,
     errors.HeldKvEvicted: S.NOT_FOUND,
 }
@@ -112,7 +114,7 @@ def test_from_status_ignores_a_class_name_that_disagrees_with_the_code() -> None
 
 def test_from_status_of_an_unmapped_code_keeps_the_code() -> None:
     """A code without a class (UNKNOWN, DATA_LOSS...) becomes a KvdError carrying that code."""
-    for code in (S.UNKNOWN, S.DATA_LOSS, S.UNIMPLEMENTED, S.PERMISSION_DENIED):
+    for code in (S.UNKNOWN, S.DATA_LOSS, S.UNIMPLEMENTED, S.OUT_OF_RANGE):
         err = from_status(code, "")
         assert type(err) is KvdError
         assert err.code == code

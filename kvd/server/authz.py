@@ -1,0 +1,508 @@
+"""Who may call which RPC: identities, roles, the one table, and the interceptor that enforces it.
+
+NIXL gives whoever holds an agent's metadata the power to read and write every region that agent
+registered, so ``Handshake`` (which returns that metadata) must only answer other kvd daemons.
+Every RPC is therefore authorized against a role here, before the servicer runs (servicers stay
+thin and never see an unauthorized request). See docs/security.md for the threat model.
+
+Identities, per listener:
+
+* **Unix socket**: the kernel checks the caller at ``connect(2)`` against the socket's mode
+  (0600 for the daemon's uid, 0660 with ``engine_group``) inside a directory only the daemon's
+  uid may change. grpc's Python server exposes neither the connection's fd nor ``SO_PEERCRED``
+  (its auth context for a Unix socket carries only ``transport_security_type``), so this
+  connect-time check, made against the same credentials ``SO_PEERCRED`` would report, is the
+  uid check. Whoever gets through holds ``engine``, ``router`` and ``operator``.
+* **TCP with mTLS**: the client certificate's SANs (DNS names, URIs such as SPIFFE IDs) map to
+  roles through ``tls_peer_names`` / ``tls_router_names`` / ``tls_operator_names``; with none
+  of them set, every certificate ``tls_ca`` signed holds every TCP role.
+* **Plaintext TCP on loopback**: the kernel (netlink ``sock_diag``, or ``/proc/net/tcp[6]``) names
+  the uid that owns the caller's end of the connection: the daemon's uid (or one of
+  ``loopback_uids``) holds ``peer``, ``router`` and ``operator``; anyone else holds nothing.
+* **Plaintext TCP elsewhere**: only with ``allow_insecure_tcp``, and then every caller holds
+  every TCP role (the operator said so, and is told at every start).
+* **Bearer token** (any TCP caller): ``authorization: Bearer <token>`` matching a line of
+  ``router_token_file`` (compared in constant time) adds ``router``.
+
+A caller without the role gets PERMISSION_DENIED, or UNAUTHENTICATED when it presented no
+identity at all; both name the role the RPC needs.
+
+The interceptor also owns request parsing: grpc's default deserializer turns a malformed
+message into UNKNOWN before kvd sees it, so every method parses through :func:`_parser`, which
+never raises; a malformed request becomes INVALID_ARGUMENT here, as does one whose ids or
+repeated fields exceed :data:`MAX_STRING_BYTES` / :data:`MAX_REPEATED`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import fnmatch
+import hmac
+import inspect
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from kvd.config import KvdConfig
+from kvd_client.errors import InvalidArgument, KvdError, PermissionDenied, Unauthenticated
+from kvd_client.grpc_errors import error_metadata, status_code
+
+logger = logging.getLogger(__name__)
+
+
+class Role(enum.Enum):
+    ENGINE = "engine"  # an engine rank on this node (Unix socket)
+    PEER = "peer"  # another kvd daemon: gets NIXL metadata, reads held blocks
+    ROUTER = "router"  # starts and watches pulls, looks up and releases leases
+    OPERATOR = "operator"  # status and selftest
+
+
+ENGINE, PEER, ROUTER, OPERATOR = Role.ENGINE, Role.PEER, Role.ROUTER, Role.OPERATOR
+ANYONE: frozenset[Role] = frozenset()
+"""Marks methods open to every caller that reaches the listener (health checks only)."""
+
+RPC_ROLES: dict[str, frozenset[Role]] = {
+    # EngineService: Unix socket only. An engine registers its own memory and holds its own blocks.
+    "/kvd.v1.EngineService/RegisterKvCache": frozenset({ENGINE}),
+    "/kvd.v1.EngineService/UnregisterKvCache": frozenset({ENGINE}),
+    "/kvd.v1.EngineService/EngineStream": frozenset({ENGINE}),
+    "/kvd.v1.EngineService/HoldBlocks": frozenset({ENGINE}),
+    # The scheduler's stream: the daemon asks it to verify and pin a soft hold's blocks.
+    "/kvd.v1.EngineService/SchedulerStream": frozenset({ENGINE}),
+    # PeerService: NIXL metadata and reads of held blocks. Peers only, nobody else, ever.
+    "/kvd.v1.PeerService/Handshake": frozenset({PEER}),
+    "/kvd.v1.PeerService/PreparePull": frozenset({PEER}),
+    "/kvd.v1.PeerService/AbandonPull": frozenset({PEER}),
+    # A reader daemon ends its soft read, and renews / releases leases for its engines' requests.
+    "/kvd.v1.PeerService/FinishRead": frozenset({PEER}),
+    "/kvd.v1.PeerService/RenewLeases": frozenset({PEER}),
+    "/kvd.v1.PeerService/ReleaseLeases": frozenset({PEER}),
+    # RouterService: pulls are started by routers or by the engine's connector on this node.
+    "/kvd.v1.RouterService/StartPull": frozenset({ROUTER, ENGINE}),
+    "/kvd.v1.RouterService/GetTransfer": frozenset({ROUTER, ENGINE}),
+    "/kvd.v1.RouterService/WatchTransfer": frozenset({ROUTER, ENGINE}),
+    "/kvd.v1.RouterService/CancelTransfer": frozenset({ROUTER, ENGINE}),
+    # Lease ids are capabilities: the holder's engines, its peers and routers only.
+    "/kvd.v1.RouterService/LookupHeld": frozenset({ROUTER, ENGINE, PEER}),
+    "/kvd.v1.RouterService/RenewLease": frozenset({ROUTER, ENGINE, PEER}),
+    "/kvd.v1.RouterService/ReleaseLease": frozenset({ROUTER, ENGINE, PEER}),
+    "/kvd.v1.RouterService/GetStatus": frozenset({OPERATOR, ROUTER, ENGINE}),
+    "/kvd.v1.RouterService/SelftestHold": frozenset({OPERATOR}),
+    # Standard services.
+    "/grpc.health.v1.Health/Check": ANYONE,
+    "/grpc.health.v1.Health/Watch": ANYONE,
+    "/grpc.health.v1.Health/List": ANYONE,
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": frozenset({OPERATOR, ROUTER, PEER}),
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": frozenset({OPERATOR, ROUTER, PEER}),
+}
+"""The one table: every RPC a kvd listener serves -> the roles allowed to call it. A method that
+is missing is refused to everyone (tests/unit/daemon/server/test_authz.py checks every RPC of
+the proto has an entry)."""
+
+MAX_STRING_BYTES = 4096
+"""Longest string field kvd accepts (ids, names, addresses, reasons): real ids are < 200 bytes."""
+MAX_REPEATED = 1 << 20
+"""Most entries of one repeated field (block ids of the largest caches are < 2^20)."""
+MAX_ECHO_CHARS = 200
+"""Longest piece of caller input quoted back in an error message (the rest is elided)."""
+
+UNIX, TCP = "unix", "tcp"
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut: input is never echoed whole."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...({len(text) - limit} more characters)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    """Who a call comes from, as far as the daemon can tell, and the roles that grants."""
+
+    description: str
+    roles: frozenset[Role]
+    identified: bool  # presented some identity (certificate, trusted uid, token), accepted or not
+
+
+@dataclasses.dataclass
+class Policy:
+    """The roles each kind of caller holds, from the config (built once at start-up)."""
+
+    uid: int
+    trusted_uids: frozenset[int]
+    tls: bool
+    allow_insecure_tcp: bool
+    san_roles: tuple[tuple[str, Role], ...]
+    router_tokens: tuple[bytes, ...]
+    tcp_port: int = 0  # set once the TCP listener is bound (port 0 picks one)
+
+    @classmethod
+    def from_config(cls, config: KvdConfig) -> Policy:
+        uid = os.getuid()
+        san_roles = tuple(
+            (pattern, role)
+            for names, role in (
+                (config.tls_peer_names, PEER),
+                (config.tls_router_names, ROUTER),
+                (config.tls_operator_names, OPERATOR),
+            )
+            for pattern in names
+        )
+        return cls(
+            uid=uid,
+            trusted_uids=frozenset({uid, *(int(u) for u in config.loopback_uids)}),
+            tls=config.tls_enabled,
+            allow_insecure_tcp=config.allow_insecure_tcp,
+            san_roles=san_roles,
+            router_tokens=read_tokens(config.router_token_file) if config.router_token_file else (),
+        )
+
+    def roles_of_names(self, names: Sequence[str]) -> frozenset[Role]:
+        """The roles a verified certificate with these SANs holds."""
+        if not self.san_roles:
+            return frozenset({PEER, ROUTER, OPERATOR})
+        return frozenset(
+            role for pattern, role in self.san_roles for name in names if fnmatch.fnmatchcase(name, pattern)
+        )
+
+    def principal(self, listener: str, context: grpc.aio.ServicerContext, metadata: Iterable[Any]) -> Principal:
+        if listener == UNIX:
+            return Principal("an engine-socket caller", frozenset({ENGINE, ROUTER, OPERATOR}), True)
+        roles: set[Role] = set()
+        what: list[str] = []
+        identified = False
+        auth = context.auth_context() or {}
+        peer = context.peer() or ""
+        names = [v.decode("utf-8", "replace") for k in ("peer_dns", "peer_uri") for v in auth.get(k, [])]
+        if auth.get("transport_security_type") == [b"ssl"] and names:
+            identified = True
+            roles |= self.roles_of_names(names)
+            what.append(f"certificate {clip(', '.join(names), 120)}")
+        else:  # plaintext, or TLS without a client certificate (no tls_ca): no identity from TLS
+            uid = tcp_peer_uid(peer, self.tcp_port) if is_loopback_peer(peer) else None
+            if uid is not None and uid in self.trusted_uids:
+                roles |= {PEER, ROUTER, OPERATOR}
+                identified = True
+                what.append(f"loopback uid {uid}")
+            elif uid is None and self.allow_insecure_tcp and not is_loopback_peer(peer):
+                roles |= {PEER, ROUTER, OPERATOR}
+                identified = True
+                what.append(f"plaintext {peer} (allow_insecure_tcp)")
+            else:
+                what.append(f"plaintext {peer}" + (f" (uid {uid}, not trusted)" if uid is not None else ""))
+        token = bearer_token(metadata)
+        if token is not None:
+            identified = True
+            if self.router_tokens and any(hmac.compare_digest(token, t) for t in self.router_tokens):
+                roles.add(ROUTER)
+                what.append("a valid router token")
+            else:
+                what.append("an unknown bearer token")
+        return Principal(" with ".join(what), frozenset(roles), identified)
+
+
+def read_tokens(path: str) -> tuple[bytes, ...]:
+    """The router tokens of ``path``: one per line, blank lines and ``#`` comments skipped."""
+    lines = Path(path).read_text().splitlines()
+    tokens = tuple(line.strip().encode() for line in lines if line.strip() and not line.strip().startswith("#"))
+    if not tokens:
+        raise ValueError(f"router_token_file {path} holds no token")
+    return tokens
+
+
+def bearer_token(metadata: Iterable[Any]) -> bytes | None:
+    for item in metadata or ():
+        key, value = item[0], item[1]
+        if key == "authorization":
+            text = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.partition(" ")
+            return token.strip().encode() if scheme.lower() == "bearer" else b""
+    return None
+
+
+def _peer_endpoint(peer: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
+    """``ipv4:127.0.0.1:5000`` / ``ipv6:[::1]:5000`` -> (address, port); None for anything else."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    rest = rest.replace("%5B", "[").replace("%5D", "]")
+    host, _, port = rest.rpartition(":")
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%")[0])
+        return address, int(port)
+    except ValueError:
+        return None
+
+
+def is_loopback_peer(peer: str) -> bool:
+    endpoint = _peer_endpoint(peer)
+    if endpoint is None:
+        return False
+    address = endpoint[0]
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def _proc_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """An address of /proc/net/tcp (``0100007F:1F90``: little-endian 32-bit words, hex port)."""
+    hex_address, _, hex_port = text.partition(":")
+    raw = bytes.fromhex(hex_address)
+    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(packed), int(hex_port, 16)
+
+
+def tcp_peer_uid(peer: str, server_port: int, proc_net: str = "/proc/net") -> int | None:
+    """The uid owning the client end of a loopback connection ``peer`` -> our ``server_port``.
+
+    Asks the kernel for exactly that socket over netlink (``sock_diag``: a hash lookup, ~0.1 ms);
+    where netlink is unavailable, scans ``/proc/net/tcp[6]`` (its ``uid`` column), which walks the
+    whole connection table (milliseconds). None when no such socket exists (the caller closed
+    already) or ``peer`` is not an IP endpoint.
+    """
+    endpoint = _peer_endpoint(peer)
+    if endpoint is None:
+        return None
+    address, port = endpoint
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    try:
+        return _diag_uid(address, port, server_port)
+    except OSError:
+        logger.debug("sock_diag unavailable; scanning /proc/net/tcp", exc_info=True)
+    return _proc_uid(address, port, server_port, proc_net)
+
+
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLMSG_ERROR = 2
+_INET_DIAG_NOCOOKIE = 0xFFFFFFFF
+_UID_OFFSET = 16 + 64  # nlmsghdr, then inet_diag_msg's family..id, expires, rqueue, wqueue
+
+
+def _diag_uid(address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, server_port: int) -> int | None:
+    """sock_diag lookup of the TCP socket (address:port -> loopback:server_port); its owner's uid."""
+    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+    destinations = [address, ipaddress.ip_address("127.0.0.1" if address.version == 4 else "::1")]
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(1.0)
+        for destination in dict.fromkeys(destinations):
+            request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
+            request += struct.pack(">HH", port, server_port)
+            request += address.packed.ljust(16, b"\0") + destination.packed.ljust(16, b"\0")
+            request += struct.pack("=III", 0, _INET_DIAG_NOCOOKIE, _INET_DIAG_NOCOOKIE)
+            header = struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, 1, 1, 0)  # NLM_F_REQUEST
+            nl.sendto(header + request, (0, 0))
+            reply = nl.recv(65536)
+            (kind,) = struct.unpack_from("=H", reply, 4)
+            if kind == _SOCK_DIAG_BY_FAMILY and len(reply) >= _UID_OFFSET + 4:
+                return int(struct.unpack_from("=I", reply, _UID_OFFSET)[0])
+            if kind != _NLMSG_ERROR:
+                raise OSError(f"unexpected sock_diag reply type {kind}")
+    return None
+
+
+def _proc_uid(
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, server_port: int, proc_net: str
+) -> int | None:
+    wanted = {address}
+    if isinstance(address, ipaddress.IPv4Address):
+        wanted.add(ipaddress.IPv6Address(f"::ffff:{address}"))
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(proc_net, name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 8:
+                continue
+            local, remote = _proc_address(fields[1]), _proc_address(fields[2])
+            if local[1] == port and local[0] in wanted and remote[1] == server_port:
+                return int(fields[7])
+    return None
+
+
+# -- request parsing and bounds ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Malformed:
+    """What :func:`_parser` returns for bytes that are not a valid message of the method's type."""
+
+    type_name: str
+    reason: str
+
+
+def _parser(cls: type[Message]) -> Callable[[bytes], Message | Malformed]:
+    def parse(data: bytes) -> Message | Malformed:
+        message = cls()
+        try:
+            message.ParseFromString(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's malformed bytes
+            return Malformed(cls.DESCRIPTOR.full_name, clip(f"{type(exc).__name__}: {exc}"))
+        return message
+
+    return parse
+
+
+def check_request(message: Message | Malformed, where: str = "") -> Message:
+    """The parsed request, or InvalidArgument for malformed bytes, oversized strings or lists."""
+    if isinstance(message, Malformed):
+        raise InvalidArgument(f"malformed {message.type_name}: {message.reason}")
+    _check_bounds(message, where)
+    return message
+
+
+def _check_bounds(message: Message, where: str) -> None:
+    for field, value in message.ListFields():
+        name = f"{where}{field.name}"
+        repeated = not isinstance(value, str | bytes | Message | int | float)  # a repeated container
+        if repeated and len(value) > MAX_REPEATED:
+            raise InvalidArgument(f"{name} has {len(value)} entries; at most {MAX_REPEATED} are accepted")
+        if field.type == FieldDescriptor.TYPE_STRING:
+            for text in value if repeated else (value,):
+                if len(text) > MAX_STRING_BYTES:
+                    raise InvalidArgument(
+                        f"{name} is {len(text)} characters ({clip(text, 40)!r}); "
+                        f"at most {MAX_STRING_BYTES} are accepted"
+                    )
+        elif field.type == FieldDescriptor.TYPE_MESSAGE and not (
+            field.message_type.GetOptions().map_entry if field.message_type else False
+        ):
+            for item in value if repeated else (value,):
+                _check_bounds(item, f"{name}.")
+
+
+# -- the interceptor -----------------------------------------------------------------------------
+
+
+async def _refuse(context: grpc.aio.ServicerContext, error: KvdError) -> None:
+    context.set_trailing_metadata(error_metadata(error))
+    await context.abort(status_code(error.code), error.message)
+
+
+def _denial(method: str, allowed: frozenset[Role] | None, principal: Principal) -> KvdError:
+    short = method.rsplit("/", 2)[-2].rsplit(".", 1)[-1] + "/" + method.rsplit("/", 1)[-1]
+    if allowed is None:
+        return PermissionDenied(f"{clip(short)} is not served to anyone")
+    needed = " or ".join(sorted(r.value for r in allowed))
+    held = ", ".join(sorted(r.value for r in principal.roles)) or "none"
+    if not principal.identified:
+        return Unauthenticated(
+            f"{short} needs role {needed}; the caller ({principal.description}) presented no identity: "
+            "connect with a client certificate, a router token, or from a trusted uid (docs/security.md)"
+        )
+    return PermissionDenied(f"{short} needs role {needed}; the caller ({principal.description}) holds: {held}")
+
+
+async def _results(call: Any) -> AsyncIterator[Any]:
+    """A streaming behavior's responses, whether it yields them or writes them (``context.write``)."""
+    if inspect.isasyncgen(call):
+        async for item in call:
+            yield item
+    else:
+        await call
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authorizes every call against :data:`RPC_ROLES` and parses every request through kvd."""
+
+    def __init__(self, policy: Policy, listener: str, on_denied: Callable[[str, str], None] | None = None) -> None:
+        self.policy = policy
+        self.listener = listener
+        self.on_denied = on_denied
+        self._wrapped: dict[str, Any] = {}  # method -> its wrapped handler (built once per method)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        method = handler_call_details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is not None:
+            return wrapped
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        wrapped = self._wrap(handler, method)
+        if method in RPC_ROLES:  # bounded: unknown method names are not cached
+            self._wrapped[method] = wrapped
+        return wrapped
+
+    async def _authorize(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        allowed = RPC_ROLES.get(method)
+        if allowed is not None and not allowed:  # ANYONE
+            return
+        principal = self.policy.principal(self.listener, context, context.invocation_metadata() or ())
+        if allowed is not None and principal.roles & allowed:
+            return
+        error = _denial(method, allowed, principal)
+        logger.info("refused %s from %s: %s", clip(method), principal.description, error.message)
+        if self.on_denied is not None:
+            self.on_denied(method, error.code.name)
+        await _refuse(context, error)
+
+    def _wrap(self, handler: Any, method: str) -> Any:
+        original = handler.request_deserializer
+        cls = getattr(original, "__self__", None)
+        parse = _parser(cls) if isinstance(cls, type) and issubclass(cls, Message) else original
+        serialize = handler.response_serializer
+        authorize = self._authorize
+
+        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return check_request(request)
+            except KvdError as exc:
+                await _refuse(context, exc)
+                raise  # not reached: abort raises
+
+        async def checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+            async for request in requests:
+                yield check_request(request)  # InvalidArgument ends the stream through the servicer's edge
+
+        if handler.unary_unary is not None:
+            unary_unary = handler.unary_unary
+
+            async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await authorize(method, context)
+                return await unary_unary(await checked(request, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(uu, parse, serialize)
+        if handler.unary_stream is not None:
+            unary_stream = handler.unary_stream
+
+            async def us(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await authorize(method, context)
+                async for item in _results(unary_stream(await checked(request, context), context)):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(us, parse, serialize)
+        if handler.stream_unary is not None:
+            stream_unary = handler.stream_unary
+
+            async def su(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+                await authorize(method, context)
+                return await stream_unary(checked_stream(requests), context)
+
+            return grpc.stream_unary_rpc_method_handler(su, parse, serialize)
+        stream_stream = handler.stream_stream
+
+        async def ss(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await authorize(method, context)
+            async for item in _results(stream_stream(checked_stream(requests), context)):
+                yield item
+
+        return grpc.stream_stream_rpc_method_handler(ss, parse, serialize)
