@@ -13,7 +13,7 @@ import pytest
 from kvd.config import KvdConfig
 from kvd_engine.config import KvdConnectorConfig
 
-DOCS = Path(__file__).resolve().parents[3] / "docs" / "operations.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 @pytest.mark.parametrize(
@@ -59,9 +59,9 @@ def test_the_connector_and_the_daemon_default_to_the_same_socket() -> None:
     assert KvdConnectorConfig().target == f"unix://{KvdConfig().unix_socket}"
 
 
-def _documented_defaults(heading: str) -> dict[str, str]:
-    """``| `key` | `default` | ... |`` rows of the table under ``heading`` in docs/operations.md."""
-    text = DOCS.read_text()
+def _documented_defaults(doc: str, heading: str) -> dict[str, str]:
+    """``| `key` | `default` | ... |`` rows of the table under ``heading`` in ``docs/<doc>``."""
+    text = (DOCS / doc).read_text()
     section = text[text.index(heading) :]
     section = section[: section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
     return dict(re.findall(r"^\| `([a-z_]+)` \| `([^`]*)` \|", section, flags=re.M))
@@ -78,7 +78,7 @@ def _shown(value: Any) -> str:
 
 
 def test_every_connector_key_is_documented_with_its_default() -> None:
-    documented = _documented_defaults("## Connector configuration")
+    documented = _documented_defaults("connector-config.md", "## Keys")
     config = KvdConnectorConfig()
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(KvdConnectorConfig)}
     assert set(documented) == set(fields)
@@ -90,7 +90,7 @@ def test_every_connector_key_is_documented_with_its_default() -> None:
 
 
 def test_every_daemon_key_is_documented_with_its_default() -> None:
-    documented = _documented_defaults("## Daemon configuration")
+    documented = _documented_defaults("operations.md", "## Daemon configuration")
     config = KvdConfig()
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(KvdConfig)}
     assert set(documented) == set(fields)
