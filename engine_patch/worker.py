@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from kvd_client import load_error
+
 from .cache_layout import CacheGeometry
 from .config import KvdConnectorConfig
 from .daemon_link import Connected, DaemonLink, DaemonMessage, Disconnected, LinkEvent, PullFailed, PullStarted
@@ -313,7 +315,8 @@ class KvdWorker:
             pull = self._pulls.get(body.request_id)
             if pull is None or (pull.transfer_id and body.transfer_id and pull.transfer_id != body.transfer_id):
                 return
-            self._fail_pull(body.request_id, f"{body.error_code}: {body.error_message}", list(body.block_ids))
+            error = load_error(body)  # the daemon's exact class, e.g. HeldKvEvicted or IncompatibleLayout
+            self._fail_pull(body.request_id, f"{type(error).__name__}: {error}", list(body.block_ids))
         elif kind == "finished_sending":
             body = message.finished_sending
             self._sent.setdefault(body.request_id, self._clock())

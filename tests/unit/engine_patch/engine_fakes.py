@@ -193,6 +193,7 @@ class FakeDaemon:
                         request_id=pull.request_id,
                         transfer_id=pull.transfer_id,
                         error_code="UNAVAILABLE",
+                        error_class="PeerUnavailable",
                         error_message=error,
                         block_ids=pull.local_block_ids,
                     )

@@ -6,6 +6,7 @@ The fake daemon copies blocks between the engines' shm files the way the real on
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -156,7 +157,8 @@ def test_prefill_pulls_back_from_decode_only_above_the_threshold(extra: int, pul
         _assert_kv(p, "t2")
 
 
-def test_a_failed_load_is_recomputed_and_the_engine_goes_on() -> None:
+def test_a_failed_load_is_recomputed_and_the_engine_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvd_engine.worker")
     daemon = FakeDaemon(copy_pulls=False)
     with _engine(daemon, "prefill") as p, _engine(daemon, "decode") as d:
         p.add_request("r", PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
@@ -170,6 +172,8 @@ def test_a_failed_load_is_recomputed_and_the_engine_goes_on() -> None:
         req = d.requests["r"]
         assert req.load_failed and req.output_token_ids == _oracle(PROMPT, 4)
         _assert_kv(d, "r")
+    # The worker names the daemon's exact error class, not only its status code.
+    assert "PeerUnavailable: peer prefill died mid-transfer" in caplog.text
 
 
 def test_a_daemon_restart_releases_held_blocks_and_pulls_recompute() -> None:
