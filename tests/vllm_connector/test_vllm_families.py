@@ -361,6 +361,6 @@ def test_mamba_state_across_tp_degrees_is_refused_and_recomputed(
     assert transfers(node_b, direction="pull", outcome="failed") == 2  # one per decode rank
     refusal = "Mamba/linear-attention state is sharded by tensor parallelism"
     assert refusal in node_b.log_tail(200)
-    # The engine heard the precise status and the feature's name (and recomputed).
-    assert f"FAILED_PRECONDITION: group 1 'MambaSpec:MAMBA2' (state): {refusal}" in caplog.text
+    # The engine heard the exact error class and the feature's name (and recomputed).
+    assert f"UnsupportedModelFeature: group 1 'MambaSpec:MAMBA2' (state): {refusal}" in caplog.text
     assert len(d.tokens["r"]) == len(PROMPT) + 2 and d.outputs["r"].finish_reason is not None
