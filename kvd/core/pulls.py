@@ -118,6 +118,7 @@ class Puller:
         # Pull resources whose reads were given up before NIXL finished them: handed back by
         # sweep() once final (a staging chunk or a one-off list must not be reused before).
         self._stale: list[_PullResources] = []
+        self._abandons: set[asyncio.Task[None]] = set()  # AbandonPulls waiting for their reads to be final
 
     async def warm(self, session: PeerSession) -> None:
         """After a handshake, off any pull's path: prepare the whole-block lists of the peer's
@@ -134,6 +135,8 @@ class Puller:
             logger.debug("warming peer %s: %s", session.address, exc)
 
     async def close(self) -> None:
+        for task in list(self._abandons):  # shutting down: the holders end those admissions at their deadlines
+            task.cancel()
         for pool in self._staging.values():
             await pool.close()
         self._staging.clear()
@@ -198,16 +201,16 @@ class Puller:
         self._report(transfer, rank, remote, error)
         await self._hand_back(held)
         session = held.session
-        if (
-            error is not None
-            and session is not None
-            and held.reads_final
-            and self.peers.cached(session.address) is session
-        ):
-            # The holder may stop counting this read: nothing of it can touch its blocks now.
-            asyncio.get_running_loop().create_task(
-                self._abandon(remote, rank.tp_rank, transfer.transfer_id, error.message)
+        if error is not None and session is not None and self.peers.cached(session.address) is session:
+            # The holder may stop counting this read once nothing of it can touch its blocks: at
+            # once when the reads are final, else when they become final (a pull cut off from
+            # its memory still has reads in flight; the holder would otherwise wait them out to
+            # the admission's deadline and retire its memory as tainted).
+            task = asyncio.get_running_loop().create_task(
+                self._abandon_when_final(held, session, remote, rank.tp_rank, transfer.transfer_id, error.message)
             )
+            self._abandons.add(task)
+            task.add_done_callback(self._abandons.discard)
 
     async def _fence(self, transfer: Transfer, rank: EngineRank, held: _PullResources, fence_s: float) -> None:
         """Make sure no byte of the pull can still land in the engine's blocks (module docstring)."""
@@ -340,6 +343,21 @@ class Puller:
     @property
     def stale_pulls(self) -> int:
         return len(self._stale)
+
+    async def _abandon_when_final(
+        self,
+        held: _PullResources,
+        session: PeerSession,
+        remote: TransferParams,
+        reader_rank: int,
+        transfer_id: str,
+        reason: str,
+    ) -> None:
+        """AbandonPull once the pull's reads are final, to the holder it read from if still known."""
+        if not held.reads_final:
+            await held.reads_over()
+        if self.peers.cached(session.address) is session:
+            await self._abandon(remote, reader_rank, transfer_id, reason)
 
     async def _abandon(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
         try:

@@ -268,6 +268,36 @@ def test_unregister_reader_rank_with_reads_nixl_never_ends_quarantines_until_the
     run(fabric, scenario)
 
 
+def test_reads_cut_off_past_the_fence_are_abandoned_at_the_holder_once_they_end(fabric: Fabric) -> None:
+    """READs still in flight when their rank went: no AbandonPull while they run (the holder must
+    keep counting them), and one as soon as NIXL ends them (here with an error, so no read
+    notification reaches the holder): the holder's admission ends as abandoned, not at its deadline."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, fence_timeout_s=SHORT_FENCE_S)
+        transfer, _ = p.pull()
+        xfers = await p.reading(transfer)
+        await p.reader.daemon.unregister_engine("eng-r", 0)
+        await ended(transfer)
+        assert transfer.state is ABORTED and p.reader.transport.abandons == []
+        assert p.holder.metric("kvd_admitted_reads") == 1
+
+        for xfer in xfers:
+            p.reader.dataplane.fail(xfer)
+        await p.reader.transport.abandoned.reach(1)
+        await settle(p.holder)
+
+        (abandon,) = p.reader.transport.abandons
+        assert abandon["transfer_id"] == transfer.transfer_id
+        assert p.holder.metric("kvd_admissions_ended_total", reason="abandoned") == 1
+        assert p.holder.metric("kvd_admitted_reads") == 0
+        await p.reader.daemon.memories.sweep_quarantine()
+        await p.reader.daemon._puller.sweep()
+        assert_settled(p.reader, p.holder, memories=(p.rrank.memory,))
+
+    run(fabric, scenario)
+
+
 def test_unregister_reader_rank_while_fencing_reports_once_and_releases_after_reads_final(fabric: Fabric) -> None:
     """Unregistered while a cancelled pull fences: still one LoadFailed (ABORTED), and the mapping
     goes only once the READs are final."""
