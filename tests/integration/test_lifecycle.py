@@ -14,6 +14,7 @@ import pytest
 from kvtest import ShmEngine, metric_value, scrape, small_spec
 
 from kvd_client import KvdClient, errors
+from kvd_client.shm import unlink_shm
 from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.integration
@@ -114,7 +115,7 @@ ENGINE_SCRIPT = textwrap.dedent(
     engine = ShmEngine({target!r}, "doomed", small_spec())
     engine.register()
     engine.client.hold_blocks(engine_id="doomed", request_id="r", block_ids=[0], num_tokens=4)
-    print("ready", flush=True)
+    print("ready", engine.shm_name, flush=True)
     time.sleep(60)
     """
 )
@@ -127,8 +128,11 @@ def test_engine_that_dies_is_released(spawn_daemon) -> None:
         [sys.executable, "-c", ENGINE_SCRIPT.format(tests=tests_dir, target=daemon.unix_target)],
         stdout=subprocess.PIPE,
     )
+    shm_name = ""
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        assert proc.stdout is not None
+        ready, shm_name = proc.stdout.readline().decode().split()
+        assert ready == "ready"
         with KvdClient(daemon.unix_target) as client:
             status = client.get_status()
             assert [e.engine_id for e in status.engines] == ["doomed"] and status.leases_held == 1
@@ -139,6 +143,8 @@ def test_engine_that_dies_is_released(spawn_daemon) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+        if shm_name:  # SIGKILLed: the engine could not unlink its own cache
+            unlink_shm(shm_name)
 
 
 def test_sigterm_releases_everything_and_exits_zero(spawn_daemon) -> None:
