@@ -453,12 +453,9 @@ class KvdScheduler:
             return self._hold_soft(request, block_ids, num_tokens)
         blocks = [int(b) for b in block_ids[: math.ceil(num_tokens / self.block_size)]]
         try:
-            if group_block_ids:  # a hybrid model's other block tables (plain engines pass none)
-                held = self._hold.hold_blocks(
-                    self.engine_id, rid, blocks, num_tokens, self.config.hold_ttl_ms, group_block_ids=group_block_ids
-                )
-            else:
-                held = self._hold.hold_blocks(self.engine_id, rid, blocks, num_tokens, self.config.hold_ttl_ms)
+            held = self._hold.hold_blocks(
+                self.engine_id, rid, blocks, num_tokens, self.config.hold_ttl_ms, group_block_ids=group_block_ids
+            )
         except errors.KvdError as err:
             self.hold_failures += 1
             logger.warning("request %s: kvd could not hold its KV (%s); the reader will recompute", rid, err)

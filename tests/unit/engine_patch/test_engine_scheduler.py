@@ -24,7 +24,13 @@ class FakeHold:
         return self.up
 
     def hold_blocks(
-        self, engine_id: str, request_id: str, block_ids: Any, num_tokens: int, ttl_ms: int = 0
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: Any,
+        num_tokens: int,
+        ttl_ms: int = 0,
+        group_block_ids: Any = (),
     ) -> dict[str, Any]:
         self.calls.append((engine_id, request_id, list(block_ids), num_tokens, ttl_ms))
         if self.error is not None:

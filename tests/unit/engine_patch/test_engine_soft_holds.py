@@ -24,9 +24,16 @@ from kvd_engine.scheduler import KvdScheduler
 
 class SoftHold(FakeHold):
     def hold_blocks(  # type: ignore[override]
-        self, engine_id: str, request_id: str, block_ids: Any, num_tokens: int, ttl_ms: int = 0, soft: bool = False
+        self,
+        engine_id: str,
+        request_id: str,
+        block_ids: Any,
+        num_tokens: int,
+        ttl_ms: int = 0,
+        group_block_ids: Any = (),
+        soft: bool = False,
     ) -> dict[str, Any]:
-        held = super().hold_blocks(engine_id, request_id, block_ids, num_tokens, ttl_ms)
+        held = super().hold_blocks(engine_id, request_id, block_ids, num_tokens, ttl_ms, group_block_ids)
         self.calls[-1] = (*self.calls[-1], soft)
         return held
 
