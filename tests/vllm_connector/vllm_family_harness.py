@@ -38,7 +38,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
-from vllm_harness import VOCAB, make_config
+from vllm_harness import VOCAB, SchedulerDriver, make_config
 
 from kvd.demo.reference_engine import oracle_next_token
 
@@ -98,7 +98,7 @@ def tp_rank(rank: int, size: int) -> Iterator[None]:
         yield
 
 
-class FamilyEngine:
+class FamilyEngine(SchedulerDriver):
     """One engine: real Scheduler (hybrid KV cache manager), real connector halves per TP rank."""
 
     def __init__(
@@ -165,18 +165,6 @@ class FamilyEngine:
         self.scheduler.add_request(request)
         self.tokens[request_id] = list(request.prompt_token_ids or prompt)
         return request
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
-
-    def step(self) -> None:
-        out = self.scheduler.schedule()
-        runner_output = self._execute(out)
-        for outputs in self.scheduler.update_from_output(out, runner_output).values():
-            for o in outputs.outputs:
-                self.tokens[o.request_id] += list(o.new_token_ids)
-                if o.finish_reason is not None:
-                    self.outputs[o.request_id] = o
 
     # -- the stand-in model runner ---------------------------------------------------------------
 

@@ -105,7 +105,32 @@ def make_config(
     return config
 
 
-class VllmEngine:
+class SchedulerDriver:
+    """One engine step: vLLM's Scheduler schedules, the stand-in runner (``_execute``) runs, the
+    Scheduler takes the output. Shared by every harness engine."""
+
+    scheduler: Scheduler
+    tokens: dict[str, list[int]]
+    outputs: dict[str, Any]
+
+    def _execute(self, out: Any) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        """Requests to run, or finished ones whose ids the workers have not been told yet."""
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        runner_output = self._execute(out)
+        for outputs in self.scheduler.update_from_output(out, runner_output).values():
+            for o in outputs.outputs:
+                self.tokens[o.request_id] += list(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.outputs[o.request_id] = o
+
+
+class VllmEngine(SchedulerDriver):
     """One engine: real Scheduler + real connector halves + a stand-in model runner."""
 
     def __init__(
@@ -172,19 +197,6 @@ class VllmEngine:
         self.tokens[request_id] = list(prompt)
         self.scheduler.add_request(request)
         return request
-
-    def has_work(self) -> bool:
-        """Requests to run, or finished ones whose ids the workers have not been told yet."""
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.finished_req_ids)
-
-    def step(self) -> None:
-        out = self.scheduler.schedule()
-        runner_output = self._execute(out)
-        for outputs in self.scheduler.update_from_output(out, runner_output).values():
-            for o in outputs.outputs:
-                self.tokens[o.request_id] += list(o.new_token_ids)
-                if o.finish_reason is not None:
-                    self.outputs[o.request_id] = o
 
     # -- the stand-in model runner ---------------------------------------------------------------
 
