@@ -40,7 +40,16 @@ from kvd.core.events import FinishedRecving, LoadFailed
 from kvd.core.local_memory import LocalMemory, Memories
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import Peers, PeerSession, PeerTransport, PrepareResult, RemoteAgent, RemoteEngine, unreachable
+from kvd.core.peers import (
+    Peers,
+    PeerSession,
+    PeerTransport,
+    PrepareResult,
+    RemoteAgent,
+    RemoteEngine,
+    StaleView,
+    unreachable,
+)
 from kvd.core.registry import EngineRank
 from kvd.core.staging import StagingChunk, StagingPool
 from kvd.core.transfers import Transfer, TransferState
@@ -62,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 INLINE_PLAN_BLOCKS = 512  # pulls this small are planned on the event loop (well under 1 ms)
 HOLDER_PIN_POLL_S = 0.01
+PLAN_ATTEMPTS = 3  # plans of one pull when the peer's agent is reloaded between planning and pinning
 
 
 @dataclasses.dataclass(eq=False)
@@ -429,6 +439,15 @@ class Puller:
         except KvdError as exc:
             raise _StaleHandshake("cached layout refused", exc) from exc
         transfer.mark("planned")
+        unnamed = [r for r in pull_plan.remote_ranks if not session.agent.names(remote_ranks[r])]
+        if unnamed:  # never prepare a list over memory the loaded metadata does not name
+            raise _StaleHandshake(
+                "metadata does not name the engine's memory",
+                PeerUnavailable(
+                    f"the NIXL metadata of {remote.daemon_address} does not name the memory of engine "
+                    f"{remote.engine_id!r} ranks {unnamed}: retry"
+                ),
+            )
         holder_spec = remote_ranks[pull_plan.remote_ranks[0]].view.spec
         groups = {"group_block_ids": remote_groups} if remote_groups else {}
         try:
@@ -465,9 +484,18 @@ class Puller:
     # --- reading ------------------------------------------------------------------------------
 
     async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams, held: _PullResources) -> None:
-        session, plan, remote_ranks, prepared = await self._plan(transfer, rank, remote)
+        for _ in range(PLAN_ATTEMPTS):
+            session, plan, remote_ranks, prepared = await self._plan(transfer, rank, remote)
+            try:
+                held.agent = self.peers.pin(session)
+                break
+            except StaleView:  # the peer's agent is being reloaded: plan again against the fresh one
+                continue
+        else:
+            raise PeerUnavailable(
+                f"the NIXL agent of {remote.daemon_address} was reloaded {PLAN_ATTEMPTS} times during the pull: retry"
+            )
         held.session = session
-        held.agent = self.peers.pin(session)
         transfer.descriptors = plan.num_descriptors
         transfer.nbytes = plan.total_bytes
         transfer.direct = plan.direct
