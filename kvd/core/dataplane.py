@@ -356,7 +356,12 @@ class DataPlane:
         peer: str,
         nbytes: int,
     ) -> Xfer:
-        """Post a READ. Raises PeerUnavailable if NIXL refused it (then nothing was posted)."""
+        """Post a READ. Raises if NIXL refused to build it (then nothing was posted).
+
+        A READ that NIXL built but failed to post (wholly or in part) is returned with ``error``
+        set: part of it may be on its way, so it is polled to a final state like any other, and
+        its destination must stay pinned until then.
+        """
         assert self._loop is not None
         settled: asyncio.Future[None] = self._loop.create_future()
         local_indices = np.ascontiguousarray(local_indices, dtype=np.int32)
@@ -382,10 +387,7 @@ class DataPlane:
                 xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
             return xfer
 
-        xfer = await self.call(post)
-        if xfer.error is not None:
-            raise xfer.error
-        return xfer
+        return await self.call(post)
 
     async def wait(self, xfers: Sequence[Xfer]) -> None:
         """Wait until every read is final; raise the first error. Cancelling the wait leaves the

@@ -158,6 +158,7 @@ class FakeDataPlane:
         self.register_gate: Gate | None = None  # set by a test to hold register() calls
         self.register_errors: list[BaseException] = []  # raised, one per register() call, first
         self.refuse_reads: KvdError | None = None
+        self.read_gate: Gate | None = None  # set by a test to hold read() calls mid-post
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -320,6 +321,8 @@ class FakeDataPlane:
     ) -> Xfer:
         self._require_started()
         assert self._loop is not None
+        if self.read_gate is not None:  # the post is under way on NIXL's thread; it completes regardless
+            await self.read_gate.passage()
         if self.refuse_reads is not None:
             raise self.refuse_reads
         if local_table.released or remote_table.released:

@@ -232,6 +232,43 @@ def test_unregister_reader_rank_while_reading_deregisters_only_after_reads_final
     run(fabric, scenario)
 
 
+def test_unregister_reader_rank_while_a_read_is_being_posted_waits_for_that_read(fabric: Fabric) -> None:
+    """The engine dies while NIXL is still posting the pull's READ: the post completes on NIXL's
+    thread whatever the pull does, so the pull fences that READ like any other (never reported
+    before it, memory deregistered only after it is final). The pull used to forget a READ whose
+    post it stopped waiting for, and freed the memory under it (a SIGSEGV over UCX TCP)."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, fence_timeout_s=SHORT_FENCE_S)
+        dp = p.reader.dataplane
+        gate = dp.read_gate = Gate()
+        transfer, _ = p.pull()
+        await gate.arrived.reach(1)
+        memory, regs = p.rrank.memory, registrations(p.rrank.memory)
+
+        await p.reader.daemon.unregister_engine("eng-r", 0)
+        await asyncio.sleep(SHORT_FENCE_S * 2)
+        assert not transfer.state.final, "reported while its READ was still being posted"
+        assert not any(dp.deregistered(r) for r in regs)
+        dp.read_gate = None
+        gate.open()
+        await ended(transfer)  # the READ never ends: fenced by retiring the (unregistered) mapping
+        (xfer,) = dp.live()
+        assert transfer.state is ABORTED and len(engine_events(p.rrank, LoadFailed)) == 1
+        assert not any(dp.deregistered(r) for r in regs), "memory deregistered under a READ in flight"
+        assert memory.state is MemoryState.QUARANTINED and memory.retired
+
+        dp.finish(xfer)
+        await p.reader.transport.abandoned.reach(1)  # the holder stops counting the read now
+        await sweep_round(p.reader)
+        await settle(p.holder)
+        assert memory.state is MemoryState.RELEASED and all(dp.deregistered(r) for r in regs)
+        assert p.holder.metric("kvd_admissions_ended_total", reason="abandoned") == 1
+        assert_settled(p.reader, p.holder, memories=(memory,))
+
+    run(fabric, scenario)
+
+
 def test_unregister_reader_rank_with_reads_nixl_never_ends_quarantines_until_they_do(fabric: Fabric) -> None:
     """READs that stay in flight past the fence: ABORTED once, the mapping retired and quarantined
     (never deregistered), no AbandonPull; a late finish frees it on the next quarantine sweep."""
