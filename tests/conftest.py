@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +12,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/kvtest.py helpers
 
 from kvd.cli.spawn import DaemonProcess, start_daemon
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--chaos-repeat",
+        type=int,
+        default=int(os.environ.get("KVD_CHAOS_REPEAT", "10")),
+        help="run every chaos test this many times, the first beside a CPU load (default: $KVD_CHAOS_REPEAT or 10)",
+    )
 
 
 @pytest.fixture
@@ -29,10 +39,16 @@ def spawn_daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cal
 
     yield spawn
     failed = getattr(request.node, "rep_call", None)
+    crashes = []
     for daemon in started:
         code = daemon.terminate()
-        if failed is not None and failed.failed:
+        crash = daemon.crash()
+        if crash:
+            crashes.append(crash)
+        elif failed is not None and failed.failed:
             print(f"--- log of daemon {daemon.name} (exit {code}) ---\n{daemon.log_tail(60)}")
+    if crashes:  # never a plain failure: a daemon that died of a signal fails the test, with its stacks
+        pytest.fail("a daemon crashed:\n" + "\n\n".join(crashes), pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

@@ -25,6 +25,19 @@ class DaemonProcess:
     metrics: str
     incarnation: str
     log_path: Path
+    killed: bool = False  # the caller SIGKILLed it on purpose (chaos): its signal is not a crash
+
+    def crash(self) -> str:
+        """Why the daemon died of a signal nobody sent it on purpose, with its log's tail (where
+        ``kvd serve``'s faulthandler wrote every thread's stack); "" while it lives or if it exited."""
+        code = self.process.poll()
+        if code is None or code >= 0 or self.killed:
+            return ""
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"kvd serve ({self.name}, pid {self.process.pid}) died of {name}:\n{self.log_tail(120)}"
 
     @property
     def unix_target(self) -> str:
@@ -43,12 +56,14 @@ class DaemonProcess:
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                self.killed = True  # hung at shutdown: reported by its exit code (-9), not as a crash
                 self.process.kill()
                 self.process.wait()
         return int(self.process.returncode)
 
     def kill(self) -> None:
         """SIGKILL: the daemon dies mid-whatever (chaos tests)."""
+        self.killed = True
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()

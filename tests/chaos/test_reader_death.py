@@ -44,11 +44,15 @@ def _gauges_settle(daemon, names: tuple[str, ...], timeout_s: float = 20.0) -> d
         time.sleep(0.1)
 
 
-def test_reader_engine_killed_mid_read(spawn_daemon) -> None:
+def test_reader_engine_killed_mid_read(spawn_daemon, ucx_env: dict[str, str]) -> None:
     """The engine process being pulled into is SIGKILLed: the reader daemon survives, the pull
-    ends aborted, the holder's lease is freed once the read is over, nothing stays pinned."""
-    holder_daemon = spawn_daemon(name="holder", env=SLOW)
-    reader_daemon = spawn_daemon(name="reader", env=SLOW)
+    ends aborted, the holder's lease is freed once the read is over, nothing stays pinned.
+
+    Over UCX's default transports a 512 MiB read may end before the daemon notices the death
+    (it checks every 250 ms): then the pull is DONE, and everything else must hold the same."""
+    holder_daemon = spawn_daemon(name="holder", env=ucx_env)
+    reader_daemon = spawn_daemon(name="reader", env=ucx_env)
+    tcp = ucx_env.get("UCX_TLS") == "tcp"
     holder = ShmEngine(holder_daemon.unix_target, "p", llama_spec(num_blocks=256))
     # The reader engine is its own process (llama-shaped, one rank), so it can be SIGKILLed.
     engine = subprocess.Popen(
@@ -77,9 +81,13 @@ def test_reader_engine_killed_mid_read(spawn_daemon) -> None:
         _wait_reading(client, started.transfer_id)
         engine.kill()
         engine.wait()
-        with pytest.raises(errors.KvdError) as caught:
-            client.wait_transfer(started.transfer_id, timeout_s=30)
-        assert isinstance(caught.value, (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded)), caught.value
+        try:
+            status = client.wait_transfer(started.transfer_id, timeout_s=30)
+        except (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded):
+            pass
+        else:
+            assert not tcp, "over TCP the 512 MiB read cannot have finished before the engine's death was seen"
+            assert status.state == common_pb2.TRANSFER_STATE_DONE
         assert reader_daemon.process.poll() is None, "the reader daemon died with its engine"
         left = _gauges_settle(
             reader_daemon,

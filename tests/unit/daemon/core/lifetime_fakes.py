@@ -283,7 +283,9 @@ class FakeDataPlane:
             raise RuntimeError(f"NIXL_ERR_NOT_FOUND (fake): metadata for remote agent {agent_name[-8:]} not found")
         holder = self.fabric.dataplanes.get(agent_name)
         live = {r.reg_id for r in holder.live_registrations()} if holder is not None else set()
-        stale = [reg_id for reg_id, address, size in loaded if reg_id not in live and lo < address + size and address < hi]
+        stale = [
+            reg_id for reg_id, address, size in loaded if reg_id not in live and lo < address + size and address < hi
+        ]
         if stale:
             self._violation(f"a list over agent {agent_name[-8:]} prepared while stale regions {stale} overlap it")
             raise RuntimeError("NIXL_ERR_NOT_FOUND (fake): failed to prepare the descriptors for any backend")

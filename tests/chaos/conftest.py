@@ -1,0 +1,51 @@
+"""Chaos tests run many times: a crash that shows once in four runs must not pass as green.
+
+Every test here runs ``--chaos-repeat`` times (10 by default, ``KVD_CHAOS_REPEAT`` or the flag to
+change it); round 0 runs beside a CPU load generator (a busy process per core), because lifetimes
+races show most when the daemons are starved. Tests that take the ``ucx_env`` fixture run over UCX
+TCP and over UCX's default transports (shared memory, CMA, TCP as UCX picks).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvd.cli.spawn import child_env
+
+LOADED_ROUND = 0
+TRANSPORTS = {"tcp": {"UCX_TLS": "tcp"}, "default": {}}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "chaos_round" in metafunc.fixturenames:
+        rounds = max(1, metafunc.config.getoption("--chaos-repeat"))
+        ids = [f"round{i}{'-cpuload' if i == LOADED_ROUND else ''}" for i in range(rounds)]
+        metafunc.parametrize("chaos_round", range(rounds), indirect=True, ids=ids)
+    if "ucx_env" in metafunc.fixturenames:
+        metafunc.parametrize("ucx_env", list(TRANSPORTS), indirect=True, ids=[f"ucx-{t}" for t in TRANSPORTS])
+
+
+@pytest.fixture(autouse=True)
+def chaos_round(request: pytest.FixtureRequest) -> Iterator[int]:
+    """The repetition; the loaded one keeps every core busy for the whole test."""
+    index = int(request.param)
+    burners: list[subprocess.Popen[bytes]] = []
+    if index == LOADED_ROUND:
+        burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        yield index
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+@pytest.fixture
+def ucx_env(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The daemons' environment for one UCX transport choice."""
+    return child_env(**TRANSPORTS[str(request.param)])
