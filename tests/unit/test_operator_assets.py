@@ -340,3 +340,13 @@ def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
     (tmp_path / "dashboard-queries.yml").write_text(yaml.safe_dump(rules))
     result = _promtool("check", "rules", "dashboard-queries.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_operations_doc_lists_every_metric_the_daemon_exports() -> None:
+    """docs/operations.md's metrics table: one row per metric (counters by their _total name)."""
+    doc = OPERATIONS.read_text()
+    rows = set(re.findall(r"^\| `(kvd_\w+)` \|", doc, flags=re.MULTILINE))
+    exported = {
+        name.removesuffix("_bucket") for name in exported_metrics() if not name.endswith(("_created", "_sum", "_count"))
+    }
+    assert exported | set(ANNOUNCED_METRICS) == rows
