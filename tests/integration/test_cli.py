@@ -12,6 +12,7 @@ import time
 import pytest
 
 import kvd
+from kvd.core import metrics_text
 from kvd_client import AsyncKvdClient, KvdClient
 
 pytestmark = pytest.mark.integration
@@ -163,3 +164,6 @@ def test_daemon_reports_its_version_and_logs_a_too_old_client_once(spawn_daemon)
     assert shown.returncode == 0 and f"version {kvd.__version__}" in shown.stdout.splitlines()[0]
     assert json.loads(_kvd("status", "--target", daemon.tcp, "--json", timeout=30).stdout)["version"] == kvd.__version__
     assert _kvd("--version", timeout=30).stdout.strip() == f"kvd {kvd.__version__}"
+    scraped = metrics_text.samples(metrics_text.fetch(daemon.metrics, 10))
+    assert ("kvd_build_info", {"version": kvd.__version__}, 1.0) in scraped
+    assert ("kvd_serving", {}, 1.0) in scraped
