@@ -45,6 +45,7 @@ from .errors import (
     error_class_named,
     from_status,
 )
+from .version import __version__
 
 if TYPE_CHECKING:
     from . import pb
@@ -90,6 +91,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "__version__",
     "DEFAULT_TIMEOUT_S",
     "ERROR_CLASS_METADATA_KEY",
     "ERROR_OF_STATUS",

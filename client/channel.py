@@ -4,6 +4,12 @@ Engines reach their node's daemon over a Unix socket; routers and peers over TCP
 (m)TLS. The sync and asyncio clients, the engine patch's config and the daemon (its servers and
 its peer client) all take their targets and options from here, so that a target string, a TLS
 config and a keepalive mean the same thing everywhere.
+
+Every channel made here names its version: grpc sends ``user-agent: kvd-client/<version> grpc-...``
+with each call (:data:`USER_AGENT_OPTION`). A channel option rather than an interceptor: it covers
+the sync and asyncio clients, every kind of call (streams, health checks) and the daemon's own peer
+channels alike, and costs nothing per call. The daemon logs clients older than it supports
+(``kvd.server.client_versions``).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from .version import USER_AGENT
+
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -24,6 +32,9 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 responses one per engine and peer; 64 MiB leaves room without letting a bug allocate unbounded."""
 
 ChannelOptions = Sequence[tuple[str, Any]]
+
+USER_AGENT_OPTION: tuple[str, Any] = ("grpc.primary_user_agent", USER_AGENT)
+"""``kvd-client/<version>`` at the head of every call's ``user-agent`` (grpc appends its own)."""
 
 DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -37,6 +48,7 @@ DEFAULT_OPTIONS: tuple[tuple[str, Any], ...] = (
     # Reconnect quickly after a daemon restart: engines must not wait long for their node's daemon.
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 5_000),
+    USER_AGENT_OPTION,
 )
 """Options of a client's channel (engines and routers to their daemon)."""
 
@@ -49,6 +61,9 @@ PEER_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_timeout_ms", 5_000),
 )
 """Options of the daemon's channels to peer daemons, and of the daemon's own servers."""
+
+PEER_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (*PEER_OPTIONS, USER_AGENT_OPTION)
+"""The daemon's channels to peer daemons: a peer's log names a daemon older than it supports too."""
 
 SERVER_OPTIONS = [*PEER_OPTIONS, ("grpc.so_reuseport", 0)]
 """The daemon's servers. gRPC turns SO_REUSEPORT on by default; two daemons on one port must be an

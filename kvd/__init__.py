@@ -4,6 +4,11 @@ The daemon sits above the client library: it imports ``kvd_client`` (the generat
 ``kvd_client.v1``, the error hierarchy in ``kvd_client.errors``), never the reverse. Heavy
 modules live in ``kvd.core``, ``kvd.server`` and ``kvd.layout`` and are imported only by the
 daemon; ``kvd.core`` and ``kvd.layout`` load no grpc (a test checks ``sys.modules``).
+
+``__version__`` is the client library's (``kvd_client.version``): one version for both
+distributions, so a daemon and a client of the same release always agree on it.
 """
 
-__version__ = "0.1.0"
+from kvd_client.version import __version__
+
+__all__ = ["__version__"]

@@ -22,14 +22,20 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install "${PIP_FLAGS[@]}" nixl
 "${PIP[@]}" install "${PIP_FLAGS[@]}" -e ".[test,lint,bench]"
 
-# systemd-analyze checks deploy/kvd.service (verify, security exposure). Where we are root and
-# apt is there (CI containers), install it; elsewhere those two tests skip and say why.
-if ! command -v systemd-analyze >/dev/null 2>&1; then
+# Tools that check deploy/: systemd-analyze (deploy/kvd.service: verify, security exposure) and
+# promtool (deploy/prometheus: check and unit-test the alert rules, parse the dashboard's queries;
+# Debian's package "prometheus"). Where we are root and apt is there (CI containers), install what
+# is missing; elsewhere those tests skip and say why.
+APT_PACKAGES=()
+command -v systemd-analyze >/dev/null 2>&1 || APT_PACKAGES+=(systemd)
+command -v promtool >/dev/null 2>&1 || APT_PACKAGES+=(prometheus)
+if [ "${#APT_PACKAGES[@]}" -gt 0 ]; then
     if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd) \
-            >/dev/null || echo "setup: could not install systemd (systemd-analyze); its tests will skip" >&2
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${APT_PACKAGES[@]}") >/dev/null \
+            || echo "setup: could not install ${APT_PACKAGES[*]} (systemd-analyze, promtool); their tests will skip" >&2
     else
-        echo "setup: systemd-analyze not found and not root with apt-get; the unit's verify/security tests will skip" >&2
+        echo "setup: ${APT_PACKAGES[*]} missing (systemd-analyze, promtool) and not root with apt-get; their tests will skip" >&2
     fi
 fi
 

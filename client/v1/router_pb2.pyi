@@ -132,7 +132,7 @@ class PeerSummary(_message.Message):
     def __init__(self, address: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., last_contact_s_ago: _Optional[float] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "metrics_address", "admitted_reads", "quarantined_bytes", "remote_agents", "holds_ended")
+    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "metrics_address", "admitted_reads", "quarantined_bytes", "remote_agents", "version", "holds_ended")
     class HoldsEndedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class GetStatusResponse(_message.Message):
     ADMITTED_READS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_AGENTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     HOLDS_ENDED_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_name: str
@@ -169,5 +170,6 @@ class GetStatusResponse(_message.Message):
     admitted_reads: int
     quarantined_bytes: int
     remote_agents: int
+    version: str
     holds_ended: _containers.ScalarMap[str, int]
-    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., metrics_address: _Optional[str] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ..., holds_ended: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., metrics_address: _Optional[str] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ..., version: _Optional[str] = ..., holds_ended: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -1,4 +1,4 @@
-"""`kvd`: the daemon and its operator tools.
+"""`kvd`: the daemon and its operator tools (`kvd --version`: the release, see CHANGELOG.md).
 
 kvd serve      run the daemon (config: defaults < --config TOML < KVD_* env < flags);
                --print-config shows the effective config and where each value came from
@@ -16,8 +16,10 @@ import faulthandler
 import logging
 import sys
 
+from kvd import __version__
 from kvd.cli.bench import add_bench_arguments
 from kvd.cli.status import add_status_arguments
+from kvd.cli.tls import add_tls_arguments
 from kvd.config import add_config_flags, format_config, resolve_from_args
 
 logger = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon")
@@ -115,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     selftest.add_argument("--iterations", type=int, default=5, help="timed pulls (default 5)")
     selftest.add_argument("--seed", type=int, default=0, help="pattern seed (default: random)")
+    add_tls_arguments(selftest)  # TCP calls (the peer; --target when TCP) and the daemons it starts speak mTLS
     selftest.set_defaults(func=_cmd_selftest)
 
     status = sub.add_parser("status", help="what a daemon is doing (person-readable; --json, --watch)")

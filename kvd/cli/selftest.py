@@ -1,7 +1,11 @@
 """`kvd selftest`: can two daemons move KV correctly, and how fast compared with raw NIXL?
 
 1. Targets the local daemon (``--target``) or starts one; targets the peer (``--peer``) or
-   starts a second daemon.
+   starts a second daemon. With ``--tls-ca``/``--tls-cert``/``--tls-key`` (as `kvd status`) every
+   TCP call speaks mTLS (to the peer; to ``--target`` when it is TCP), and a daemon the selftest
+   starts gets the same files, so that it pulls from an mTLS-only peer over mTLS. The certificate
+   needs the ``operator`` role (SelftestHold) and ``peer`` (the baseline's Handshake, the local
+   daemon's pulls) at the peer: docs/security.md.
 2. The peer holds a scratch KV cache filled with a checksummed pattern (SelftestHold).
 3. This process creates a scratch shm KV cache of the same layout, registers it with the local
    daemon (a real zero-copy registration) and has the daemon pull the peer's cache through NIXL.
@@ -28,12 +32,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 
 from kvd.cli.spawn import launch_owned, stop_launches, wait_ready
+from kvd.cli.tls import tls_flags, tls_from_args
 from kvd.layout.spec import contiguous_placements
 from kvd_client import KvdClient, errors
+from kvd_client.channel import TlsConfig, create_channel, is_unix_target
 from kvd_client.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
@@ -53,6 +58,14 @@ def run_selftest(args: argparse.Namespace) -> int:
     if args.iterations < 1:
         print(f"kvd selftest: --iterations must be >= 1, got {args.iterations}", file=sys.stderr)
         return 2
+    try:
+        tls = tls_from_args(args)
+    except OSError as exc:
+        print(f"kvd selftest: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"kvd selftest: {exc} (--tls-cert and --tls-key go together)", file=sys.stderr)
+        return 2
     seed = args.seed or random.randrange(1, 1 << 30)
     size = args.size_mb << 20
     t0 = time.perf_counter()
@@ -61,7 +74,7 @@ def run_selftest(args: argparse.Namespace) -> int:
         wanted = [name for name, given in (("local", args.target), ("peer", args.peer)) if not given]
         if wanted:
             _say(f"starting {' and '.join(wanted)} daemon{'s' if len(wanted) > 1 else ''} ...")
-        launches = launch_owned(stack, workdir, *wanted)
+        launches = launch_owned(stack, workdir, *wanted, extra_flags=tls_flags(args))
         # torch (~1.5 s to import) loads here while the daemons start, not before
         from kvd.core import scratch  # noqa: F401, PLC0415
         from kvd.server import convert  # noqa: F401, PLC0415
@@ -71,12 +84,15 @@ def run_selftest(args: argparse.Namespace) -> int:
         peer_address = args.peer or started["peer"].tcp
         for name, daemon in started.items():
             _say(f"started {name} daemon {daemon.tcp:>21}  (unix {daemon.unix_socket})")
-        local_client = stack.enter_context(KvdClient(local_target, timeout_s=30))
-        peer_client = stack.enter_context(KvdClient(peer_address, timeout_s=60))
+        local_tls = None if is_unix_target(local_target) else tls
+        local_client = stack.enter_context(KvdClient(local_target, timeout_s=30, tls=local_tls))
+        peer_client = stack.enter_context(KvdClient(peer_address, timeout_s=60, tls=tls))
         try:
             ours = [launch for launch in launches if launch.name == "local"]  # only a daemon we started
             local_done = lambda: stop_launches(ours, wait=False)  # noqa: E731
-            code = _selftest(stack, local_client, peer_client, peer_address, size, seed, args.iterations, local_done)
+            code = _selftest(
+                stack, local_client, peer_client, peer_address, size, seed, args.iterations, local_done, tls
+            )
         except errors.KvdError as exc:
             _say(f"FAIL: {type(exc).__name__} ({exc.code.name}): {exc.message}")
             code = 1
@@ -122,6 +138,7 @@ def measure_pull(
     iterations: int,
     progress: Callable[[str], None] = lambda _: None,
     local_done: Callable[[], None] = lambda: None,
+    tls: TlsConfig | None = None,
 ) -> PullMeasurement:
     """Pull the peer's scratch cache ``iterations`` (+1 warm-up) times, verifying every byte.
 
@@ -186,7 +203,9 @@ def measure_pull(
         progress(f"{what:>16}: {elapsed * 1e3:8.2f} ms, {nbytes} bytes verified")
     unregister()
     local_done()
-    raw_times = _raw_nixl_reads(peer_address, held.kv_transfer_params.engine_id, buffer, expected, iterations, progress)
+    raw_times = _raw_nixl_reads(
+        peer_address, held.kv_transfer_params.engine_id, buffer, expected, iterations, progress, tls
+    )
     return PullMeasurement(nbytes, descriptors, kvd_times, raw_times)
 
 
@@ -199,9 +218,12 @@ def _selftest(
     seed: int,
     iterations: int,
     local_done: Callable[[], None],
+    tls: TlsConfig | None,
 ) -> int:
     try:
-        m = measure_pull(stack, local, peer, peer_address, size, seed, iterations, progress=_say, local_done=local_done)
+        m = measure_pull(
+            stack, local, peer, peer_address, size, seed, iterations, progress=_say, local_done=local_done, tls=tls
+        )
     except PatternMismatch as exc:
         _say(f"FAIL: {exc}")
         return 1
@@ -221,11 +243,12 @@ def _raw_nixl_reads(  # type: ignore[no-untyped-def]
     expected: scratch.Pattern,
     iterations: int,
     progress: Callable[[str], None],
+    tls: TlsConfig | None = None,
 ) -> list[float]:
     """Read the peer's scratch registration with a bare NIXL agent: the baseline."""
     from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
 
-    with grpc.insecure_channel(peer_address) as channel:
+    with create_channel(peer_address, tls=tls) as channel:
         info = peer_pb2_grpc.PeerServiceStub(channel).Handshake(peer_pb2.HandshakeRequest(), timeout=30)
     engine = next(e for e in info.engines if e.engine_id == scratch_engine)
     region = engine.regions[0]

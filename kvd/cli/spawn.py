@@ -170,9 +170,11 @@ def start_owned(stack: contextlib.ExitStack, workdir: Path, *names: str) -> list
     return [wait_ready(launch) for launch in launch_owned(stack, workdir, *names)]
 
 
-def launch_owned(stack: contextlib.ExitStack, workdir: Path, *names: str) -> list[Launch]:
+def launch_owned(
+    stack: contextlib.ExitStack, workdir: Path, *names: str, extra_flags: Sequence[str] = ()
+) -> list[Launch]:
     """:func:`start_owned` without the wait: the caller does other work, then :func:`wait_ready`."""
-    launches = [launch_daemon(workdir, name, ["--log-level", "WARNING"]) for name in names]
+    launches = [launch_daemon(workdir, name, ["--log-level", "WARNING", *extra_flags]) for name in names]
     stack.callback(stop_launches, launches)
     return launches
 

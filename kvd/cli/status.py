@@ -1,7 +1,8 @@
 """`kvd status`: what a daemon is doing, for a person (default), a machine (``--json``) or a screen (``--watch``).
 
-The person-readable view puts together the daemon's ``GetStatus`` (engines and their layouts,
-peers with incarnation and last contact, leases, transfers in flight) and its Prometheus
+The person-readable view puts together the daemon's ``GetStatus`` (its version, and this CLI's
+where they differ; engines and their layouts, peers with incarnation and last contact, leases,
+transfers in flight) and its Prometheus
 ``/metrics`` page (bytes moved, outcomes, errors; rates between two refreshes under ``--watch``).
 ``--json`` prints every field of ``GetStatus``, zeros included, with numbers as numbers.
 """
@@ -13,15 +14,15 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from kvd import __version__
+from kvd.cli.tls import add_tls_arguments, tls_from_args
 from kvd.core import metrics_text
-from kvd_client import KvdClient, TlsConfig, errors
+from kvd_client import KvdClient, errors
 from kvd_client.pb import router_pb2
 
 _LAYOUT = {1: "NHD", 2: "HND"}
@@ -43,16 +44,17 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
         help="refresh every SECONDS (default 2) until interrupted, with rates between refreshes",
     )
     parser.add_argument("--metrics", default="", help="host:port of /metrics (default: what the daemon reports)")
-    parser.add_argument("--tls-ca", default="", help="PEM CA of the daemon's certificate (TCP with TLS)")
-    parser.add_argument("--tls-cert", default="", help="PEM client certificate (mTLS)")
-    parser.add_argument("--tls-key", default="", help="PEM client key (mTLS)")
+    add_tls_arguments(parser)
 
 
 def run_status(args: argparse.Namespace) -> int:
     try:
-        tls = _tls(args)
+        tls = tls_from_args(args)
     except OSError as exc:
         print(f"kvd status: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"kvd status: {exc} (--tls-cert and --tls-key go together)", file=sys.stderr)
         return 2
     previous: Snapshot | None = None
     try:
@@ -77,15 +79,6 @@ def run_status(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
-
-
-def _tls(args: argparse.Namespace) -> TlsConfig | None:
-    if not (args.tls_ca or args.tls_cert):
-        return None
-    read: Callable[[str], bytes | None] = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    return TlsConfig(
-        root_certificates=read(args.tls_ca), certificate_chain=read(args.tls_cert), private_key=read(args.tls_key)
-    )
 
 
 @dataclasses.dataclass
@@ -190,7 +183,7 @@ def render(snapshot: Snapshot, previous: Snapshot | None, target: str) -> str:
     s = snapshot.status
     lines = [
         f"kvd {s.incarnation[:8]} at {target}: {'serving' if s.serving else 'NOT serving (shutting down)'}, "
-        f"up {_duration(s.uptime_s)}",
+        f"up {_duration(s.uptime_s)}, {_version(s.version)}",
         f"  agent {s.agent_name}",
         f"  peers reach it at {s.peer_address or '-'}; metrics at {s.metrics_address or 'off'}",
         "",
@@ -205,6 +198,15 @@ def render(snapshot: Snapshot, previous: Snapshot | None, target: str) -> str:
     lines.append("")
     lines += _traffic(snapshot, previous)
     return "\n".join(lines)
+
+
+def _version(daemon_version: str) -> str:
+    """The daemon's version, and this CLI's where they differ (a node mid-upgrade)."""
+    if not daemon_version:
+        return "version unknown (older than 0.2.0)"
+    if daemon_version != __version__:
+        return f"version {daemon_version} (this kvd status: {__version__})"
+    return f"version {daemon_version}"
 
 
 def _engines(s: router_pb2.GetStatusResponse) -> list[str]:

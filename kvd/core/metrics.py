@@ -14,6 +14,11 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        # Set by kvd.server.app: what runs (dashboards show it per node) and whether it serves.
+        self.build_info = Gauge("kvd_build_info", "Always 1; the running daemon's version", ["version"], registry=r)
+        self.serving = Gauge(
+            "kvd_serving", "1 while health is SERVING; 0 once shutdown began (health NOT_SERVING)", registry=r
+        )
         self.transfer_bytes = Counter(
             "kvd_transfer_bytes", "KV bytes moved through NIXL", ["peer", "direction"], registry=r
         )

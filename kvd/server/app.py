@@ -40,11 +40,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from kvd import __version__
 from kvd.config import KvdConfig
 from kvd.core.daemon import Daemon
 from kvd.core.metrics import Metrics
 from kvd.server import startup
 from kvd.server.authz import TCP, UNIX, AuthInterceptor, Policy
+from kvd.server.client_versions import ClientVersionInterceptor
 from kvd.server.notify import Notifier, watchdog
 from kvd.server.peer_client import GrpcPeerTransport
 from kvd.server.servicers import EngineServicer, PeerServicer, RouterServicer
@@ -150,6 +152,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
 
     notifier.status("starting: creating the NIXL agent")
     metrics = Metrics()
+    metrics.build_info.labels(__version__).set(1)
     holder: list[Daemon] = []
     transport = GrpcPeerTransport(lambda: holder[0].advertise_address, lambda: holder[0].incarnation, channel_creds)
     daemon = Daemon(config, transport, metrics)
@@ -163,7 +166,10 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     def denied(method: str, code: str) -> None:
         metrics.errors.labels(method.rsplit("/", 1)[-1], code).inc()
 
-    unix_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(policy, UNIX, denied)])
+    versions = ClientVersionInterceptor()  # one for both listeners: each old version is logged once
+    unix_server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=[versions, AuthInterceptor(policy, UNIX, denied)]
+    )
     engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, unix_server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, unix_server)
     health_pb2_grpc.add_HealthServicer_to_server(health, unix_server)
@@ -177,7 +183,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         ) from exc
     undo.push("engine server", lambda: unix_server.stop(None))
 
-    tcp_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[AuthInterceptor(policy, TCP, denied)])
+    tcp_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[versions, AuthInterceptor(policy, TCP, denied)])
     peer_pb2_grpc.add_PeerServiceServicer_to_server(peer, tcp_server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, tcp_server)
     health_pb2_grpc.add_HealthServicer_to_server(health, tcp_server)
@@ -219,6 +225,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
 
     for name in ("", *SERVICE_NAMES):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics.serving.set(1)
     running = Running(
         daemon,
         unix_server,
@@ -234,7 +241,8 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     if config.ready_file:
         _write_ready_file(config.ready_file, running)
     logger.info(
-        "kvd serving: engines on unix:%s, peers/routers on %s (advertised %s), metrics on %s, health on %s",
+        "kvd %s serving: engines on unix:%s, peers/routers on %s (advertised %s), metrics on %s, health on %s",
+        __version__,
         config.unix_socket,
         tcp_address,
         daemon.advertise_address,
@@ -296,6 +304,7 @@ def _write_ready_file(path: str, running: Running) -> None:
 async def stop(running: Running, grace_s: float) -> None:
     """Graceful shutdown (see module docstring)."""
     await running.health.enter_graceful_shutdown()
+    running.daemon.metrics.serving.set(0)  # scraped until the metrics server stops, at the end
     await running.daemon.shutdown(grace_s)
     servers = [running.tcp_server, running.unix_server]
     if running.health_server is not None:

@@ -15,7 +15,7 @@ import grpc
 
 from kvd.core.peers import HandshakeInfo, PrepareResult
 from kvd.server import convert
-from kvd_client.channel import PEER_OPTIONS
+from kvd_client.channel import PEER_CHANNEL_OPTIONS
 from kvd_client.errors import ErrorCode, KvdError, PeerUnavailable, from_status
 from kvd_client.grpc_errors import error_class_name, rpc_error_code, rpc_error_details
 from kvd_client.v1 import peer_pb2, peer_pb2_grpc
@@ -58,9 +58,9 @@ class GrpcPeerTransport:
         channel = self._channels.get(address)
         if channel is None:
             if self._credentials is not None:
-                channel = grpc.aio.secure_channel(address, self._credentials, options=PEER_OPTIONS)
+                channel = grpc.aio.secure_channel(address, self._credentials, options=PEER_CHANNEL_OPTIONS)
             else:
-                channel = grpc.aio.insecure_channel(address, options=PEER_OPTIONS)
+                channel = grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
             self._channels[address] = channel
         stub = self._stubs[address] = peer_pb2_grpc.PeerServiceStub(channel)
         return stub

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
+from kvd import __version__
 from kvd.core import scratch
 from kvd.core.daemon import Daemon
 from kvd.core.events import EngineEvent, FinishedRecving, FinishedSending, LoadFailed
@@ -367,6 +368,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         s = self.daemon.status()
         now = time.monotonic()
         return router_pb2.GetStatusResponse(
+            version=__version__,
             incarnation=s.incarnation,
             agent_name=s.agent_name,
             peer_address=s.peer_address,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -9,6 +10,10 @@ import sys
 import time
 
 import pytest
+
+import kvd
+from kvd.core import metrics_text
+from kvd_client import AsyncKvdClient, KvdClient
 
 pytestmark = pytest.mark.integration
 
@@ -132,3 +137,33 @@ def test_serve_refuses_a_bad_config_with_exit_2(tmp_path) -> None:
     result = _kvd("serve", "--port", "99999", "--unix-socket", str(tmp_path / "s.sock"), timeout=30)
     assert result.returncode == 2
     assert "port 99999 is not in 0..65535" in result.stderr
+
+
+def test_daemon_reports_its_version_and_logs_a_too_old_client_once(spawn_daemon) -> None:
+    """GetStatus and `kvd status` name the release; a kvd-client older than the daemon supports
+    (posed here with the user-agent such a client sends) is logged once, sync and asyncio alike."""
+    daemon = spawn_daemon()
+    with KvdClient(daemon.tcp, timeout_s=10) as current:
+        assert current.get_status().version == kvd.__version__
+    old_agent = [("grpc.primary_user_agent", "kvd-client/0.0.9")]
+    with KvdClient(daemon.tcp, timeout_s=10, options=old_agent) as old:
+        old.get_status()
+        old.get_status()
+
+    async def aio_calls() -> None:
+        async with AsyncKvdClient(daemon.unix_target, timeout_s=10, options=old_agent) as old_aio:
+            await old_aio.get_status()
+
+    asyncio.run(aio_calls())
+    log = daemon.log_path.read_text()
+    assert log.count("a kvd-client 0.0.9 called") == 1, log
+    assert f"this daemon (kvd {kvd.__version__}) supports kvd-client" in log
+    assert f"kvd-client {kvd.__version__} called" not in log
+
+    shown = _kvd("status", "--target", daemon.tcp, timeout=30)
+    assert shown.returncode == 0 and f"version {kvd.__version__}" in shown.stdout.splitlines()[0]
+    assert json.loads(_kvd("status", "--target", daemon.tcp, "--json", timeout=30).stdout)["version"] == kvd.__version__
+    assert _kvd("--version", timeout=30).stdout.strip() == f"kvd {kvd.__version__}"
+    scraped = metrics_text.samples(metrics_text.fetch(daemon.metrics, 10))
+    assert ("kvd_build_info", {"version": kvd.__version__}, 1.0) in scraped
+    assert ("kvd_serving", {}, 1.0) in scraped

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from kvtest import ShmEngine, make_pki, small_spec
 
+import kvd
 from kvd_client import KvdClient, TlsConfig, errors
 from kvd_client.v1 import common_pb2
 
@@ -66,3 +69,29 @@ def test_daemons_pull_over_mtls_and_refuse_clients_without_a_certificate(spawn_d
     finally:
         holder.close()
         reader.close()
+
+
+def _kvd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvd.cli.main", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_selftest_and_status_check_a_daemon_that_serves_only_mtls(spawn_daemon, pki: Path) -> None:
+    """An operator's check of a production daemon: `kvd selftest --peer` and `kvd status` with the
+    same three TLS flags. The daemon the selftest starts pulls from the peer over mTLS too."""
+    peer = spawn_daemon(*_tls_flags(pki, "node-b"), name="peer")
+    plain = _kvd("selftest", "--peer", peer.tcp, "--size-mb", "8", "--iterations", "1")
+    assert plain.returncode != 0 and "FAIL" in plain.stdout  # plaintext against an mTLS-only port
+
+    result = _kvd("selftest", "--peer", peer.tcp, *_tls_flags(pki, "node-a"), "--size-mb", "8", "--iterations", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all bytes match" in result.stdout and "raw NIXL read 1/1" in result.stdout
+    assert result.stdout.rstrip().endswith("PASS")
+
+    status = _kvd("status", "--target", peer.tcp, *_tls_flags(pki, "router"), timeout=30)
+    assert status.returncode == 0, status.stderr
+    assert f"kvd {peer.incarnation[:8]}" in status.stdout and f"version {kvd.__version__}" in status.stdout
+
+    half = _kvd("selftest", "--peer", peer.tcp, "--tls-cert", str(pki / "node-a.pem"), timeout=30)
+    assert half.returncode == 2 and "--tls-cert and --tls-key go together" in half.stderr

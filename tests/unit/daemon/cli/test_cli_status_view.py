@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import kvd
 from kvd.cli.status import Snapshot, message_to_dict, metrics_address_for, render
 from kvd_client.v1 import common_pb2, router_pb2
 
@@ -100,3 +101,15 @@ def test_metrics_address_with_a_wildcard_host_uses_the_targets_host() -> None:
     assert metrics_address_for("0.0.0.0:9464", "unix:///run/kvd/engine.sock") == "127.0.0.1:9464"
     assert metrics_address_for("127.0.0.1:9464", "10.0.0.7:50151") == "127.0.0.1:9464"
     assert metrics_address_for("", "10.0.0.7:50151") == ""
+
+
+def test_the_first_line_names_the_daemons_version_and_this_clis_where_they_differ() -> None:
+    status = _status()
+    for daemon_version, shown in (
+        (kvd.__version__, f"version {kvd.__version__}"),
+        ("0.1.9", f"version 0.1.9 (this kvd status: {kvd.__version__})"),
+        ("", "version unknown (older than 0.2.0)"),
+    ):
+        status.version = daemon_version
+        first = render(Snapshot(status, METRICS, "", 100.0), None, "127.0.0.1:50151").splitlines()[0]
+        assert first.endswith(f"up 2h01m, {shown}"), first
