@@ -9,7 +9,11 @@
    selftest measures moving bytes, not checking them). Then a raw NIXL agent in this process
    reads the same bytes from the peer's registration directly, and the two are compared side by
    side. Progress is printed as it goes.
-Exit status 0 only if every pull verified.
+With ``--vram`` (a CUDA machine), both engines' KV caches live in GPU memory instead: this
+process allocates them on the GPU and registers them with the two daemons through CUDA IPC, and
+the raw NIXL read is VRAM to VRAM (see kvd.cli.selftest_vram). ``--json PATH`` writes the
+measurement for machines (the GPU check kit reads it).
+Exit status 0 only if every pull verified; 2 for bad arguments (or ``--vram`` without CUDA).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import json
 import os
 import random
 import statistics
@@ -37,7 +43,7 @@ from kvd_client import KvdClient, errors
 from kvd_client.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
-    from kvd.core import scratch
+    import torch
 
 MAX_SIZE_MB = 1024  # kvd.core.scratch.MAX_SCRATCH_BYTES, which the daemon enforces
 
@@ -53,6 +59,13 @@ def run_selftest(args: argparse.Namespace) -> int:
     if args.iterations < 1:
         print(f"kvd selftest: --iterations must be >= 1, got {args.iterations}", file=sys.stderr)
         return 2
+    if args.vram:
+        from kvd.cli.selftest_vram import vram_refusal  # noqa: PLC0415 - torch: only for --vram
+
+        refusal = vram_refusal(args)
+        if refusal:
+            print(f"kvd selftest: {refusal}", file=sys.stderr)
+            return 2
     seed = args.seed or random.randrange(1, 1 << 30)
     size = args.size_mb << 20
     t0 = time.perf_counter()
@@ -72,15 +85,23 @@ def run_selftest(args: argparse.Namespace) -> int:
         for name, daemon in started.items():
             _say(f"started {name} daemon {daemon.tcp:>21}  (unix {daemon.unix_socket})")
         local_client = stack.enter_context(KvdClient(local_target, timeout_s=30))
-        peer_client = stack.enter_context(KvdClient(peer_address, timeout_s=60))
+        # --vram: the holder engine (this process) registers its GPU memory on the peer's Unix socket
+        peer_target = started["peer"].unix_target if args.vram else peer_address
+        peer_client = stack.enter_context(KvdClient(peer_target, timeout_s=60))
         try:
             ours = [launch for launch in launches if launch.name == "local"]  # only a daemon we started
             local_done = lambda: stop_launches(ours, wait=False)  # noqa: E731
-            code = _selftest(stack, local_client, peer_client, peer_address, size, seed, args.iterations, local_done)
+            measure = _measure_vram(args.device) if args.vram else measure_pull
+            code, result = _selftest(
+                stack, local_client, peer_client, peer_address, size, seed, args.iterations, local_done, measure
+            )
         except errors.KvdError as exc:
             _say(f"FAIL: {type(exc).__name__} ({exc.code.name}): {exc.message}")
-            code = 1
+            code, result = 1, {"verified": False, "error": f"{type(exc).__name__} ({exc.code.name}): {exc.message}"}
     _say(f"selftest took {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        result.update(seed=seed, iterations=args.iterations, size_mb=args.size_mb, passed=code == 0)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if code == 0:
         _say("PASS")
     return code
@@ -94,6 +115,8 @@ class PullMeasurement:
     descriptors: int
     kvd_times: list[float]
     raw_times: list[float]
+    memory: str = "DRAM"  # NIXL's memory type of both engines' KV: DRAM (shm) or VRAM (CUDA IPC)
+    device: str = "cpu"
 
     @property
     def kvd_gbs(self) -> float:
@@ -106,6 +129,21 @@ class PullMeasurement:
     @property
     def ratio(self) -> float:
         return self.kvd_gbs / self.raw_gbs
+
+    def to_json(self) -> dict[str, object]:
+        """Every sample and the medians, for ``--json``."""
+        return {
+            "verified": True,
+            "memory": self.memory,
+            "device": self.device,
+            "bytes": self.nbytes,
+            "descriptors": self.descriptors,
+            "kvd_times_s": self.kvd_times,
+            "raw_times_s": self.raw_times,
+            "kvd_gbs": self.kvd_gbs,
+            "raw_gbs": self.raw_gbs,
+            "ratio": self.ratio,
+        }
 
 
 class PatternMismatch(Exception):
@@ -186,8 +224,19 @@ def measure_pull(
         progress(f"{what:>16}: {elapsed * 1e3:8.2f} ms, {nbytes} bytes verified")
     unregister()
     local_done()
-    raw_times = _raw_nixl_reads(peer_address, held.kv_transfer_params.engine_id, buffer, expected, iterations, progress)
+    raw_times = raw_nixl_reads(
+        peer_address, held.kv_transfer_params.engine_id, buffer, expected.mismatches, iterations, progress
+    )
     return PullMeasurement(nbytes, descriptors, kvd_times, raw_times)
+
+
+Measure = Callable[..., PullMeasurement]
+
+
+def _measure_vram(device: int) -> Measure:
+    from kvd.cli.selftest_vram import measure_pull_vram  # noqa: PLC0415
+
+    return functools.partial(measure_pull_vram, device=device)
 
 
 def _selftest(
@@ -199,48 +248,65 @@ def _selftest(
     seed: int,
     iterations: int,
     local_done: Callable[[], None],
-) -> int:
+    measure: Measure = measure_pull,
+) -> tuple[int, dict[str, object]]:
     try:
-        m = measure_pull(stack, local, peer, peer_address, size, seed, iterations, progress=_say, local_done=local_done)
+        m = measure(stack, local, peer, peer_address, size, seed, iterations, progress=_say, local_done=local_done)
     except PatternMismatch as exc:
         _say(f"FAIL: {exc}")
-        return 1
+        return 1, {"verified": False, "error": str(exc)}
     kvd_ms = statistics.median(m.kvd_times) * 1e3
     raw_ms = statistics.median(m.raw_times) * 1e3
-    _say(f"verified {iterations + 1} pulls of {m.nbytes} bytes, {m.descriptors} NIXL descriptors each: all bytes match")
+    where = f"{m.memory} on {m.device}" if m.memory == "VRAM" else m.memory
+    _say(
+        f"verified {iterations + 1} pulls of {m.nbytes} bytes ({where}), {m.descriptors} NIXL descriptors each: "
+        "all bytes match"
+    )
     _say(f"kvd pull      median {kvd_ms:8.2f} ms  {m.kvd_gbs:6.2f} GB/s  (StartPull -> DONE, over gRPC)")
     _say(f"raw NIXL read median {raw_ms:8.2f} ms  {m.raw_gbs:6.2f} GB/s  (same bytes, same peer, one agent)")
     _say(f"ratio kvd/raw {m.ratio:.2f}")
-    return 0
+    return 0, m.to_json()
 
 
-def _raw_nixl_reads(  # type: ignore[no-untyped-def]
+def raw_nixl_reads(  # type: ignore[no-untyped-def]
     peer_address: str,
-    scratch_engine: str,
+    engine_id: str,
     buffer,
-    expected: scratch.Pattern,
+    mismatches: Callable[[torch.Tensor], int],
     iterations: int,
     progress: Callable[[str], None],
 ) -> list[float]:
-    """Read the peer's scratch registration with a bare NIXL agent: the baseline."""
+    """Read an engine's registration at the peer with a bare NIXL agent: the baseline.
+
+    ``buffer`` (a flat uint8 tensor, host or GPU) receives the bytes of the engine's first
+    region; ``mismatches`` counts its wrong bytes after each read. GPU memory is VRAM on both
+    sides, with NIXL's device ids (the GPU index), as vLLM's NIXL connector registers it.
+    """
+    import torch  # noqa: PLC0415 - see run_selftest
     from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
 
     with grpc.insecure_channel(peer_address) as channel:
         info = peer_pb2_grpc.PeerServiceStub(channel).Handshake(peer_pb2.HandshakeRequest(), timeout=30)
-    engine = next(e for e in info.engines if e.engine_id == scratch_engine)
+    engine = next(e for e in info.engines if e.engine_id == engine_id)
     region = engine.regions[0]
+    local_mem, local_dev = ("VRAM", int(buffer.device.index or 0)) if buffer.is_cuda else ("DRAM", 0)
+    remote_mem, remote_dev = ("VRAM", int(region.device_index)) if region.vram else ("DRAM", 0)
     agent = nixl_agent(f"kvd-selftest-raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
     registration = agent.register_memory(buffer)
     remote_name = agent.add_remote_agent(info.agent_metadata)
     nbytes = buffer.numel()
     local_h = agent.prep_xfer_dlist(
-        "NIXL_INIT_AGENT", np.array([[buffer.data_ptr(), nbytes, 0]], dtype=np.int64), "DRAM"
+        "NIXL_INIT_AGENT", np.array([[buffer.data_ptr(), nbytes, local_dev]], dtype=np.int64), local_mem
     )
-    remote_h = agent.prep_xfer_dlist(remote_name, np.array([[region.address, nbytes, 0]], dtype=np.int64), "DRAM")
+    remote_h = agent.prep_xfer_dlist(
+        remote_name, np.array([[region.address, nbytes, remote_dev]], dtype=np.int64), remote_mem
+    )
     times: list[float] = []
     try:
         for iteration in range(iterations + 1):
             buffer.zero_()
+            if buffer.is_cuda:
+                torch.cuda.synchronize(buffer.device)  # the zeroing lands before NIXL writes
             t0 = time.perf_counter()
             handle = agent.make_prepped_xfer(
                 "READ", local_h, np.array([0], np.int32), remote_h, np.array([0], np.int32)
@@ -252,7 +318,7 @@ def _raw_nixl_reads(  # type: ignore[no-untyped-def]
             handle.release()
             if state != "DONE":
                 raise errors.PeerUnavailable(f"raw NIXL read from {peer_address} failed ({state})")
-            if expected.mismatches(buffer):
+            if mismatches(buffer):
                 raise errors.Internal("raw NIXL read delivered wrong bytes")
             if iteration:
                 times.append(elapsed)
