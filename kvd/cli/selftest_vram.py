@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvd.cli.selftest import PatternMismatch, PullMeasurement, raw_nixl_reads
+from kvd.cli.selftest_parts import PatternMismatch, PullMeasurement, raw_nixl_reads
 from kvd.core import scratch
 from kvd.core.memory import cuda_ipc_spec_of
 from kvd.layout.spec import LayoutSpec, contiguous_placements
