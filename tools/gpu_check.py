@@ -172,7 +172,9 @@ def _platform_ok(tag: str, target: Target) -> bool:
         if tag == f"{prefix}_{target.machine}":
             return glibc <= target.glibc
     match = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
-    return bool(match) and match[3] == target.machine and (int(match[1]), int(match[2])) <= target.glibc
+    if match is None:
+        return False
+    return match[3] == target.machine and (int(match[1]), int(match[2])) <= target.glibc
 
 
 def _python_ok(python: str, abi: str, target: Target) -> bool:
@@ -181,7 +183,7 @@ def _python_ok(python: str, abi: str, target: Target) -> bool:
         return python in (f"py{major}", f"py{major}{minor}", f"cp{major}{minor}")
     if abi == "abi3":
         found = re.fullmatch(rf"cp{major}(\d+)", python)
-        return bool(found) and int(found[1]) <= minor
+        return found is not None and int(found[1]) <= minor
     return python == f"cp{major}{minor}" and abi == f"cp{major}{minor}"
 
 
@@ -355,7 +357,6 @@ def prepare(dest: Path, wanted: Sequence[Requirement], limit: int, pip: Sequence
         names = ", ".join(map(str, selection.missing))
         print(f"gpu-check --prepare: no compatible wheel in {dest} for {names}", file=sys.stderr)
         return EXIT_PREPARE
-    write_manifest(dest, selection, wanted)
     print(f"wheels in {dest} for Python {TARGET.python[0]}.{TARGET.python[1]} {TARGET.machine}:")
     for wheel in sorted(selection.chosen.values(), key=lambda w: -w.size):
         print(f"  {mib(wheel.size):>10}  {wheel.path.name}")
@@ -371,6 +372,7 @@ def prepare(dest: Path, wanted: Sequence[Requirement], limit: int, pip: Sequence
             file=sys.stderr,
         )
         return EXIT_PREPARE
+    write_manifest(dest, selection, wanted)  # only for a set that fits: the GPU side installs what it lists
     print(f"ready: carry {dest.name}/ with the tree, then run `bash scripts/gpu-check.sh` on the GPU machine")
     return EXIT_OK
 
@@ -380,7 +382,8 @@ def prepare(dest: Path, wanted: Sequence[Requirement], limit: int, pip: Sequence
 
 CUDA_PROBE = r"""
 import json, sys
-out = {"available": False, "torch": None, "torch_cuda": None, "devices": [], "reason": ""}
+out = {"available": False, "torch": None, "torch_cuda": None, "devices": [], "reason": "",
+       "python": list(sys.version_info[:2])}
 try:
     import torch
 except Exception as exc:
@@ -544,7 +547,15 @@ def probe_cuda(python: str, env: dict[str, str]) -> dict[str, Any]:
         return dict(json.loads(done.stdout))
     except json.JSONDecodeError:
         reason = f"the CUDA probe failed (exit {done.returncode}): {done.stderr.strip()[-400:]}"
-        return {"available": False, "torch": None, "torch_cuda": None, "devices": [], "reason": reason}
+        version = list(sys.version_info[:2]) if python == sys.executable else None
+        return {
+            "available": False,
+            "torch": None,
+            "torch_cuda": None,
+            "devices": [],
+            "reason": reason,
+            "python": version,
+        }
 
 
 def link_packages(src: Path, root: Path = ROOT) -> None:
@@ -555,19 +566,29 @@ def link_packages(src: Path, root: Path = ROOT) -> None:
         os.symlink(root / folder, src / name, target_is_directory=True)
 
 
-def install_wheels(step: Step, runner: Runner, wheels: Path, site: Path) -> bool:
-    """pip install the carried wheels into ``site`` (skipped when the same set is already there)."""
+def install_wheels(step: Step, runner: Runner, wheels: Path, site: Path, python: Sequence[int] | None) -> bool:
+    """pip install the carried wheels into ``site`` (skipped when the same set is already there).
+
+    Wheels built for another interpreter than ``python`` (the kit tried on a development machine
+    after --prepare, say) are left out, and the report says so: the imports then decide.
+    """
     if (wheels / "manifest.json").is_file():
         files, problems = manifest_problems(wheels)
     else:
         selection = select_wheels(wheels, WHEELS)
         files, problems = [w.path for w in selection.chosen.values()], []
-    step.results["wheels"] = [{"file": p.name, "bytes": p.stat().st_size} for p in files]
     if problems:
         step.status, step.reason = "failed", "; ".join(problems)
         return False
+    if python is not None:
+        here = dataclasses.replace(TARGET, python=(int(python[0]), int(python[1])))
+        foreign = [p for p in files if not compatible(parse_wheel(p) or _unknown(p), here)]
+        if foreign:
+            step.results["wheels_not_for_this_python"] = [p.name for p in foreign]
+            files = [p for p in files if p not in foreign]
+    step.results["wheels"] = [{"file": p.name, "bytes": p.stat().st_size} for p in files]
     if not files:
-        step.results["wheels_note"] = f"no wheels in {wheels}: relying on what this Python has"
+        step.results["wheels_note"] = f"no wheels in {wheels} for this Python: relying on what it has"
         return True
     stamp = site / ".kvd-gpu-check-wheels"
     wanted = "\n".join(sorted(f"{p.name} {p.stat().st_size}" for p in files))
@@ -583,8 +604,12 @@ def install_wheels(step: Step, runner: Runner, wheels: Path, site: Path) -> bool
     return True
 
 
-def step_environment(step: Step, runner: Runner, wheels: Path, site: Path) -> None:
-    if not install_wheels(step, runner, wheels, site):
+def _unknown(path: Path) -> WheelFile:
+    return WheelFile(path, path.stem, "", (), (), ())
+
+
+def step_environment(step: Step, runner: Runner, wheels: Path, site: Path, python: Sequence[int] | None) -> None:
+    if not install_wheels(step, runner, wheels, site, python):
         step.summary = step.reason
         return
     done = subprocess.run(
@@ -838,7 +863,7 @@ def _run_steps(steps: dict[str, Step], runner: Runner, cuda: dict[str, Any], arg
         print(f"gpu-check: {name}: {step.title} ...", flush=True)
         t0 = time.monotonic()
         if name == "environment":
-            step_environment(step, runner, Path(args.wheels), runner.work / "site")
+            step_environment(step, runner, Path(args.wheels), runner.work / "site", cuda.get("python"))
         elif name == "pytest_gpu":
             step_pytest_gpu(step, runner)
         elif name == "vram_selftest":
