@@ -1,7 +1,8 @@
 """Benchmark of heterogeneous pulls: descriptors per request and conversion speed.
 
 Part of ``kvd bench`` (its conversion table, :func:`measure_pairs`), and on its own:
-``python -m kvd.bench.convert [--tokens 1024] [--repeat 5] [--device cpu|cuda]``.
+``python -m kvd.bench.convert [--tokens 1024] [--repeat 5] [--device cpu|cuda] [--json PATH]``
+(``--json``: the rows of :func:`measure_pairs` for machines; the GPU check kit runs it on CUDA).
 
 For each pair of engines (Llama-3-8B's KV: 32 layers, 8 KV heads, head_dim 128, bf16; MLA rows
 use DeepSeek-V3's 576-wide latent), one 1k-token request with contiguous blocks:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import statistics
 import time
@@ -303,6 +305,18 @@ def measure_pairs(
     return rows
 
 
+def write_json(path: str, tokens: int, repeat: int, threshold: int, device: torch.device, use_nixl: bool) -> None:
+    """Measure every pair (:func:`measure_pairs`) and write the rows, with the device, as JSON."""
+    rows = measure_pairs(tokens, repeat, threshold, device, use_nixl)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} torch threads"
+    document = {"device": str(device), "device_name": name, "tokens": tokens, "repeat": repeat, "rows": rows}
+    with open(path, "w") as out:
+        json.dump(document, out, indent=2)
+    for row in rows:
+        ratio = f"{row['vs_copy']:.2f}" if "vs_copy" in row else "-"
+        print(f"{row['pair']:32} {row['mode']:>7}  conversion/copy_ {ratio}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=1024)
@@ -310,11 +324,15 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, default=4096, help="direct_read_min_bytes")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-nixl", action="store_true", help="skip the NIXL loopback pulls")
+    parser.add_argument("--json", default="", metavar="PATH", help="write every pair's row as JSON to PATH")
     args = parser.parse_args()
     device = torch.device(args.device)
     use_nixl = device.type == "cpu" and not args.no_nixl and nixl_available()
     if use_nixl:
         logging.getLogger("nixl").setLevel(logging.WARNING)
+    if args.json:
+        write_json(args.json, args.tokens, args.repeat, args.threshold, device, use_nixl)
+        return
     print(
         f"{args.tokens}-token request, Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, bf16), "
         f"direct_read_min_bytes {args.threshold}, device {device}"

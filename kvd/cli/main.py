@@ -3,6 +3,7 @@
 kvd serve      run the daemon (config: defaults < --config TOML < KVD_* env < flags);
                --print-config shows the effective config and where each value came from
 kvd selftest   move a checksummed pattern between two daemons through NIXL and verify it
+               (--vram: engines' KV in GPU memory, registered through CUDA IPC)
 kvd status     what a daemon is doing (--json for machines, --watch to refresh)
 kvd bench      kvd pulls vs raw NIXL reads of the same bytes, side by side; JSON and plots
 kvd demo       prefill -> decode -> next turn with two daemons and two reference engines
@@ -119,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("--iterations", type=int, default=5, help="timed pulls (default 5)")
     selftest.add_argument("--seed", type=int, default=0, help="pattern seed (default: random)")
     add_tls_arguments(selftest)  # TCP calls (the peer; --target when TCP) and the daemons it starts speak mTLS
+    selftest.add_argument(
+        "--vram",
+        action="store_true",
+        help="both engines' KV in GPU memory, registered through CUDA IPC; raw read VRAM to VRAM "
+        "(needs CUDA; starts both daemons, so no --target/--peer)",
+    )
+    selftest.add_argument("--device", type=int, default=0, help="CUDA device of --vram (default 0)")
+    selftest.add_argument("--json", default="", metavar="PATH", help="also write the result as JSON to PATH")
     selftest.set_defaults(func=_cmd_selftest)
 
     status = sub.add_parser("status", help="what a daemon is doing (person-readable; --json, --watch)")

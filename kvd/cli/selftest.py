@@ -13,14 +13,19 @@
    selftest measures moving bytes, not checking them). Then a raw NIXL agent in this process
    reads the same bytes from the peer's registration directly, and the two are compared side by
    side. Progress is printed as it goes.
-Exit status 0 only if every pull verified.
+With ``--vram`` (a CUDA machine), both engines' KV caches live in GPU memory instead: this
+process allocates them on the GPU and registers them with the two daemons through CUDA IPC, and
+the raw NIXL read is VRAM to VRAM (see kvd.cli.selftest_vram). ``--json PATH`` writes the
+measurement for machines (the GPU check kit reads it).
+Exit status 0 only if every pull verified; 2 for bad arguments (or ``--vram`` without CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import functools
+import json
 import os
 import random
 import statistics
@@ -32,17 +37,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from kvd.cli.selftest_parts import PatternMismatch, PullMeasurement, raw_nixl_reads
 from kvd.cli.spawn import launch_owned, stop_launches, wait_ready
 from kvd.cli.tls import tls_flags, tls_from_args
 from kvd.layout.spec import contiguous_placements
 from kvd_client import KvdClient, errors
-from kvd_client.channel import TlsConfig, create_channel, is_unix_target
-from kvd_client.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from kvd_client.channel import TlsConfig, is_unix_target
+from kvd_client.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from kvd.core import scratch
+    pass
 
 MAX_SIZE_MB = 1024  # kvd.core.scratch.MAX_SCRATCH_BYTES, which the daemon enforces
 
@@ -66,6 +70,13 @@ def run_selftest(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvd selftest: {exc} (--tls-cert and --tls-key go together)", file=sys.stderr)
         return 2
+    if args.vram:
+        from kvd.cli.selftest_vram import vram_refusal  # noqa: PLC0415 - torch: only for --vram
+
+        refusal = vram_refusal(args)
+        if refusal:
+            print(f"kvd selftest: {refusal}", file=sys.stderr)
+            return 2
     seed = args.seed or random.randrange(1, 1 << 30)
     size = args.size_mb << 20
     t0 = time.perf_counter()
@@ -86,46 +97,28 @@ def run_selftest(args: argparse.Namespace) -> int:
             _say(f"started {name} daemon {daemon.tcp:>21}  (unix {daemon.unix_socket})")
         local_tls = None if is_unix_target(local_target) else tls
         local_client = stack.enter_context(KvdClient(local_target, timeout_s=30, tls=local_tls))
-        peer_client = stack.enter_context(KvdClient(peer_address, timeout_s=60, tls=tls))
+        # --vram: the holder engine (this process) registers its GPU memory on the peer's Unix socket
+        peer_target = started["peer"].unix_target if args.vram else peer_address
+        peer_client = stack.enter_context(
+            KvdClient(peer_target, timeout_s=60, tls=None if is_unix_target(peer_target) else tls)
+        )
         try:
             ours = [launch for launch in launches if launch.name == "local"]  # only a daemon we started
             local_done = lambda: stop_launches(ours, wait=False)  # noqa: E731
-            code = _selftest(
-                stack, local_client, peer_client, peer_address, size, seed, args.iterations, local_done, tls
+            measure = _measure_vram(args.device) if args.vram else functools.partial(measure_pull, tls=tls)
+            code, result = _selftest(
+                stack, local_client, peer_client, peer_address, size, seed, args.iterations, local_done, measure
             )
         except errors.KvdError as exc:
             _say(f"FAIL: {type(exc).__name__} ({exc.code.name}): {exc.message}")
-            code = 1
+            code, result = 1, {"verified": False, "error": f"{type(exc).__name__} ({exc.code.name}): {exc.message}"}
     _say(f"selftest took {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        result.update(seed=seed, iterations=args.iterations, size_mb=args.size_mb, passed=code == 0)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if code == 0:
         _say("PASS")
     return code
-
-
-@dataclasses.dataclass
-class PullMeasurement:
-    """kvd pulls and raw NIXL reads of the same bytes from the same peer, in one run."""
-
-    nbytes: int
-    descriptors: int
-    kvd_times: list[float]
-    raw_times: list[float]
-
-    @property
-    def kvd_gbs(self) -> float:
-        return self.nbytes / statistics.median(self.kvd_times) / 1e9
-
-    @property
-    def raw_gbs(self) -> float:
-        return self.nbytes / statistics.median(self.raw_times) / 1e9
-
-    @property
-    def ratio(self) -> float:
-        return self.kvd_gbs / self.raw_gbs
-
-
-class PatternMismatch(Exception):
-    """A pull delivered bytes that differ from the pattern."""
 
 
 def measure_pull(
@@ -203,10 +196,19 @@ def measure_pull(
         progress(f"{what:>16}: {elapsed * 1e3:8.2f} ms, {nbytes} bytes verified")
     unregister()
     local_done()
-    raw_times = _raw_nixl_reads(
-        peer_address, held.kv_transfer_params.engine_id, buffer, expected, iterations, progress, tls
+    raw_times = raw_nixl_reads(
+        peer_address, held.kv_transfer_params.engine_id, buffer, expected.mismatches, iterations, progress, tls
     )
     return PullMeasurement(nbytes, descriptors, kvd_times, raw_times)
+
+
+Measure = Callable[..., PullMeasurement]
+
+
+def _measure_vram(device: int) -> Measure:
+    from kvd.cli.selftest_vram import measure_pull_vram  # noqa: PLC0415
+
+    return functools.partial(measure_pull_vram, device=device)
 
 
 def _selftest(
@@ -218,72 +220,21 @@ def _selftest(
     seed: int,
     iterations: int,
     local_done: Callable[[], None],
-    tls: TlsConfig | None,
-) -> int:
+    measure: Measure = measure_pull,
+) -> tuple[int, dict[str, object]]:
     try:
-        m = measure_pull(
-            stack, local, peer, peer_address, size, seed, iterations, progress=_say, local_done=local_done, tls=tls
-        )
+        m = measure(stack, local, peer, peer_address, size, seed, iterations, progress=_say, local_done=local_done)
     except PatternMismatch as exc:
         _say(f"FAIL: {exc}")
-        return 1
+        return 1, {"verified": False, "error": str(exc)}
     kvd_ms = statistics.median(m.kvd_times) * 1e3
     raw_ms = statistics.median(m.raw_times) * 1e3
-    _say(f"verified {iterations + 1} pulls of {m.nbytes} bytes, {m.descriptors} NIXL descriptors each: all bytes match")
+    where = f"{m.memory} on {m.device}" if m.memory == "VRAM" else m.memory
+    _say(
+        f"verified {iterations + 1} pulls of {m.nbytes} bytes ({where}), {m.descriptors} NIXL descriptors each: "
+        "all bytes match"
+    )
     _say(f"kvd pull      median {kvd_ms:8.2f} ms  {m.kvd_gbs:6.2f} GB/s  (StartPull -> DONE, over gRPC)")
     _say(f"raw NIXL read median {raw_ms:8.2f} ms  {m.raw_gbs:6.2f} GB/s  (same bytes, same peer, one agent)")
     _say(f"ratio kvd/raw {m.ratio:.2f}")
-    return 0
-
-
-def _raw_nixl_reads(  # type: ignore[no-untyped-def]
-    peer_address: str,
-    scratch_engine: str,
-    buffer,
-    expected: scratch.Pattern,
-    iterations: int,
-    progress: Callable[[str], None],
-    tls: TlsConfig | None = None,
-) -> list[float]:
-    """Read the peer's scratch registration with a bare NIXL agent: the baseline."""
-    from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
-
-    with create_channel(peer_address, tls=tls) as channel:
-        info = peer_pb2_grpc.PeerServiceStub(channel).Handshake(peer_pb2.HandshakeRequest(), timeout=30)
-    engine = next(e for e in info.engines if e.engine_id == scratch_engine)
-    region = engine.regions[0]
-    agent = nixl_agent(f"kvd-selftest-raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
-    registration = agent.register_memory(buffer)
-    remote_name = agent.add_remote_agent(info.agent_metadata)
-    nbytes = buffer.numel()
-    local_h = agent.prep_xfer_dlist(
-        "NIXL_INIT_AGENT", np.array([[buffer.data_ptr(), nbytes, 0]], dtype=np.int64), "DRAM"
-    )
-    remote_h = agent.prep_xfer_dlist(remote_name, np.array([[region.address, nbytes, 0]], dtype=np.int64), "DRAM")
-    times: list[float] = []
-    try:
-        for iteration in range(iterations + 1):
-            buffer.zero_()
-            t0 = time.perf_counter()
-            handle = agent.make_prepped_xfer(
-                "READ", local_h, np.array([0], np.int32), remote_h, np.array([0], np.int32)
-            )
-            state = agent.transfer(handle)
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
-            elapsed = time.perf_counter() - t0
-            handle.release()
-            if state != "DONE":
-                raise errors.PeerUnavailable(f"raw NIXL read from {peer_address} failed ({state})")
-            if expected.mismatches(buffer):
-                raise errors.Internal("raw NIXL read delivered wrong bytes")
-            if iteration:
-                times.append(elapsed)
-            what = "raw warm-up" if iteration == 0 else f"raw NIXL read {iteration}/{iterations}"
-            progress(f"{what:>16}: {elapsed * 1e3:8.2f} ms, {nbytes} bytes verified")
-    finally:
-        local_h.release()
-        remote_h.release()
-        agent.remove_remote_agent(remote_name)
-        agent.deregister_memory(registration)
-    return times
+    return 0, m.to_json()
