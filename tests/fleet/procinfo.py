@@ -1,0 +1,79 @@
+"""What /proc says about a daemon: RSS (and the part of it that is the staging pool), fds, shm maps.
+
+The staging pool (``staging_pool_bytes``, 256 MiB by default) is one anonymous allocation made at
+the first layout conversion; its pages become resident as pulls use deeper parts of it, so a
+daemon's RSS climbs towards ``baseline + staging_pool_bytes`` under load and then stops. The
+fleet reports that part separately (the mapping of that size in ``/proc/PID/smaps``) and asks
+the rest of the RSS to be flat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+PAGE = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One look at a daemon: when (seconds into the run), RSS, its staging-pool share, fds."""
+
+    t: float
+    rss: int
+    staging_rss: int
+    fds: int
+
+    @property
+    def rest(self) -> int:
+        return self.rss - self.staging_rss
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def mapping_rss(pid: int, size: int) -> int:
+    """Resident bytes of the anonymous mapping(s) of ``size`` bytes (up to a few pages more:
+    the allocator's header) in ``pid``: the staging pool."""
+    total = 0
+    current_match = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if not head:
+            continue
+        if "-" in head[0] and not head[0].endswith(":"):
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            anonymous = len(head) < 6
+            current_match = anonymous and size <= end - start <= size + 16 * PAGE
+        elif current_match and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+def sample(pid: int, t: float, staging_pool_bytes: int) -> Sample | None:
+    try:
+        return Sample(t, rss_bytes(pid), mapping_rss(pid, staging_pool_bytes), fd_count(pid))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+def shm_maps(pid: int) -> set[str]:
+    """Names of the /dev/shm files ``pid`` has mapped (" (deleted)" kept: an unlinked file)."""
+    names = set()
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text()
+    except FileNotFoundError:
+        return names
+    for line in text.splitlines():
+        if "/dev/shm/" in line:
+            names.add(line.split("/dev/shm/", 1)[1])
+    return names
