@@ -227,7 +227,9 @@ class Engine:
         died or restarted), drop the leases it held and register again."""
         while True:
             await self.register()
-            streams = [self.client.open_engine_stream(self.shape.engine_id, r.rank, wait_for_ready=True) for r in self.ranks]
+            streams = [
+                self.client.open_engine_stream(self.shape.engine_id, r.rank, wait_for_ready=True) for r in self.ranks
+            ]
             readers = [asyncio.create_task(self._read(s)) for s in streams]
             await asyncio.wait(readers, return_when=asyncio.FIRST_COMPLETED)
             self.registered.clear()

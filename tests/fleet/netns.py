@@ -47,18 +47,25 @@ def tc(namespace: str, *args: str, check: bool = True) -> subprocess.CompletedPr
     return done
 
 
-def ensure_tools() -> None:
-    """Install iproute2 (ip, tc) with apt when missing: the run needs both."""
-    if shutil.which("ip") and shutil.which("tc"):
-        return
-    logger.warning("ip or tc missing: installing iproute2 with apt-get")
+def _apt_install(*packages: str) -> None:
     subprocess.run(["apt-get", "update", "-qq"], check=False, capture_output=True)
     subprocess.run(
-        ["apt-get", "install", "-y", "-qq", "iproute2"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
         check=True,
         capture_output=True,
         env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
     )
+
+
+def ensure_tools() -> None:
+    """Install what the faults need when missing: iproute2 (ip, tc), nftables (nft, for packet
+    loss where the kernel has no netem qdisc)."""
+    missing = [
+        pkg for tool, pkg in (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables")) if not shutil.which(tool)
+    ]
+    if missing:
+        logger.warning("installing %s with apt-get", sorted(set(missing)))
+        _apt_install(*sorted(set(missing)))
 
 
 def _alive(pid: int) -> bool:
@@ -110,6 +117,7 @@ class Network:
     nodes: int
     owner_pid: int = dataclasses.field(default_factory=os.getpid)
     created: list[str] = dataclasses.field(default_factory=list)
+    has_netem: bool | None = None  # learned at the first slow-link fault
 
     @property
     def hub(self) -> str:
@@ -144,7 +152,20 @@ class Network:
             ns = self.node_ns(i)
             ip("netns", "add", ns)
             self.created.append(ns)
-            ip("-n", self.hub, "link", "add", self.hub_dev(i), "type", "veth", "peer", "name", self.node_dev(i), "netns", ns)
+            ip(
+                "-n",
+                self.hub,
+                "link",
+                "add",
+                self.hub_dev(i),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.node_dev(i),
+                "netns",
+                ns,
+            )
             ip("-n", self.hub, "link", "set", self.hub_dev(i), "master", "kfbr")
             ip("-n", self.hub, "link", "set", self.hub_dev(i), "up")
             ip("-n", ns, "addr", "add", f"{self.node_addr(i)}/24", "dev", self.node_dev(i))
@@ -158,15 +179,61 @@ class Network:
     def heal(self, i: int) -> None:
         ip("-n", self.hub, "link", "set", self.hub_dev(i), "up")
 
-    def degrade(self, i: int, delay_ms: int, loss_pct: float) -> None:
-        """A slow, lossy link (``tc netem`` on both of its ends)."""
+    def degrade(self, i: int, delay_ms: int, loss_pct: float) -> str:
+        """A slow, lossy link on both of its ends; returns how it was made.
+
+        ``tc netem`` (delay with jitter, random loss) where the kernel has it; else a token bucket
+        (``tbf``: a slow link whose queue delays packets) and random drops by nftables.
+        """
         spec = ["delay", f"{delay_ms}ms", f"{max(1, delay_ms // 4)}ms", "loss", f"{loss_pct}%"]
-        tc(self.hub, "qdisc", "replace", "dev", self.hub_dev(i), "root", "netem", *spec)
-        tc(self.node_ns(i), "qdisc", "replace", "dev", self.node_dev(i), "root", "netem", *spec)
+        ends = ((self.hub, self.hub_dev(i)), (self.node_ns(i), self.node_dev(i)))
+        if self.has_netem is not False:
+            done = tc(self.hub, "qdisc", "replace", "dev", self.hub_dev(i), "root", "netem", *spec, check=False)
+            self.has_netem = done.returncode == 0
+            if self.has_netem:
+                tc(self.node_ns(i), "qdisc", "replace", "dev", self.node_dev(i), "root", "netem", *spec)
+                return f"netem delay {delay_ms}ms loss {loss_pct}%"
+        rate_mbit = max(2, 2000 // max(delay_ms, 1))  # the slower, the longer packets queue
+        for ns, dev in ends:
+            tc(
+                ns,
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{rate_mbit}mbit",
+                "burst",
+                "16kb",
+                "latency",
+                f"{4 * delay_ms}ms",
+            )
+        per_mille = int(loss_pct * 10)
+        rules = (
+            "table inet kvdfleet {\n"
+            f"  chain out {{ type filter hook output priority 0; policy accept; "
+            f'oifname "{self.node_dev(i)}" numgen random mod 1000 < {per_mille} drop; }}\n'
+            f"  chain in {{ type filter hook input priority 0; policy accept; "
+            f'iifname "{self.node_dev(i)}" numgen random mod 1000 < {per_mille} drop; }}\n'
+            "}\n"
+        )
+        subprocess.run(
+            ["ip", "netns", "exec", self.node_ns(i), "nft", "-f", "-"],
+            input=rules,
+            text=True,
+            check=True,
+            capture_output=True,
+        )
+        return f"tbf {rate_mbit}mbit (queue up to {4 * delay_ms}ms) + nft drop {loss_pct}%"
 
     def restore(self, i: int) -> None:
         tc(self.hub, "qdisc", "del", "dev", self.hub_dev(i), "root", check=False)
         tc(self.node_ns(i), "qdisc", "del", "dev", self.node_dev(i), "root", check=False)
+        subprocess.run(
+            ["ip", "netns", "exec", self.node_ns(i), "nft", "delete", "table", "inet", "kvdfleet"], capture_output=True
+        )
 
     def netns_prefix(self, i: int) -> tuple[str, ...]:
         """Command prefix that runs a program inside node ``i``'s namespace (exec: same pid)."""

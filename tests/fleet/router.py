@@ -100,7 +100,7 @@ class Tally:
     bytes_by_epoch: Counter[tuple[int, int]] = dataclasses.field(default_factory=Counter)
     failed_by_epoch: Counter[tuple[int, int]] = dataclasses.field(default_factory=Counter)
     ambiguous_epochs: set[tuple[int, int]] = dataclasses.field(default_factory=set)
-    last_ok_by_node: dict[int, float] = dataclasses.field(default_factory=dict)
+    ok_times_by_node: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # monotonic
     in_flight: int = 0
 
 
@@ -112,13 +112,13 @@ async def engine_call(engine: EngineRef, op: str, timeout_s: float = 10.0, **fie
     """One control call; an engine-side kvd error comes back as that class."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(engine.control)), timeout_s)
-    except (OSError, asyncio.TimeoutError) as err:
+    except (TimeoutError, OSError) as err:
         raise EngineDown(f"{engine.engine_id}: {err}") from err
     try:
         writer.write(json.dumps({"op": op, **fields}).encode() + b"\n")
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), timeout_s)
-    except (OSError, asyncio.TimeoutError) as err:
+    except (TimeoutError, OSError) as err:
         raise EngineDown(f"{engine.engine_id}: {op}: {err!r}") from err
     finally:
         writer.close()
@@ -325,7 +325,7 @@ class Router:
             self.tally.wrong += 1
             if got.get("released"):
                 self.tally.stale_reads += 1
-            bad = [i for i, (a, b) in enumerate(zip(got["sums"], held.sums)) if a != b]
+            bad = [i for i, (a, b) in enumerate(zip(got["sums"], held.sums, strict=False)) if a != b]
             self.tally.undocumented.append(
                 f"WRONG BYTES: {req} {held.engine.engine_id}->{reader.engine_id}: chunks {bad[:10]} differ "
                 f"(released markers {got.get('released')}, unwritten {got.get('unwritten')})"
@@ -333,11 +333,13 @@ class Router:
             return False
         self.tally.turns_ok += 1
         now = time.monotonic()
-        self.tally.last_ok_by_node[reader.node] = now
-        self.tally.last_ok_by_node[held.engine.node] = now
+        for node in (reader.node, held.engine.node):
+            self.tally.ok_times_by_node.setdefault(node, []).append(now)
         return True
 
-    async def _pull(self, req: str, held: Held, reader: EngineRef, rank: int, blocks: list[int]) -> tuple[int, str | None]:
+    async def _pull(
+        self, req: str, held: Held, reader: EngineRef, rank: int, blocks: list[int]
+    ) -> tuple[int, str | None]:
         """One reader rank's pull: (rank, None) when DONE, else (rank, failure class)."""
         client = self.clients[reader.node]
         epoch = self.epoch_of(reader.node)
@@ -411,7 +413,9 @@ class Router:
         while True:
             await asyncio.sleep(self.lease_ttl_s / 3)
             try:
-                await self.clients[node].renew_lease(params.lease_id, ttl_ms=int(self.lease_ttl_s * 1000), timeout_s=1.0)
+                await self.clients[node].renew_lease(
+                    params.lease_id, ttl_ms=int(self.lease_ttl_s * 1000), timeout_s=1.0
+                )
                 self.tally.renewals += 1
             except (errors.UnknownLease, errors.LeaseExpired) as err:
                 self._fail("renew", err)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import json
@@ -15,7 +16,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -126,7 +126,7 @@ class Fleet:
 
     def make_pki(self) -> None:
         sys.path.insert(0, str(TESTS_DIR))
-        from pki import make_identities  # noqa: PLC0415 - tests/pki.py, a test helper
+        from pki import make_identities
 
         identities: dict[str, list[str]] = {
             f"node-{i}": [f"DNS:node-{i}.fleet", f"IP:{self.net.node_addr(i)}"] for i in range(self.args.nodes)
@@ -221,7 +221,7 @@ class Fleet:
         e.expect_exit = False
 
     async def wait_engine(self, e: EngineProc, timeout_s: float = 60.0) -> None:
-        from fleet.router import EngineDown, EngineRef, engine_call  # noqa: PLC0415
+        from fleet.router import EngineDown, EngineRef, engine_call
 
         ref = EngineRef(e.engine_id, e.node, e.role, int(e.shape["tp_size"]), e.control)
         limit = time.monotonic() + timeout_s
@@ -258,7 +258,9 @@ class Fleet:
                         await self.wait_daemon(d)
             for e in self.engines:
                 if e.process is not None and not e.expect_exit and e.process.poll() is not None:
-                    self.engine_crashes.append(f"engine {e.engine_id} exited {e.process.returncode} at {self.now():.1f}s")
+                    self.engine_crashes.append(
+                        f"engine {e.engine_id} exited {e.process.returncode} at {self.now():.1f}s"
+                    )
                     self.unlink_engine_shm(e)
                     self.launch_engine(e)
             await asyncio.sleep(0.5)
@@ -357,8 +359,7 @@ class Fleet:
 
     async def fault_netem(self, r: FaultRecord) -> None:
         delay, loss, hold = self.rng.choice((10, 30, 60)), self.rng.choice((0.5, 2.0, 5.0)), self.rng.uniform(4.0, 8.0)
-        r.detail = f"delay {delay}ms loss {loss}% for {hold:.1f}s"
-        self.net.degrade(r.node, delay, loss)
+        r.detail = f"{self.net.degrade(r.node, delay, loss)} for {hold:.1f}s"
         try:
             await asyncio.sleep(hold)
         finally:
@@ -367,10 +368,10 @@ class Fleet:
     async def fault_bad_cert(self, r: FaultRecord) -> None:
         """Callers the daemon must refuse: a certificate of our CA without a role, and one of
         another CA that claims the router's name. Neither may learn or change anything."""
-        from kvd_client import errors  # noqa: PLC0415
-        from kvd_client.aio import AsyncKvdClient  # noqa: PLC0415
-        from kvd_client.channel import TlsConfig  # noqa: PLC0415
-        from kvd_client.v1 import common_pb2  # noqa: PLC0415
+        from kvd_client import errors
+        from kvd_client.aio import AsyncKvdClient
+        from kvd_client.channel import TlsConfig
+        from kvd_client.v1 import common_pb2
 
         address = self.daemons[r.node].address
         ca = self.run_dir / "ca.pem"
@@ -405,9 +406,8 @@ class Fleet:
     # -- the run ------------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
-        from kvd_client.channel import TlsConfig  # noqa: PLC0415 - after entering the hub namespace
-
-        from fleet.router import EngineRef, Router  # noqa: PLC0415
+        from fleet.router import EngineRef, Router
+        from kvd_client.channel import TlsConfig
 
         self.make_pki()
         for d in self.daemons:
@@ -420,16 +420,16 @@ class Fleet:
         print(
             f"fleet: {self.args.nodes} nodes, {len(self.engines)} engines up in {setup_s:.1f}s: "
             + ", ".join(
-                f"{e.engine_id}(tp{e.shape['tp_size']} {e.shape['layout']} {e.shape['kv_format']} bs{e.shape['block_size']})"
+                "{}(tp{} {} {} bs{})".format(
+                    e.engine_id, e.shape["tp_size"], e.shape["layout"], e.shape["kv_format"], e.shape["block_size"]
+                )
                 for e in self.engines
             ),
             flush=True,
         )
         self.t0 = time.monotonic()  # the clock of the run starts with traffic
         refs = [EngineRef(e.engine_id, e.node, e.role, int(e.shape["tp_size"]), e.control) for e in self.engines]
-        tls = TlsConfig.from_files(
-            self.run_dir / "ca.pem", self.run_dir / "router.pem", self.run_dir / "router.key"
-        )
+        tls = TlsConfig.from_files(self.run_dir / "ca.pem", self.run_dir / "router.pem", self.run_dir / "router.key")
         self.router = Router(
             refs,
             [d.address for d in self.daemons],
@@ -465,8 +465,8 @@ class Fleet:
 
     async def quiesce(self) -> dict[str, Any]:
         """After the traffic: wait until nothing is held, admitted, in flight or quarantined."""
-        from fleet.router import EngineDown, EngineRef, engine_call  # noqa: PLC0415
-        from kvd.core import metrics_text  # noqa: PLC0415
+        from fleet.router import EngineDown, EngineRef, engine_call
+        from kvd.core import metrics_text
 
         limit = time.monotonic() + LEASE_TTL_S + DEADLINE_S + 20.0
         problems: list[str] = []
@@ -478,7 +478,13 @@ class Fleet:
                 except Exception as err:  # noqa: BLE001
                     problems.append(f"n{d.node}: status: {err!r}")
                     continue
-                for field in ("leases_held", "leases_draining", "admitted_reads", "quarantined_bytes", "transfers_in_flight"):
+                for field in (
+                    "leases_held",
+                    "leases_draining",
+                    "admitted_reads",
+                    "quarantined_bytes",
+                    "transfers_in_flight",
+                ):
                     if getattr(status, field):
                         problems.append(f"n{d.node}: {field}={getattr(status, field)}")
                 try:
@@ -520,7 +526,7 @@ class Fleet:
 
     async def check_metrics(self) -> dict[str, Any]:
         """Each daemon's counters against the router's tally for that daemon's incarnation."""
-        from kvd.core import metrics_text  # noqa: PLC0415
+        from kvd.core import metrics_text
 
         tally = self.router.tally
         out = {}
@@ -530,9 +536,7 @@ class Fleet:
             samples = metrics_text.samples(text)
 
             def total(name: str, samples: Any = samples, **labels: str) -> float:
-                return sum(
-                    v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items())
-                )
+                return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items()))
 
             done = total("kvd_transfers_total", direction="pull", outcome="done")
             pulled = total("kvd_transfer_bytes_total", direction="pull")
@@ -548,9 +552,13 @@ class Fleet:
             if row["ambiguous"]:
                 continue
             if done != row["router_done"]:
-                self.violations.append(f"n{d.node}: daemon counted {done:g} pulls done, the router {row['router_done']}")
+                self.violations.append(
+                    f"n{d.node}: daemon counted {done:g} pulls done, the router {row['router_done']}"
+                )
             if pulled != row["router_bytes"]:
-                self.violations.append(f"n{d.node}: daemon pulled {pulled:g} bytes, the router saw {row['router_bytes']}")
+                self.violations.append(
+                    f"n{d.node}: daemon pulled {pulled:g} bytes, the router saw {row['router_bytes']}"
+                )
         return out
 
     def check_rss(self) -> dict[str, Any]:
@@ -594,7 +602,7 @@ class Fleet:
             if e.process is not None:
                 try:
                     await asyncio.wait_for(asyncio.to_thread(e.process.wait), 15.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     self.violations.append(f"engine {e.engine_id} did not stop on SIGTERM")
                     e.process.kill()
         codes = {}
@@ -606,7 +614,7 @@ class Fleet:
             assert d.process is not None
             try:
                 codes[f"n{d.node}"] = await asyncio.wait_for(asyncio.to_thread(d.process.wait), 30.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 d.process.kill()
                 codes[f"n{d.node}"] = "timeout"
             if codes[f"n{d.node}"] != 0:
@@ -626,10 +634,11 @@ class Fleet:
         shutdown: dict[str, Any],
     ) -> dict[str, Any]:
         t = self.router.tally
-        for record in self.faults:  # recovered: a verified pull through that node after it healed
-            ok = t.last_ok_by_node.get(record.node, -1.0) - self.t0
-            if ok >= record.healed_at_s:
-                record.recovered_at_s = round(ok, 1)
+        for record in self.faults:  # recovered: the first verified turn through that node after it healed
+            times = t.ok_times_by_node.get(record.node, [])
+            index = bisect.bisect_left(times, self.t0 + record.healed_at_s)
+            if index < len(times):
+                record.recovered_at_s = round(times[index] - self.t0, 1)
         lat = sorted(t.latencies)
 
         def pct(p: float) -> float:
@@ -638,9 +647,8 @@ class Fleet:
         self.violations += t.undocumented
         self.violations += [f"CRASHED: {c}" for c in self.crashed]
         self.violations += [f"engine died unasked: {c}" for c in self.engine_crashes]
-        last_ok = max(t.last_ok_by_node.values(), default=0.0) - self.t0
         unrecovered = [f"{r.kind}@n{r.node}" for r in self.faults if not r.recovered_at_s]
-        if unrecovered and last_ok > 0:
+        if unrecovered:
             self.violations.append(f"no verified pull through the node after: {unrecovered}")
         return {
             "seed": self.args.seed,
@@ -676,6 +684,7 @@ class Fleet:
             "faults": [dataclasses.asdict(r) for r in self.faults],
             "faults_by_kind": dict(Counter(r.kind for r in self.faults)),
             "recovered": sum(1 for r in self.faults if r.recovered_at_s),
+            "recovery_s": sorted(round(r.recovered_at_s - r.healed_at_s, 1) for r in self.faults if r.recovered_at_s),
             "leaks": leaks,
             "metrics": metrics,
             "rss": rss,
@@ -689,7 +698,10 @@ def print_table(r: dict[str, Any]) -> None:
         ("pulls done / started", f"{r['pulls']} / {r['pulls_started']}  ({r['pulls_per_s']}/s)"),
         ("latency p50 / p99", f"{r['p50_ms']} ms / {r['p99_ms']} ms"),
         ("bytes pulled", f"{r['bytes']:,}"),
-        ("conversations / 2nd turns", f"{r['conversations']} / {r['second_turns']}  (verified turns {r['turns_verified']})"),
+        (
+            "conversations / 2nd turns",
+            f"{r['conversations']} / {r['second_turns']}  (verified turns {r['turns_verified']})",
+        ),
         ("recomputed / retries", f"{r['recomputed']} / {r['retries']}"),
         ("lease renewals / releases", f"{r['renewals']} / {r['releases']}"),
         ("failures by class", ", ".join(f"{k}={v}" for k, v in sorted(r["failures"].items())) or "-"),
@@ -700,8 +712,11 @@ def print_table(r: dict[str, Any]) -> None:
     ]
     for name, row in r["rss"].items():
         rows.append(
-            (f"RSS {name} MiB", f"{row['rss_mib'][0]} -> {row['rss_mib'][1]} (staging {row['staging_mib'][0]} -> "
-             f"{row['staging_mib'][1]}, rest {row['rest_mib'][0]} -> {row['rest_mib'][1]}), fds {row['fds']}")
+            (
+                f"RSS {name} MiB",
+                f"{row['rss_mib'][0]} -> {row['rss_mib'][1]} (staging {row['staging_mib'][0]} -> "
+                f"{row['staging_mib'][1]}, rest {row['rest_mib'][0]} -> {row['rest_mib'][1]}), fds {row['fds']}",
+            )
         )
     width = max(len(n) for n, _ in rows)
     for name, value in rows:
