@@ -4,7 +4,9 @@ The staging pool (``staging_pool_bytes``, 256 MiB by default) is one anonymous a
 the first layout conversion; its pages become resident as pulls use deeper parts of it, so a
 daemon's RSS climbs towards ``baseline + staging_pool_bytes`` under load and then stops. The
 fleet reports that part separately (the mapping of that size in ``/proc/PID/smaps``) and asks
-the rest of the RSS to be flat.
+the rest of the RSS to be flat. The engines' shm pages the daemon has touched (reading them for a
+peer, or writing a pull into them) count in its RSS too (``RssShmem``): they are the engines'
+memory, reported apart as well.
 """
 
 from __future__ import annotations
@@ -24,17 +26,22 @@ class Sample:
     rss: int
     staging_rss: int
     fds: int
+    shmem: int = 0  # RssShmem: engines' /dev/shm pages the daemon touched (the engines' memory)
 
     @property
     def rest(self) -> int:
-        return self.rss - self.staging_rss
+        """The daemon's own memory: RSS less the staging pool and less the engines' shm pages."""
+        return self.rss - self.staging_rss - self.shmem
 
 
-def rss_bytes(pid: int) -> int:
+def status_bytes(pid: int, *keys: str) -> list[int]:
+    """Fields of /proc/PID/status in bytes (``VmRSS``, ``RssShmem``...), 0 when absent."""
+    values = dict.fromkeys(keys, 0)
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        key, _, rest = line.partition(":")
+        if key in values:
+            values[key] = int(rest.split()[0]) * 1024
+    return [values[k] for k in keys]
 
 
 def fd_count(pid: int) -> int:
@@ -61,7 +68,8 @@ def mapping_rss(pid: int, size: int) -> int:
 
 def sample(pid: int, t: float, staging_pool_bytes: int) -> Sample | None:
     try:
-        return Sample(t, rss_bytes(pid), mapping_rss(pid, staging_pool_bytes), fd_count(pid))
+        rss, shmem = status_bytes(pid, "VmRSS", "RssShmem")
+        return Sample(t, rss, mapping_rss(pid, staging_pool_bytes), fd_count(pid), shmem)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
 

@@ -577,13 +577,14 @@ class Fleet:
                     "to_s": last.t,
                     "rss_mib": [round(first.rss / 2**20, 1), round(last.rss / 2**20, 1)],
                     "staging_mib": [round(first.staging_rss / 2**20, 1), round(last.staging_rss / 2**20, 1)],
+                    "engine_shm_mib": [round(first.shmem / 2**20, 1), round(last.shmem / 2**20, 1)],
                     "rest_mib": [round(first.rest / 2**20, 1), round(last.rest / 2**20, 1)],
                     "fds": [first.fds, last.fds],
                 }
                 out[f"n{d.node}.{epoch}"] = row
                 if growth > allowed:
                     self.violations.append(
-                        f"n{d.node} (epoch {epoch}): RSS outside the staging pool grew {growth / 2**20:.1f} MiB "
+                        f"n{d.node} (epoch {epoch}): own RSS (less staging, engine shm) grew {growth / 2**20:.1f} MiB "
                         f"after warm-up ({row['rest_mib'][0]} -> {row['rest_mib'][1]} MiB)"
                     )
                 if last.staging_rss > STAGING_POOL_BYTES:
@@ -714,8 +715,9 @@ def print_table(r: dict[str, Any]) -> None:
         rows.append(
             (
                 f"RSS {name} MiB",
-                f"{row['rss_mib'][0]} -> {row['rss_mib'][1]} (staging {row['staging_mib'][0]} -> "
-                f"{row['staging_mib'][1]}, rest {row['rest_mib'][0]} -> {row['rest_mib'][1]}), fds {row['fds']}",
+                "{} -> {} (staging {} -> {}, engine shm {} -> {}, own {} -> {}), fds {}".format(
+                    *row["rss_mib"], *row["staging_mib"], *row["engine_shm_mib"], *row["rest_mib"], row["fds"]
+                ),
             )
         )
     width = max(len(n) for n, _ in rows)
