@@ -740,8 +740,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+_cleanups: list[Any] = []
+
+
 def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+    """SIGINT, SIGTERM, SIGHUP: kill what the run started, remove its namespaces and shm, exit.
+
+    Done right here, in the handler, rather than by unwinding: an interrupted event loop may wait
+    on threads (a child's wait, a scrape) before any ``finally`` runs, and an interrupted run must
+    leave nothing behind however it was stopped.
+    """
+    signal.signal(signum, signal.SIG_IGN)
+    for cleanup in reversed(_cleanups):
+        with contextlib.suppress(Exception):
+            cleanup()
+    print(f"\nfleet: interrupted by signal {signum}; everything it made was removed", flush=True)
+    os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -750,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("fleet: needs root (network namespaces)", file=sys.stderr)
         return 2
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     netns.ensure_tools()
     removed = netns.clean_leftovers()
@@ -761,18 +775,25 @@ def main(argv: list[str] | None = None) -> int:
     net = Network(args.nodes)
     fleet: Fleet | None = None
     result: dict[str, Any] | None = None
+
+    def remove_shm() -> None:
+        for path in netns.SHM_DIR.glob(f"{netns.PREFIX}-{os.getpid()}-*"):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    _cleanups.extend([remove_shm, lambda: shutil.rmtree(run_dir, ignore_errors=True), net.destroy])
     try:
         net.create()
         netns.enter(net.hub)
         fleet = Fleet(args, net, run_dir)
+        _cleanups.append(lambda: _kill_all(fleet) if fleet is not None else None)
         result = asyncio.run(fleet.run())
     finally:
         if fleet is not None:
             _kill_all(fleet)
         net.destroy()
-        for path in netns.SHM_DIR.glob(f"{netns.PREFIX}-{os.getpid()}-*"):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        remove_shm()
+        _cleanups.clear()
     assert result is not None
     out = Path(args.json) if args.json else Path.cwd() / f"fleet-{args.seed}.json"
     out.write_text(json.dumps(result, indent=2, default=str))
