@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvd_client.v1 import common_pb2 as kvd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kvd/v1/peer.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\"F\n\x10HandshakeRequest\x12\x1a\n\x12\x63\x61ller_incarnation\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61ller_address\x18\x02 \x01(\t\"[\n\x10RegionDescriptor\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04vram\x18\x03 \x01(\x08\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\r\"\xdd\x01\n\x10\x45ngineDescriptor\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12)\n\x07regions\x18\x03 \x03(\x0b\x32\x18.kvd.v1.RegionDescriptor\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.kvd.v1.LayerPlacement\x12\x17\n\x0fregistration_id\x18\x05 \x01(\x04\x12$\n\x06groups\x18\x32 \x03(\x0b\x32\x14.kvd.v1.KvCacheGroup\"\x7f\n\x11HandshakeResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12)\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x18.kvd.v1.EngineDescriptor\"\xc7\x02\n\x12PreparePullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12reader_incarnation\x18\x05 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x06 \x01(\r\x12\x16\n\x0ereader_tp_size\x18\x07 \x01(\r\x12\x17\n\x0fremote_tp_ranks\x18\x08 \x03(\r\x12\x16\n\x0ereader_address\x18\t \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\n \x01(\t\x12\x17\n\x0fread_timeout_ms\x18\x0b \x01(\r\x12\x17\n\x0fgroup_block_ids\x18\x32 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x33 \x03(\r\"]\n\x13PreparePullResponse\x12\x18\n\x10registration_ids\x18\x01 \x03(\x04\x12\x11\n\tnotif_tag\x18\x02 \x01(\t\x12\x19\n\x11verify_after_read\x18\x14 \x01(\x08\"\x86\x01\n\x12\x41\x62\x61ndonPullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x12reader_incarnation\x18\x04 \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\x05 \x01(\t\"\x15\n\x13\x41\x62\x61ndonPullResponse\"u\n\x11\x46inishReadRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x02 \x01(\r\x12\x1a\n\x12reader_incarnation\x18\x03 \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\x04 \x01(\t\"\x14\n\x12\x46inishReadResponse\"\'\n\x12RenewLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"0\n\x13RenewLeasesResponse\x12\x19\n\x11unknown_lease_ids\x18\x01 \x03(\t\"9\n\x14ReleaseLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x17\n\x15ReleaseLeasesResponse2\xba\x03\n\x0bPeerService\x12@\n\tHandshake\x12\x18.kvd.v1.HandshakeRequest\x1a\x19.kvd.v1.HandshakeResponse\x12\x46\n\x0bPreparePull\x12\x1a.kvd.v1.PreparePullRequest\x1a\x1b.kvd.v1.PreparePullResponse\x12\x46\n\x0b\x41\x62\x61ndonPull\x12\x1a.kvd.v1.AbandonPullRequest\x1a\x1b.kvd.v1.AbandonPullResponse\x12\x43\n\nFinishRead\x12\x19.kvd.v1.FinishReadRequest\x1a\x1a.kvd.v1.FinishReadResponse\x12\x46\n\x0bRenewLeases\x12\x1a.kvd.v1.RenewLeasesRequest\x1a\x1b.kvd.v1.RenewLeasesResponse\x12L\n\rReleaseLeases\x12\x1c.kvd.v1.ReleaseLeasesRequest\x1a\x1d.kvd.v1.ReleaseLeasesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kvd/v1/peer.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\"F\n\x10HandshakeRequest\x12\x1a\n\x12\x63\x61ller_incarnation\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61ller_address\x18\x02 \x01(\t\"x\n\x10RegionDescriptor\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04vram\x18\x03 \x01(\x08\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\r\x12\x1b\n\x13registration_serial\x18\x05 \x01(\x04\"\xdd\x01\n\x10\x45ngineDescriptor\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12)\n\x07regions\x18\x03 \x03(\x0b\x32\x18.kvd.v1.RegionDescriptor\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.kvd.v1.LayerPlacement\x12\x17\n\x0fregistration_id\x18\x05 \x01(\x04\x12$\n\x06groups\x18\x32 \x03(\x0b\x32\x14.kvd.v1.KvCacheGroup\"\xb0\x01\n\x11HandshakeResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12)\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x18.kvd.v1.EngineDescriptor\x12/\n\ragent_regions\x18\x05 \x03(\x0b\x32\x18.kvd.v1.RegionDescriptor\"\xc7\x02\n\x12PreparePullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12reader_incarnation\x18\x05 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x06 \x01(\r\x12\x16\n\x0ereader_tp_size\x18\x07 \x01(\r\x12\x17\n\x0fremote_tp_ranks\x18\x08 \x03(\r\x12\x16\n\x0ereader_address\x18\t \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\n \x01(\t\x12\x17\n\x0fread_timeout_ms\x18\x0b \x01(\r\x12\x17\n\x0fgroup_block_ids\x18\x32 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x33 \x03(\r\"]\n\x13PreparePullResponse\x12\x18\n\x10registration_ids\x18\x01 \x03(\x04\x12\x11\n\tnotif_tag\x18\x02 \x01(\t\x12\x19\n\x11verify_after_read\x18\x14 \x01(\x08\"\x86\x01\n\x12\x41\x62\x61ndonPullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x12reader_incarnation\x18\x04 \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\x05 \x01(\t\"\x15\n\x13\x41\x62\x61ndonPullResponse\"u\n\x11\x46inishReadRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x02 \x01(\r\x12\x1a\n\x12reader_incarnation\x18\x03 \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\x04 \x01(\t\"\x14\n\x12\x46inishReadResponse\"\'\n\x12RenewLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"0\n\x13RenewLeasesResponse\x12\x19\n\x11unknown_lease_ids\x18\x01 \x03(\t\"9\n\x14ReleaseLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x17\n\x15ReleaseLeasesResponse2\xba\x03\n\x0bPeerService\x12@\n\tHandshake\x12\x18.kvd.v1.HandshakeRequest\x1a\x19.kvd.v1.HandshakeResponse\x12\x46\n\x0bPreparePull\x12\x1a.kvd.v1.PreparePullRequest\x1a\x1b.kvd.v1.PreparePullResponse\x12\x46\n\x0b\x41\x62\x61ndonPull\x12\x1a.kvd.v1.AbandonPullRequest\x1a\x1b.kvd.v1.AbandonPullResponse\x12\x43\n\nFinishRead\x12\x19.kvd.v1.FinishReadRequest\x1a\x1a.kvd.v1.FinishReadResponse\x12\x46\n\x0bRenewLeases\x12\x1a.kvd.v1.RenewLeasesRequest\x1a\x1b.kvd.v1.RenewLeasesResponse\x12L\n\rReleaseLeases\x12\x1c.kvd.v1.ReleaseLeasesRequest\x1a\x1d.kvd.v1.ReleaseLeasesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=50
   _globals['_HANDSHAKEREQUEST']._serialized_end=120
   _globals['_REGIONDESCRIPTOR']._serialized_start=122
-  _globals['_REGIONDESCRIPTOR']._serialized_end=213
-  _globals['_ENGINEDESCRIPTOR']._serialized_start=216
-  _globals['_ENGINEDESCRIPTOR']._serialized_end=437
-  _globals['_HANDSHAKERESPONSE']._serialized_start=439
-  _globals['_HANDSHAKERESPONSE']._serialized_end=566
-  _globals['_PREPAREPULLREQUEST']._serialized_start=569
-  _globals['_PREPAREPULLREQUEST']._serialized_end=896
-  _globals['_PREPAREPULLRESPONSE']._serialized_start=898
-  _globals['_PREPAREPULLRESPONSE']._serialized_end=991
-  _globals['_ABANDONPULLREQUEST']._serialized_start=994
-  _globals['_ABANDONPULLREQUEST']._serialized_end=1128
-  _globals['_ABANDONPULLRESPONSE']._serialized_start=1130
-  _globals['_ABANDONPULLRESPONSE']._serialized_end=1151
-  _globals['_FINISHREADREQUEST']._serialized_start=1153
-  _globals['_FINISHREADREQUEST']._serialized_end=1270
-  _globals['_FINISHREADRESPONSE']._serialized_start=1272
-  _globals['_FINISHREADRESPONSE']._serialized_end=1292
-  _globals['_RENEWLEASESREQUEST']._serialized_start=1294
-  _globals['_RENEWLEASESREQUEST']._serialized_end=1333
-  _globals['_RENEWLEASESRESPONSE']._serialized_start=1335
-  _globals['_RENEWLEASESRESPONSE']._serialized_end=1383
-  _globals['_RELEASELEASESREQUEST']._serialized_start=1385
-  _globals['_RELEASELEASESREQUEST']._serialized_end=1442
-  _globals['_RELEASELEASESRESPONSE']._serialized_start=1444
-  _globals['_RELEASELEASESRESPONSE']._serialized_end=1467
-  _globals['_PEERSERVICE']._serialized_start=1470
-  _globals['_PEERSERVICE']._serialized_end=1912
+  _globals['_REGIONDESCRIPTOR']._serialized_end=242
+  _globals['_ENGINEDESCRIPTOR']._serialized_start=245
+  _globals['_ENGINEDESCRIPTOR']._serialized_end=466
+  _globals['_HANDSHAKERESPONSE']._serialized_start=469
+  _globals['_HANDSHAKERESPONSE']._serialized_end=645
+  _globals['_PREPAREPULLREQUEST']._serialized_start=648
+  _globals['_PREPAREPULLREQUEST']._serialized_end=975
+  _globals['_PREPAREPULLRESPONSE']._serialized_start=977
+  _globals['_PREPAREPULLRESPONSE']._serialized_end=1070
+  _globals['_ABANDONPULLREQUEST']._serialized_start=1073
+  _globals['_ABANDONPULLREQUEST']._serialized_end=1207
+  _globals['_ABANDONPULLRESPONSE']._serialized_start=1209
+  _globals['_ABANDONPULLRESPONSE']._serialized_end=1230
+  _globals['_FINISHREADREQUEST']._serialized_start=1232
+  _globals['_FINISHREADREQUEST']._serialized_end=1349
+  _globals['_FINISHREADRESPONSE']._serialized_start=1351
+  _globals['_FINISHREADRESPONSE']._serialized_end=1371
+  _globals['_RENEWLEASESREQUEST']._serialized_start=1373
+  _globals['_RENEWLEASESREQUEST']._serialized_end=1412
+  _globals['_RENEWLEASESRESPONSE']._serialized_start=1414
+  _globals['_RENEWLEASESRESPONSE']._serialized_end=1462
+  _globals['_RELEASELEASESREQUEST']._serialized_start=1464
+  _globals['_RELEASELEASESREQUEST']._serialized_end=1521
+  _globals['_RELEASELEASESRESPONSE']._serialized_start=1523
+  _globals['_RELEASELEASESRESPONSE']._serialized_end=1546
+  _globals['_PEERSERVICE']._serialized_start=1549
+  _globals['_PEERSERVICE']._serialized_end=1991
 # @@protoc_insertion_point(module_scope)

@@ -16,16 +16,18 @@ class HandshakeRequest(_message.Message):
     def __init__(self, caller_incarnation: _Optional[str] = ..., caller_address: _Optional[str] = ...) -> None: ...
 
 class RegionDescriptor(_message.Message):
-    __slots__ = ("address", "size_bytes", "vram", "device_index")
+    __slots__ = ("address", "size_bytes", "vram", "device_index", "registration_serial")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     VRAM_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_SERIAL_FIELD_NUMBER: _ClassVar[int]
     address: int
     size_bytes: int
     vram: bool
     device_index: int
-    def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., vram: _Optional[bool] = ..., device_index: _Optional[int] = ...) -> None: ...
+    registration_serial: int
+    def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., vram: _Optional[bool] = ..., device_index: _Optional[int] = ..., registration_serial: _Optional[int] = ...) -> None: ...
 
 class EngineDescriptor(_message.Message):
     __slots__ = ("engine_id", "layout", "regions", "layers", "registration_id", "groups")
@@ -44,16 +46,18 @@ class EngineDescriptor(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., registration_id: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("incarnation", "agent_name", "agent_metadata", "engines")
+    __slots__ = ("incarnation", "agent_name", "agent_metadata", "engines", "agent_regions")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_REGIONS_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_name: str
     agent_metadata: bytes
     engines: _containers.RepeatedCompositeFieldContainer[EngineDescriptor]
-    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ...) -> None: ...
+    agent_regions: _containers.RepeatedCompositeFieldContainer[RegionDescriptor]
+    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., agent_regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ...) -> None: ...
 
 class PreparePullRequest(_message.Message):
     __slots__ = ("lease_id", "engine_id", "block_ids", "num_tokens", "reader_incarnation", "reader_tp_rank", "reader_tp_size", "remote_tp_ranks", "reader_address", "reader_transfer_id", "read_timeout_ms", "group_block_ids", "group_block_counts")

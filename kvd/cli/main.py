@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import sys
 
@@ -45,6 +46,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     config = resolved.config
     _configure_logging(config.log_level)
+    # A crash in native code (NIXL, UCX, torch) must not pass for a plain exit: SIGSEGV, SIGBUS,
+    # SIGFPE, SIGABRT and SIGILL write every thread's Python stack to the log before the process dies.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     for warning in resolved.warnings:
         logger.warning("%s", warning)
     from kvd.server.notify import Notifier  # noqa: PLC0415

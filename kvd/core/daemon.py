@@ -138,6 +138,7 @@ class Daemon:
             self.config.handshake_timeout_s,
             self.config.peer_idle_s,
             warm=lambda session: self._puller.warm(session) if self._puller is not None else asyncio.sleep(0),
+            reload_wait_s=self.config.transfer_deadline_s,
         )
         self._puller = Puller(
             self.config,
@@ -618,7 +619,8 @@ class Daemon:
         )
         if self.dataplane is None:
             raise Unavailable("the daemon is still starting")
-        return HandshakeInfo(self.incarnation, self.agent_name, self.dataplane.metadata(), engines)
+        identity = self.dataplane.identity()
+        return HandshakeInfo(self.incarnation, self.agent_name, identity.metadata, engines, identity.regions)
 
     async def prepare_pull(
         self,

@@ -63,6 +63,46 @@ def _nixl() -> Any:
     return _api
 
 
+@dataclasses.dataclass(frozen=True)
+class NixlRegion:
+    """One memory registration as an agent's metadata names it.
+
+    ``serial`` tells registrations of the same addresses apart: NIXL keys a peer's regions by
+    address and length, so a region deregistered and registered again is a *different* region
+    that a reader must not confuse with the one it loaded before (see kvd.core.peers).
+    """
+
+    address: int
+    size: int
+    device_index: int
+    vram: bool
+    serial: int
+
+    def overlaps(self, other: NixlRegion) -> bool:
+        return (
+            self.vram == other.vram
+            and self.device_index == other.device_index
+            and self.address < other.address + other.size
+            and other.address < self.address + self.size
+        )
+
+    def covers(self, address: int, size: int, device_index: int, vram: bool) -> bool:
+        return (
+            self.vram == vram
+            and self.device_index == device_index
+            and self.address <= address
+            and address + size <= self.address + self.size
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentIdentity:
+    """The agent's metadata and the exact regions it names, taken together (one snapshot)."""
+
+    metadata: bytes
+    regions: tuple[NixlRegion, ...]
+
+
 @dataclasses.dataclass(eq=False)
 class Xfer:
     """One posted READ. Owned by the data plane's thread until final; see the module docstring."""
@@ -96,7 +136,10 @@ class DataPlane:
         self._backends = list(backends)
         self._nixl_progress_thread = progress_thread
         self.agent: Any = None
-        self._metadata = b""
+        # Replaced whole (never mutated) on the owner thread after each (de)registration.
+        self._identity = AgentIdentity(b"", ())
+        self._regions: dict[int, NixlRegion] = {}  # id(registration) -> region; owner thread only
+        self._serials = 0
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
             collections.deque()
         )
@@ -131,7 +174,11 @@ class DataPlane:
             raise Internal(
                 f"NIXL backends {missing} could not be created (available plugins: {self.agent.plugin_list})"
             )
-        self._metadata = bytes(self.agent.get_agent_metadata())
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Take the agent's metadata and its regions together (owner thread)."""
+        self._identity = AgentIdentity(bytes(self.agent.get_agent_metadata()), tuple(self._regions.values()))
 
     def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the owner thread (any thread may call this)."""
@@ -224,7 +271,11 @@ class DataPlane:
 
     def metadata(self) -> bytes:
         """The agent's metadata as of the last (de)registration (no NIXL call: loop-safe)."""
-        return self._metadata
+        return self._identity.metadata
+
+    def identity(self) -> AgentIdentity:
+        """The agent's metadata and exactly the regions it names (no NIXL call: loop-safe)."""
+        return self._identity
 
     # --- memory -------------------------------------------------------------------------------
 
@@ -233,7 +284,9 @@ class DataPlane:
 
         def register() -> Any:
             registration = self.agent.register_memory([(address, size, device_index, "")], mem_type)
-            self._metadata = bytes(self.agent.get_agent_metadata())
+            self._serials += 1
+            self._regions[id(registration)] = NixlRegion(address, size, device_index, mem_type == "VRAM", self._serials)
+            self._snapshot()
             return registration
 
         return await self.call(register)
@@ -241,7 +294,8 @@ class DataPlane:
     async def deregister(self, registration: Any) -> None:
         def deregister() -> None:
             self.agent.deregister_memory(registration)
-            self._metadata = bytes(self.agent.get_agent_metadata())
+            self._regions.pop(id(registration), None)
+            self._snapshot()
 
         await self.call(deregister)
 
@@ -302,7 +356,12 @@ class DataPlane:
         peer: str,
         nbytes: int,
     ) -> Xfer:
-        """Post a READ. Raises PeerUnavailable if NIXL refused it (then nothing was posted)."""
+        """Post a READ. Raises if NIXL refused to build it (then nothing was posted).
+
+        A READ that NIXL built but failed to post (wholly or in part) is returned with ``error``
+        set: part of it may be on its way, so it is polled to a final state like any other, and
+        its destination must stay pinned until then.
+        """
         assert self._loop is not None
         settled: asyncio.Future[None] = self._loop.create_future()
         local_indices = np.ascontiguousarray(local_indices, dtype=np.int32)
@@ -328,10 +387,7 @@ class DataPlane:
                 xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
             return xfer
 
-        xfer = await self.call(post)
-        if xfer.error is not None:
-            raise xfer.error
-        return xfer
+        return await self.call(post)
 
     async def wait(self, xfers: Sequence[Xfer]) -> None:
         """Wait until every read is final; raise the first error. Cancelling the wait leaves the

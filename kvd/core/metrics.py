@@ -50,6 +50,11 @@ class Metrics:
         )
         self.handshakes = Counter("kvd_handshakes", "Peer handshakes by outcome", ["peer", "outcome"], registry=r)
         self.peer_drops = Counter("kvd_peer_drops", "Cached peer handshakes dropped", ["peer", "reason"], registry=r)
+        self.agent_reloads = Counter(
+            "kvd_agent_reloads",
+            "Peer NIXL agents removed and loaded afresh because the peer replaced memory they named",
+            registry=r,
+        )
         self.errors = Counter("kvd_errors", "Errors returned, by gRPC status", ["operation", "code"], registry=r)
         self.registered_bytes = Gauge(
             "kvd_registered_bytes", "Engine memory registered with NIXL", ["engine_id", "tp_rank"], registry=r

@@ -14,6 +14,18 @@ channel.
 **Agents** (:class:`RemoteAgent`) outlive sessions: pulls pin the agent they read through,
 and the agent (``remove_remote_agent``) and its prepared lists are released only when no live
 session names it *and* no pull pins it. Everything here runs on the event loop.
+
+**What NIXL holds for an agent.** Loading a peer's metadata into a known agent *merges* it:
+regions the peer has since deregistered stay in NIXL's view of the peer. NIXL looks a
+descriptor's region up assuming the regions do not overlap, so a stale region that overlaps one
+the peer registered later makes ``prep_xfer_dlist`` fail (NIXL_ERR_NOT_FOUND) or resolve part of
+a list through the stale region's keys; the same addresses registered again make the load itself
+fail, and NIXL then drops the whole agent under lists still in use. So each agent records the
+exact regions it has loaded (the holder lists them in its handshake, each with its registration
+serial): when fresh metadata names a region that overlaps a region loaded before and no longer
+registered, the agent is *reloaded* instead of merged: no new pin is taken, the pulls reading
+through it finish, then it is removed and loaded afresh. A list is only prepared for an engine
+whose regions the agent's current metadata names.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-from kvd.core.dataplane import DataPlane
+from kvd.core.dataplane import DataPlane, NixlRegion
 from kvd.core.metrics import Metrics
 from kvd.core.tables import TableCache
 from kvd.layout.geometry import DescGeometry
@@ -64,6 +76,18 @@ class HandshakeInfo:
     agent_name: str
     agent_metadata: bytes
     engines: tuple[RemoteEngine, ...]
+    # Exactly the regions agent_metadata names; () from a peer that does not list them.
+    regions: tuple[NixlRegion, ...] = ()
+
+    def named_regions(self) -> frozenset[NixlRegion]:
+        """The regions the metadata names (a peer that does not list them: its engines' regions)."""
+        if self.regions:
+            return frozenset(self.regions)
+        return frozenset(
+            NixlRegion(address, size, engine.device_index, engine.vram, 0)
+            for engine in self.engines
+            for address, size in zip(engine.region_addresses, engine.region_sizes, strict=True)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +141,10 @@ class PeerTransport(Protocol):
     async def close(self) -> None: ...
 
 
+class StaleView(Exception):
+    """The agent a pull planned against is being reloaded: plan again on the fresh session."""
+
+
 @dataclasses.dataclass(eq=False)
 class RemoteAgent:
     """A peer incarnation's NIXL agent, its prepared lists, and who still uses it."""
@@ -126,6 +154,23 @@ class RemoteAgent:
     pins: int = 0
     live: bool = True  # a current session names it
     removed: bool = False
+    # Every region loaded into NIXL for this agent since it was added, stale ones included.
+    loaded: frozenset[NixlRegion] = frozenset()
+    # The regions the last loaded metadata names (what the peer has registered now).
+    current: frozenset[NixlRegion] = frozenset()
+    reloading: bool = False  # being drained for a reload: no new pins
+
+    def needs_reload(self, regions: frozenset[NixlRegion]) -> bool:
+        """Would merging metadata naming ``regions`` leave a stale region overlapping a named one?"""
+        stale = self.loaded - regions
+        return any(new.overlaps(old) for new in regions - self.loaded for old in stale)
+
+    def names(self, engine: RemoteEngine) -> bool:
+        """Does the loaded metadata name every region of ``engine`` (so a list over it is sound)?"""
+        return all(
+            any(region.covers(address, size, engine.device_index, engine.vram) for region in self.current)
+            for address, size in zip(engine.region_addresses, engine.region_sizes, strict=True)
+        )
 
     async def table(self, engine: RemoteEngine, geometry: DescGeometry, executor: concurrent.futures.Executor) -> Any:
         return await self.tables.get(
@@ -162,6 +207,7 @@ class Peers:
         timeout_s: float,
         idle_s: float = 600.0,
         warm: Callable[[PeerSession], Coroutine[Any, Any, None]] | None = None,
+        reload_wait_s: float = 30.0,
     ) -> None:
         self.transport = transport
         self._dataplane = dataplane
@@ -169,6 +215,7 @@ class Peers:
         self._own_incarnation = own_incarnation
         self._timeout_s = timeout_s
         self._idle_s = idle_s
+        self._reload_wait_s = reload_wait_s  # at most this long for pulls through an agent to be reloaded
         self._sessions: dict[str, PeerSession] = {}
         self._agents: dict[str, RemoteAgent] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -223,17 +270,36 @@ class Peers:
         if current is not None and current.incarnation != info.incarnation:
             await self.drop(address, "incarnation changed")
             current = None
+        named = info.named_regions()
         agent = self._agents.get(info.agent_name)
+        if agent is not None and (agent.reloading or agent.needs_reload(named)):
+            await self._unload(agent, address)
+            agent = None
+        fresh = agent is None
         if agent is None:
             agent = RemoteAgent(info.agent_name, TableCache(self._dataplane, info.agent_name))
             self._agents[info.agent_name] = agent
-        loaded = await self._dataplane.add_remote(info.agent_metadata)
+        try:
+            loaded = await self._dataplane.add_remote(info.agent_metadata)
+        except KvdError:
+            if not fresh:
+                # NIXL forgets an agent whose metadata it could not load: no new pull may read through
+                # it, and the next handshake reloads it once the pulls already reading are over.
+                agent.reloading = True
+                await self.drop(address, "metadata rejected")
+            raise
         if loaded != info.agent_name:
             raise PeerUnavailable(f"peer {address} sent metadata of agent {loaded!r}, not of {info.agent_name!r}")
+        agent.loaded = named if fresh else agent.loaded | named
+        agent.current = named
         agent.live = True
         engines = {(e.engine_id, e.view.spec.tp_rank): e for e in info.engines}
+        for other in self._sessions.values():  # a reload replaced the agent every session of it uses
+            if other.agent.name == agent.name:
+                other.agent = agent
         if current is not None:
             current.engines = engines
+            current.agent = agent
             current.handshaken_at = current.last_used = time.monotonic()
             session = current
         else:
@@ -252,8 +318,35 @@ class Peers:
 
     # --- pins ---------------------------------------------------------------------------------
 
+    async def _unload(self, agent: RemoteAgent, address: str) -> None:
+        """Drain and remove an agent whose next metadata must not be merged (module docstring).
+
+        No pull pins it from now on; those that did finish (their reads are final) first. The
+        caller holds the peer's handshake lock, so new pulls to the peer wait for the fresh load.
+        """
+        agent.reloading = True
+        logger.info("reloading NIXL agent %s of %s: memory it had registered was replaced", agent.name, address)
+        deadline = time.monotonic() + self._reload_wait_s
+        while agent.pins:
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"peer {address} replaced registered memory and {agent.pins} pulls still read through the "
+                    f"previous view of it after {self._reload_wait_s:.0f}s: retry"
+                )
+            await asyncio.sleep(0.002)
+        agent.removed = True
+        agent.live = False
+        self._agents.pop(agent.name, None)
+        await self._dataplane.remove_remote(agent.name, agent.tables.close())
+        self._metrics.agent_reloads.inc()
+
     def pin(self, session: PeerSession) -> RemoteAgent:
-        """A pull will read through the session's agent: keep it loaded until unpinned."""
+        """A pull will read through the session's agent: keep it loaded until unpinned.
+
+        Raises :class:`StaleView` while the agent is being reloaded (the pull plans again).
+        """
+        if session.agent.reloading:
+            raise StaleView(f"the NIXL agent of {session.address} is being reloaded")
         if session.agent.removed:
             raise Unavailable(f"peer {session.address} was dropped")
         session.agent.pins += 1

@@ -40,7 +40,16 @@ from kvd.core.events import FinishedRecving, LoadFailed
 from kvd.core.local_memory import LocalMemory, Memories
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import Peers, PeerSession, PeerTransport, PrepareResult, RemoteAgent, RemoteEngine, unreachable
+from kvd.core.peers import (
+    Peers,
+    PeerSession,
+    PeerTransport,
+    PrepareResult,
+    RemoteAgent,
+    RemoteEngine,
+    StaleView,
+    unreachable,
+)
 from kvd.core.registry import EngineRank
 from kvd.core.staging import StagingChunk, StagingPool
 from kvd.core.transfers import Transfer, TransferState
@@ -62,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 INLINE_PLAN_BLOCKS = 512  # pulls this small are planned on the event loop (well under 1 ms)
 HOLDER_PIN_POLL_S = 0.01
+PLAN_ATTEMPTS = 3  # plans of one pull when the peer's agent is reloaded between planning and pinning
 
 
 @dataclasses.dataclass(eq=False)
@@ -71,17 +81,27 @@ class _PullResources:
     memory: LocalMemory
     agent: RemoteAgent | None = None
     session: PeerSession | None = None
-    xfers: list[Xfer] = dataclasses.field(default_factory=list)
+    # Every READ the pull asked the data plane to post, from the moment it asked: a post runs on
+    # the data plane's thread and completes even if the pull is cancelled while waiting for it,
+    # so a READ the pull never saw returned is still one whose bytes may land (never "final").
+    posts: list[asyncio.Future[Xfer]] = dataclasses.field(default_factory=list)
     staging: StagingChunk | None = None
-    one_off_tables: list[Any] = dataclasses.field(default_factory=list)
+    # One-off lists (staging), each from the moment its preparation was asked for (see ``posts``).
+    one_off_tables: list[asyncio.Future[Any]] = dataclasses.field(default_factory=list)
     conversion: asyncio.Future[None] | None = None  # a conversion writing the engine's blocks
 
     @property
+    def xfers(self) -> list[Xfer]:
+        """The READs posted so far (a post that failed before posting anything holds none)."""
+        return [p.result() for p in self.posts if p.done() and not p.cancelled() and p.exception() is None]
+
+    @property
     def reads_final(self) -> bool:
-        return all(x.final for x in self.xfers)
+        return all(p.done() for p in self.posts) and all(x.final for x in self.xfers)
 
     async def reads_over(self) -> None:
-        """Wait until every read is final (a cancel of this wait leaves them running)."""
+        """Wait until every read is posted and final (a cancel of this wait leaves them running)."""
+        await asyncio.gather(*(asyncio.shield(p) for p in self.posts), return_exceptions=True)
         await asyncio.gather(*(asyncio.shield(x.settled) for x in self.xfers))
 
 
@@ -183,6 +203,9 @@ class Puller:
         error: KvdError | None,
         fence_s: float,
     ) -> None:
+        # A post under way completes on the data plane's thread (it does not wait for bytes):
+        # wait for it, so every READ the pull asked for is known before anything is decided.
+        await asyncio.gather(*(asyncio.shield(p) for p in held.posts), return_exceptions=True)
         if held.conversion is not None and not held.conversion.done():
             await asyncio.wait([held.conversion])
         if error is None and held.memory.retired:
@@ -323,8 +346,9 @@ class Puller:
             self._stale.append(held)
 
     async def _release_buffers(self, held: _PullResources) -> None:
-        await self._dataplane.release_tables(held.one_off_tables)
+        lists = await asyncio.gather(*(asyncio.shield(f) for f in held.one_off_tables), return_exceptions=True)
         held.one_off_tables.clear()
+        await self._dataplane.release_tables([t for t in lists if not isinstance(t, BaseException)])
         if held.staging is not None:
             self.metrics.staging_bytes_in_use.dec(held.staging.size)
             held.staging.release()
@@ -429,6 +453,15 @@ class Puller:
         except KvdError as exc:
             raise _StaleHandshake("cached layout refused", exc) from exc
         transfer.mark("planned")
+        unnamed = [r for r in pull_plan.remote_ranks if not session.agent.names(remote_ranks[r])]
+        if unnamed:  # never prepare a list over memory the loaded metadata does not name
+            raise _StaleHandshake(
+                "metadata does not name the engine's memory",
+                PeerUnavailable(
+                    f"the NIXL metadata of {remote.daemon_address} does not name the memory of engine "
+                    f"{remote.engine_id!r} ranks {unnamed}: retry"
+                ),
+            )
         holder_spec = remote_ranks[pull_plan.remote_ranks[0]].view.spec
         groups = {"group_block_ids": remote_groups} if remote_groups else {}
         try:
@@ -465,9 +498,18 @@ class Puller:
     # --- reading ------------------------------------------------------------------------------
 
     async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams, held: _PullResources) -> None:
-        session, plan, remote_ranks, prepared = await self._plan(transfer, rank, remote)
+        for _ in range(PLAN_ATTEMPTS):
+            session, plan, remote_ranks, prepared = await self._plan(transfer, rank, remote)
+            try:
+                held.agent = self.peers.pin(session)
+                break
+            except StaleView:  # the peer's agent is being reloaded: plan again against the fresh one
+                continue
+        else:
+            raise PeerUnavailable(
+                f"the NIXL agent of {remote.daemon_address} was reloaded {PLAN_ATTEMPTS} times during the pull: retry"
+            )
         held.session = session
-        held.agent = self.peers.pin(session)
         transfer.descriptors = plan.num_descriptors
         transfer.nbytes = plan.total_bytes
         transfer.direct = plan.direct
@@ -495,17 +537,22 @@ class Puller:
                     rows = group.local_geometry.rows_for(
                         group.local_indices, [staging.address + group.staging_offset], staging.device_index
                     )
-                    local_table = await asyncio.get_running_loop().run_in_executor(
+                    one_off = asyncio.get_running_loop().run_in_executor(
                         self._executor, dataplane.prepare_table, "NIXL_INIT_AGENT", rows, staging.mem_type
                     )
-                    held.one_off_tables.append(local_table)
+                    held.one_off_tables.append(one_off)  # released with the pull's buffers, even if cancelled now
+                    local_table = await asyncio.shield(one_off)
                     local_indices = np.arange(rows.shape[0], dtype=np.int32)
                 message = notif.encode(prepared.notif_tag, index, parts, group.nbytes)
-                held.xfers.append(
-                    await dataplane.read(
+                post = asyncio.ensure_future(
+                    dataplane.read(
                         local_table, local_indices, remote_table, group.remote_indices, message, label, group.nbytes
                     )
                 )
+                held.posts.append(post)  # before awaiting it: a cancel here must not lose the READ
+                xfer = await asyncio.shield(post)
+                if xfer.error is not None:  # NIXL refused part of it: the rest is polled to its end
+                    raise xfer.error
             transfer.mark("posted")
             await dataplane.wait(held.xfers)
             transfer.mark("read")

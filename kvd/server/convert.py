@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from kvd.core.memory import CudaIpcSpec, MemoryKind, RegionRequest
 from kvd.core.params import TransferParams
-from kvd.core.peers import HandshakeInfo, RemoteEngine
+from kvd.core.peers import HandshakeInfo, NixlRegion, RemoteEngine
 from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec
@@ -168,6 +168,16 @@ def handshake_to_pb(info: HandshakeInfo) -> peer_pb2.HandshakeResponse:
             )
             for e in info.engines
         ],
+        agent_regions=[
+            peer_pb2.RegionDescriptor(
+                address=r.address,
+                size_bytes=r.size,
+                vram=r.vram,
+                device_index=r.device_index,
+                registration_serial=r.serial,
+            )
+            for r in info.regions
+        ],
     )
 
 
@@ -187,4 +197,7 @@ def handshake_from_pb(msg: peer_pb2.HandshakeResponse) -> HandshakeInfo:
                 extra_groups=tuple(group_from_pb(g, i) for i, g in enumerate(e.groups, start=1)),
             )
         )
-    return HandshakeInfo(msg.incarnation, msg.agent_name, msg.agent_metadata, tuple(engines))
+    regions = tuple(
+        NixlRegion(r.address, r.size_bytes, r.device_index, r.vram, r.registration_serial) for r in msg.agent_regions
+    )
+    return HandshakeInfo(msg.incarnation, msg.agent_name, msg.agent_metadata, tuple(engines), regions)

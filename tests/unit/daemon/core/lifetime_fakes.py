@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 
 from kvd.config import KvdConfig
-from kvd.core.dataplane import LOCAL, Xfer, XferState
+from kvd.core.dataplane import LOCAL, AgentIdentity, NixlRegion, Xfer, XferState
 from kvd.core.memory import MemoryKind, RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.peers import HandshakeInfo, PrepareResult
 from kvd.core.registry import EngineRank
 from kvd.layout.spec import LayoutSpec, contiguous_placements
-from kvd_client.errors import KvdError, PeerUnavailable, Unavailable
+from kvd_client.errors import InvalidArgument, KvdError, PeerUnavailable, Unavailable
 from kvd_client.shm import create_shm_tensor, unlink_shm
 
 SAFETY_TIMEOUT_S = 20.0  # only turns a hang into a failure: no test outcome depends on it
@@ -150,12 +150,15 @@ class FakeDataPlane:
         self.registrations: list[FakeRegistration] = []
         self.tables: list[FakeTable] = []
         self.remotes: dict[str, int] = {}  # agent name -> times loaded (present while loaded)
+        # agent name -> (reg_id, address, size) of every region loaded since the agent was added
+        self.loaded: dict[str, set[tuple[int, int, int]]] = {}
         self.posted: list[Xfer] = []
         self.reads: dict[Xfer, FakeRead] = {}
         self.posts = Tally()
         self.register_gate: Gate | None = None  # set by a test to hold register() calls
         self.register_errors: list[BaseException] = []  # raised, one per register() call, first
         self.refuse_reads: KvdError | None = None
+        self.read_gate: Gate | None = None  # set by a test to hold read() calls mid-post
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -172,7 +175,15 @@ class FakeDataPlane:
             raise Unavailable("the NIXL data plane is stopped")
 
     def metadata(self) -> bytes:
-        return f"fake-nixl|{self.name}".encode()
+        """Names the agent and its live registrations, as NIXL's metadata does."""
+        regions = ",".join(f"{r.reg_id}:{r.address}:{r.size}" for r in self.live_registrations())
+        return f"fake-nixl|{self.name}|{regions}".encode()
+
+    def identity(self) -> AgentIdentity:
+        regions = tuple(
+            NixlRegion(r.address, r.size, 0, r.mem_type == "VRAM", r.reg_id) for r in self.live_registrations()
+        )
+        return AgentIdentity(self.metadata(), regions)
 
     def _violation(self, what: str) -> None:
         self.fabric.violations.append(f"{self.name[-8:]}: {what}")
@@ -215,10 +226,22 @@ class FakeDataPlane:
     # --- peers --------------------------------------------------------------------------------
 
     async def add_remote(self, metadata: bytes) -> str:
+        """Loads a peer's metadata as NIXL does: into a known agent it *merges* (regions the peer
+        has deregistered since stay loaded), and the same addresses under another registration
+        make the load fail and NIXL forget the agent."""
         self._require_started()
-        prefix, _, name = metadata.decode().partition("|")
+        prefix, _, rest = metadata.decode().partition("|")
+        name, _, listed = rest.partition("|")
         if prefix != "fake-nixl" or not name:
             raise PeerUnavailable(f"fake NIXL rejected metadata {metadata[:32]!r}")
+        regions = {tuple(int(v) for v in item.split(":")) for item in listed.split(",") if item}
+        loaded = self.loaded.setdefault(name, set())
+        by_range = {(address, size): reg_id for reg_id, address, size in loaded}
+        if any(by_range.get((address, size), reg_id) != reg_id for reg_id, address, size in regions):
+            self.remotes.pop(name, None)
+            self.loaded.pop(name, None)
+            raise InvalidArgument(f"peer agent metadata rejected by NIXL: NIXL_ERR_NOT_ALLOWED ({name[-8:]} dropped)")
+        loaded |= regions
         self.remotes[name] = self.remotes.get(name, 0) + 1
         self.log.append(("add_remote", name))
         return name
@@ -230,6 +253,7 @@ class FakeDataPlane:
                 self._violation(f"agent {agent_name[-8:]} removed while a READ through it is not final")
         self._release(tables)
         self.remotes.pop(agent_name, None)
+        self.loaded.pop(agent_name, None)
         self.log.append(("remove_remote", agent_name))
 
     def removals(self, agent_name: str) -> int:
@@ -242,10 +266,29 @@ class FakeDataPlane:
             raise Unavailable("the NIXL data plane is not started")
         lo = int(rows[:, 0].min()) if len(rows) else 0
         hi = int((rows[:, 0] + rows[:, 1]).max()) if len(rows) else 0
+        if agent_name != LOCAL:
+            self._check_remote_lookup(agent_name, lo, hi)
         with self._lock:
             table = FakeTable(next(self._ids), agent_name, lo, hi, mem_type)
             self.tables.append(table)
         return table
+
+    def _check_remote_lookup(self, agent_name: str, lo: int, hi: int) -> None:
+        """NIXL resolves a remote list by looking each descriptor's region up among the regions
+        loaded for the agent, assuming they do not overlap: a list over memory that overlaps a
+        region the peer has deregistered since is resolved wrongly or not at all."""
+        with self._lock:
+            loaded = set(self.loaded.get(agent_name, ()))
+        if agent_name not in self.remotes:
+            raise RuntimeError(f"NIXL_ERR_NOT_FOUND (fake): metadata for remote agent {agent_name[-8:]} not found")
+        holder = self.fabric.dataplanes.get(agent_name)
+        live = {r.reg_id for r in holder.live_registrations()} if holder is not None else set()
+        stale = [reg_id for reg_id, address, size in loaded if reg_id not in live and lo < address + size and address < hi]
+        if stale:
+            self._violation(f"a list over agent {agent_name[-8:]} prepared while stale regions {stale} overlap it")
+            raise RuntimeError("NIXL_ERR_NOT_FOUND (fake): failed to prepare the descriptors for any backend")
+        if not any(address <= lo and hi <= address + size for _, address, size in loaded):
+            raise RuntimeError("NIXL_ERR_NOT_FOUND (fake): no loaded region covers the list")
 
     async def release_tables(self, tables: Sequence[FakeTable]) -> None:
         if tables:
@@ -278,6 +321,8 @@ class FakeDataPlane:
     ) -> Xfer:
         self._require_started()
         assert self._loop is not None
+        if self.read_gate is not None:  # the post is under way on NIXL's thread; it completes regardless
+            await self.read_gate.passage()
         if self.refuse_reads is not None:
             raise self.refuse_reads
         if local_table.released or remote_table.released:

@@ -232,6 +232,43 @@ def test_unregister_reader_rank_while_reading_deregisters_only_after_reads_final
     run(fabric, scenario)
 
 
+def test_unregister_reader_rank_while_a_read_is_being_posted_waits_for_that_read(fabric: Fabric) -> None:
+    """The engine dies while NIXL is still posting the pull's READ: the post completes on NIXL's
+    thread whatever the pull does, so the pull fences that READ like any other (never reported
+    before it, memory deregistered only after it is final). The pull used to forget a READ whose
+    post it stopped waiting for, and freed the memory under it (a SIGSEGV over UCX TCP)."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, fence_timeout_s=SHORT_FENCE_S)
+        dp = p.reader.dataplane
+        gate = dp.read_gate = Gate()
+        transfer, _ = p.pull()
+        await gate.arrived.reach(1)
+        memory, regs = p.rrank.memory, registrations(p.rrank.memory)
+
+        await p.reader.daemon.unregister_engine("eng-r", 0)
+        await asyncio.sleep(SHORT_FENCE_S * 2)
+        assert not transfer.state.final, "reported while its READ was still being posted"
+        assert not any(dp.deregistered(r) for r in regs)
+        dp.read_gate = None
+        gate.open()
+        await ended(transfer)  # the READ never ends: fenced by retiring the (unregistered) mapping
+        (xfer,) = dp.live()
+        assert transfer.state is ABORTED and len(engine_events(p.rrank, LoadFailed)) == 1
+        assert not any(dp.deregistered(r) for r in regs), "memory deregistered under a READ in flight"
+        assert memory.state is MemoryState.QUARANTINED and memory.retired
+
+        dp.finish(xfer)
+        await p.reader.transport.abandoned.reach(1)  # the holder stops counting the read now
+        await sweep_round(p.reader)
+        await settle(p.holder)
+        assert memory.state is MemoryState.RELEASED and all(dp.deregistered(r) for r in regs)
+        assert p.holder.metric("kvd_admissions_ended_total", reason="abandoned") == 1
+        assert_settled(p.reader, p.holder, memories=(memory,))
+
+    run(fabric, scenario)
+
+
 def test_unregister_reader_rank_with_reads_nixl_never_ends_quarantines_until_they_do(fabric: Fabric) -> None:
     """READs that stay in flight past the fence: ABORTED once, the mapping retired and quarantined
     (never deregistered), no AbandonPull; a late finish frees it on the next quarantine sweep."""
@@ -528,29 +565,29 @@ def test_a_pull_never_reports_done_after_the_holder_gave_its_blocks_back(fabric:
 # --- peers: a re-handshake while another pull reads through the agent --------------------------------
 
 
-def test_peer_refresh_with_a_read_in_flight_never_removes_the_pinned_agent(fabric: Fabric) -> None:
-    """A stale registration id makes pull B re-handshake while pull A reads through the same agent:
-    the agent is reloaded, not removed; dropped peer, it goes once, after the last READ through it."""
+def test_peer_refresh_with_a_read_in_flight_merges_new_memory_into_the_pinned_agent(fabric: Fabric) -> None:
+    """An engine registered on the holder after the first handshake makes pull B re-handshake while
+    pull A reads through the same agent: nothing was deregistered, so the fresh metadata is merged
+    into the same agent (no reload, B reads at once); dropped peer, the agent goes once, after the
+    last READ through it."""
 
     async def scenario() -> None:
         p = await make_pair(fabric)
         holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
-        # The first handshake sees engine eng-b with its first registration.
         await fabric.register(p.holder, "eng-b", small_spec(8))
         transfer_a, _ = p.pull()
         xfers_a = await p.reading(transfer_a)
         (agent,) = reader.peers.agents()
         assert agent.pins == 1 and dp.remotes == {agent.name: 1}
 
-        await holder.unregister_engine("eng-b", 0)  # eng-b re-registers: new registration id
-        await fabric.register(p.holder, "eng-b", small_spec(8))
-        _, params = holder.hold("eng-b", "req-b", HOLD_BLOCKS, NUM_TOKENS)
-        transfer_b = reader.start_pull("eng-r", 0, "req-b", [6, 7, 0], params)
+        await fabric.register(p.holder, "eng-c", small_spec(8))  # after the reader's handshake
+        _, params = holder.hold("eng-c", "req-c", HOLD_BLOCKS, NUM_TOKENS)
+        transfer_b = reader.start_pull("eng-r", 0, "req-c", [6, 7, 0], params)
         xfers_b = await p.reading(transfer_b)
 
         assert p.reader.transport.handshakes == [HOLDER, HOLDER]  # refreshed once
         assert reader.peers.agents() == [agent] and agent.pins == 2 and dp.remotes == {agent.name: 2}
-        assert dp.removals(agent.name) == 0
+        assert dp.removals(agent.name) == 0 and p.reader.metric("kvd_agent_reloads_total") == 0
 
         await reader.peers.drop(HOLDER, "test")  # e.g. idle or unreachable: the pins keep the agent
         assert dp.removals(agent.name) == 0 and p.reader.transport.forgets == [HOLDER]
@@ -566,6 +603,54 @@ def test_peer_refresh_with_a_read_in_flight_never_removes_the_pinned_agent(fabri
         assert transfer_b.state is DONE
         assert dp.removals(agent.name) == 1 and agent.removed and agent.name not in dp.remotes
         assert reader.peers.agents() == [] and p.reader.metric("kvd_remote_agents") == 0
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_holder_that_replaced_memory_is_reloaded_once_the_reads_through_it_end(fabric: Fabric) -> None:
+    """eng-b unregisters and registers again after the reader loaded its memory: merging the fresh
+    metadata would leave the old region loaded under the new one (NIXL then fails or misresolves the
+    new engine's lists). So pull B waits while pull A reads through the agent, the agent is removed
+    and loaded afresh, and B reads through the new one; no list is ever prepared over a stale
+    region (the fake NIXL flags it), and both pulls end DONE."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        transfer_a, _ = p.pull()
+        xfers_a = await p.reading(transfer_a)
+        (agent,) = reader.peers.agents()
+        old = {r.reg_id: r for r in p.holder.dataplane.live_registrations()}
+
+        await holder.unregister_engine("eng-b", 0)
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        (fresh,) = [r for r in p.holder.dataplane.live_registrations() if r.reg_id not in old]
+        stale = [r for r in old.values() if not r.live]
+        assert any(fresh.overlaps(r.address, r.address + r.size) for r in stale), (
+            "precondition: the new registration reuses the old one's addresses (as mmap does here)"
+        )
+        _, params = holder.hold("eng-b", "req-b", HOLD_BLOCKS, NUM_TOKENS)
+        transfer_b = reader.start_pull("eng-r", 0, "req-b", [6, 7, 0], params)
+        await asyncio.sleep(0.05)
+        assert transfer_b.state is PLANNED and agent.reloading and dp.removals(agent.name) == 0, (
+            "pull B must wait for the reload, and the agent must stay while A reads through it"
+        )
+
+        for xfer in xfers_a:
+            dp.finish(xfer)
+        await ended(transfer_a)
+        assert transfer_a.state is DONE
+        xfers_b = await p.reading(transfer_b)
+        (new_agent,) = reader.peers.agents()
+        assert new_agent is not agent and agent.removed and dp.removals(agent.name) == 1
+        assert dp.remotes == {agent.name: 1} and p.reader.metric("kvd_agent_reloads_total") == 1
+        for xfer in xfers_b:
+            dp.finish(xfer)
+        await ended(transfer_b)
+        await settle(p.holder)
+        assert transfer_b.state is DONE
         assert_settled(p.reader, p.holder)
 
     run(fabric, scenario)
