@@ -69,6 +69,8 @@ def mapping_rss(pid: int, size: int) -> int:
 def sample(pid: int, t: float, staging_pool_bytes: int) -> Sample | None:
     try:
         rss, shmem = status_bytes(pid, "VmRSS", "RssShmem")
+        if rss == 0:  # exiting (a zombie has no VmRSS): no sample
+            return None
         return Sample(t, rss, mapping_rss(pid, staging_pool_bytes), fd_count(pid), shmem)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
