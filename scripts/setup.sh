@@ -39,6 +39,15 @@ if [ "${#APT_PACKAGES[@]}" -gt 0 ]; then
     fi
 fi
 
+# The fleet (scripts/fleet.py, tests/fleet/) needs ip and tc (iproute2) and, where the kernel has no
+# netem qdisc, nft (nftables) for its lossy-link fault. Installed the same way; the fleet says so if missing.
+if ! command -v tc >/dev/null 2>&1 || ! command -v nft >/dev/null 2>&1; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            iproute2 nftables) >/dev/null || echo "setup: could not install iproute2/nftables (the fleet's faults)" >&2
+    fi
+fi
+
 if [ "${KVD_SETUP_VLLM:-1}" = "1" ]; then
     bash scripts/setup_vllm.sh "$VENV"
 fi

@@ -23,7 +23,8 @@ def _name(common_name: str) -> x509.Name:
 
 
 def make_identities(directory: Path, identities: Mapping[str, Sequence[str]]) -> Path:
-    """Write ca.pem and <name>.pem/<name>.key for each identity; its SANs are ``DNS:x`` / ``URI:x`` strings.
+    """Write ca.pem and <name>.pem/<name>.key for each identity; its SANs are ``DNS:x`` / ``URI:x`` /
+    ``IP:x`` strings (an IP SAN lets a daemon serve TLS on that address).
 
     A second, unrelated CA signs ``<name>`` when the name starts with ``foreign-`` (a certificate the
     daemon's CA never vouched for).
@@ -54,7 +55,12 @@ def make_identities(directory: Path, identities: Mapping[str, Sequence[str]]) ->
         ]
         for san in sans:
             kind, _, value = san.partition(":")
-            general.append(x509.UniformResourceIdentifier(value) if kind == "URI" else x509.DNSName(value))
+            if kind == "URI":
+                general.append(x509.UniformResourceIdentifier(value))
+            elif kind == "IP":
+                general.append(x509.IPAddress(ipaddress.ip_address(value)))
+            else:
+                general.append(x509.DNSName(value))
         cert = (
             x509.CertificateBuilder()
             .subject_name(_name(name))
