@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -347,11 +348,14 @@ def run(
         return bool((pulls and outcome.pulls >= pulls) or (seconds and time.monotonic() - started >= seconds))
 
     def loop(worker: Worker) -> None:
-        if cases:
-            for case in range(cases):
-                worker.run_case(case)
-        else:
-            worker.run(done)
+        try:
+            if cases:
+                for case in range(cases):
+                    worker.run_case(case)
+            else:
+                worker.run(done)
+        except Exception:  # noqa: BLE001 - a broken worker is a failed check, never a silent thread
+            worker.fail(f"seed {seed} worker {worker.index} broke:\n{traceback.format_exc()}")
 
     threads = [threading.Thread(target=loop, args=(w,), name=f"case-worker-{w.index}") for w in workers]
     for thread in threads:
