@@ -243,7 +243,11 @@ class Peers:
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
             current = self._sessions.get(address)
-            if current is not None and (not expect_incarnation or current.incarnation == expect_incarnation):
+            if (
+                current is not None
+                and not current.agent.reloading  # a reload that did not finish: try it again
+                and (not expect_incarnation or current.incarnation == expect_incarnation)
+            ):
                 current.last_used = time.monotonic()
                 return current
             return await self._handshake(address)

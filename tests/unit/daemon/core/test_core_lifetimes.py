@@ -656,6 +656,50 @@ def test_a_holder_that_replaced_memory_is_reloaded_once_the_reads_through_it_end
     run(fabric, scenario)
 
 
+def test_a_reload_that_cannot_wait_fails_that_pull_and_the_next_pull_reloads(fabric: Fabric) -> None:
+    """Pull A's READ never ends, so the agent cannot be reloaded within the wait: pull B fails
+    UNAVAILABLE (naming the reason) and nothing is prepared over the stale region; once A's READ
+    ends, the next pull reloads the agent and reads through the fresh one."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        transfer_a, _ = p.pull()
+        xfers_a = await p.reading(transfer_a)
+        (agent,) = reader.peers.agents()
+        reader.peers._reload_wait_s = 0.05
+
+        await holder.unregister_engine("eng-b", 0)
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        _, params = holder.hold("eng-b", "req-b", HOLD_BLOCKS, NUM_TOKENS)
+        transfer_b = reader.start_pull("eng-r", 0, "req-b", [6, 7, 0], params)
+        await ended(transfer_b)
+        assert transfer_b.state is FAILED and "still read through the previous view" in transfer_b.error.message
+        assert agent.reloading and dp.removals(agent.name) == 0
+
+        for xfer in xfers_a:
+            dp.finish(xfer)
+        await ended(transfer_a)
+        assert transfer_a.state is DONE
+        _, params = holder.hold("eng-b", "req-c", HOLD_BLOCKS, NUM_TOKENS)
+        transfer_c = reader.start_pull("eng-r", 0, "req-c", [6, 7, 0], params)
+        xfers_c = await p.reading(transfer_c)
+        assert dp.removals(agent.name) == 1 and reader.peers.agents()[0] is not agent
+        for xfer in xfers_c:
+            dp.finish(xfer)
+        await ended(transfer_c)
+        await settle(p.holder)
+        assert transfer_c.state is DONE
+        # B's admission at the holder ends at its deadline (it never read): move the clock past it.
+        fabric.clock.advance(60)
+        await sweep_round(p.holder)
+        await settle(p.holder)
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
 # --- leases: release, expiry, a second reader during an admitted read --------------------------------
 
 
