@@ -43,7 +43,7 @@ from kvd.core.metrics import Metrics
 from kvd.core.tables import TableCache
 from kvd.layout.geometry import DescGeometry
 from kvd.layout.plan import EngineView
-from kvd_client.errors import DeadlineExceeded, KvdError, PeerUnavailable, Unavailable
+from kvd_client.errors import DeadlineExceeded, FailedPrecondition, KvdError, PeerUnavailable, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,10 @@ class Peers:
             raise
         if info.incarnation == self._own_incarnation():
             self._metrics.handshakes.labels(address, "failed").inc()
-            raise PeerUnavailable(f"{address} is this daemon itself: a pull needs a peer daemon")
+            # Not retryable: the same call would meet the same daemon again.
+            raise FailedPrecondition(
+                f"{address} is this daemon itself: a pull reads from a peer daemon (the KV is held on this node)"
+            )
         current = self._sessions.get(address)
         if current is not None and current.incarnation != info.incarnation:
             await self.drop(address, "incarnation changed")

@@ -99,3 +99,30 @@ def test_one_k_token_request_posts_merged_descriptors(spawn_daemon) -> None:
     finally:
         holder.close()
         reader.close()
+
+
+def test_a_pull_from_the_readers_own_daemon_is_failed_precondition_not_retryable(spawn_daemon) -> None:
+    """Both engines on one node: the daemon reads from peers only, so the pull fails at once with a
+    class a router does not retry (retrying would meet the same daemon)."""
+    from kvd_client import errors
+
+    a = spawn_daemon(name="a")
+    holder = ShmEngine(a.unix_target, "holder", small_spec(num_blocks=8))
+    reader = ShmEngine(a.unix_target, "reader", small_spec(num_blocks=8))
+    try:
+        holder.register()
+        reader.register()
+        reader.fill(0x33)
+        params = holder.client.hold_blocks(
+            engine_id="holder", request_id="r", block_ids=[0, 1], num_tokens=20
+        ).kv_transfer_params
+        started = reader.client.start_pull(
+            engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[2, 3], remote=params
+        )
+        with pytest.raises(errors.FailedPrecondition, match="this daemon itself") as caught:
+            reader.client.wait_transfer(started.transfer_id, timeout_s=30)
+        assert caught.value.code not in errors.RETRYABLE_STATUS
+        assert bool((reader.buffer == 0x33).all())
+    finally:
+        holder.close()
+        reader.close()
