@@ -221,26 +221,21 @@ class Worker:
         tag = f"w{self.index}c{case}"
         span = rng.choice([256, 1024, 4096, 16384])  # tokens each engine can hold
         per_layer = rng.random() < 0.5, rng.random() < 0.5
-        holders = [
-            Engine(
-                holder_daemon.unix_target,
-                f"p-{tag}",
-                spec_of(model, holder_side, r, span // holder_side.block_size),
-                per_layer[0],
-                rng,
-            )
-            for r in range(holder_side.tp_size)
-        ]
-        readers = [
-            Engine(
-                reader_daemon.unix_target,
-                f"d-{tag}",
-                spec_of(model, reader_side, r, span // reader_side.block_size),
-                per_layer[1],
-                rng,
-            )
-            for r in range(reader_side.tp_size)
-        ]
+
+        def ranks(daemon: DaemonProcess, engine_id: str, side: Side, one_region_per_layer: bool) -> list[Engine]:
+            return [
+                Engine(
+                    daemon.unix_target,
+                    engine_id,
+                    spec_of(model, side, r, span // side.block_size),
+                    one_region_per_layer,
+                    rng,
+                )
+                for r in range(side.tp_size)
+            ]
+
+        holders = ranks(holder_daemon, f"p-{tag}", holder_side, per_layer[0])
+        readers = ranks(reader_daemon, f"d-{tag}", reader_side, per_layer[1])
         describe = (
             f"seed {self.seed} worker {self.index} case {case}: {model.kv_format.name} heads {model.total_heads} "
             f"head_dim {model.head_dim} {model.dtype} layers {model.num_layers}; holder "

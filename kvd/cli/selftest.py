@@ -37,9 +37,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvd.cli.selftest_parts import PatternMismatch, PullMeasurement, raw_nixl_reads
+from kvd.cli.selftest_parts import PatternMismatch, PullMeasurement, raw_nixl_reads, timed_pull
 from kvd.cli.spawn import launch_owned, stop_launches, wait_ready
-from kvd.cli.tls import tls_flags, tls_from_args
+from kvd.cli.tls import TlsFlagsError, tls_flags, tls_from_args
 from kvd.layout.spec import contiguous_placements
 from kvd_client import KvdClient, errors
 from kvd_client.channel import TlsConfig, is_unix_target
@@ -64,11 +64,8 @@ def run_selftest(args: argparse.Namespace) -> int:
         return 2
     try:
         tls = tls_from_args(args)
-    except OSError as exc:
-        print(f"kvd selftest: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"kvd selftest: {exc} (--tls-cert and --tls-key go together)", file=sys.stderr)
+    except TlsFlagsError as exc:
+        print(f"kvd selftest: {exc}", file=sys.stderr)
         return 2
     if args.vram:
         from kvd.cli.selftest_vram import vram_refusal  # noqa: PLC0415 - torch: only for --vram
@@ -176,16 +173,7 @@ def measure_pull(
             else peer.selftest_hold(size_bytes=size, seed=seed).kv_transfer_params
         )
         buffer.zero_()
-        t0 = time.perf_counter()
-        started = local.start_pull(
-            engine_id=engine_id,
-            tp_rank=0,
-            request_id=params.request_id,
-            local_block_ids=list(params.block_ids),
-            remote=params,
-        )
-        status = local.wait_transfer(started.transfer_id, timeout_s=120)
-        elapsed = time.perf_counter() - t0
+        status, elapsed = timed_pull(local, engine_id, params)
         bad = expected.mismatches(buffer)
         if bad:
             raise PatternMismatch(f"pull {iteration} delivered {bad} wrong bytes out of {nbytes}")

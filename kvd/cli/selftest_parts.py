@@ -11,13 +11,13 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvd_client import errors
+from kvd_client import KvdClient, errors
 from kvd_client.channel import TlsConfig, create_channel
-from kvd_client.v1 import peer_pb2, peer_pb2_grpc
+from kvd_client.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
     import torch
@@ -129,3 +129,18 @@ def raw_nixl_reads(
         agent.remove_remote_agent(remote_name)
         agent.deregister_memory(registration)
     return times
+
+
+def timed_pull(local: KvdClient, engine_id: str, params: common_pb2.KvTransferParams) -> tuple[Any, float]:
+    """Pull held blocks into the same block ids of ``engine_id`` rank 0, as an engine does:
+    StartPull, then wait for the end; returns the final status and the seconds it took."""
+    t0 = time.perf_counter()
+    started = local.start_pull(
+        engine_id=engine_id,
+        tp_rank=0,
+        request_id=params.request_id,
+        local_block_ids=list(params.block_ids),
+        remote=params,
+    )
+    status = local.wait_transfer(started.transfer_id, timeout_s=120)
+    return status, time.perf_counter() - t0

@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import time
 import uuid
 from collections.abc import Callable
 
 import torch
 
-from kvd.cli.selftest_parts import PatternMismatch, PullMeasurement, raw_nixl_reads
+from kvd.cli.selftest_parts import PatternMismatch, PullMeasurement, raw_nixl_reads, timed_pull
 from kvd.core import scratch
 from kvd.core.memory import cuda_ipc_spec_of
 from kvd.layout.spec import LayoutSpec, contiguous_placements
@@ -135,16 +134,7 @@ def measure_pull_vram(
         ).kv_transfer_params
         reader.zero_()
         torch.cuda.synchronize(gpu)  # zeroed before the pull writes
-        t0 = time.perf_counter()
-        started = local.start_pull(
-            engine_id=reader_id,
-            tp_rank=0,
-            request_id=params.request_id,
-            local_block_ids=list(params.block_ids),
-            remote=params,
-        )
-        status = local.wait_transfer(started.transfer_id, timeout_s=120)
-        elapsed = time.perf_counter() - t0
+        status, elapsed = timed_pull(local, reader_id, params)
         if status.state != common_pb2.TRANSFER_STATE_DONE:
             raise PatternMismatch(
                 f"pull {iteration} ended {common_pb2.TransferState.Name(status.state)}: {status.error_message}"

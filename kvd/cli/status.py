@@ -20,7 +20,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from kvd import __version__
-from kvd.cli.tls import add_tls_arguments, tls_from_args
+from kvd.cli.tls import TlsFlagsError, add_tls_arguments, tls_from_args
 from kvd.core import metrics_text
 from kvd_client import KvdClient, errors
 from kvd_client.pb import router_pb2
@@ -50,11 +50,8 @@ def add_status_arguments(parser: argparse.ArgumentParser) -> None:
 def run_status(args: argparse.Namespace) -> int:
     try:
         tls = tls_from_args(args)
-    except OSError as exc:
-        print(f"kvd status: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"kvd status: {exc} (--tls-cert and --tls-key go together)", file=sys.stderr)
+    except TlsFlagsError as exc:
+        print(f"kvd status: {exc}", file=sys.stderr)
         return 2
     previous: Snapshot | None = None
     try:

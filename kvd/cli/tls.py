@@ -18,21 +18,33 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", default="", help="PEM client key (mTLS)")
 
 
+class TlsFlagsError(ValueError):
+    """The TLS flags cannot be used: the message says which file or pair, for the operator."""
+
+
 def tls_from_args(args: argparse.Namespace) -> TlsConfig | None:
     """The client TLS config the flags name; None for plaintext (no ``--tls-ca`` nor ``--tls-cert``).
 
-    Raises OSError (with ``filename``) for a file it cannot read, ValueError for a certificate
-    without its key or the reverse.
+    Raises :class:`TlsFlagsError` for a file it cannot read, or a certificate without its key or
+    the reverse.
     """
     if not (args.tls_ca or args.tls_cert or args.tls_key):
         return None
 
     def read(path: str) -> bytes | None:
-        return Path(path).read_bytes() if path else None
+        try:
+            return Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise TlsFlagsError(f"cannot read {exc.filename}: {exc.strerror}") from exc
 
-    return TlsConfig(
-        root_certificates=read(args.tls_ca), certificate_chain=read(args.tls_cert), private_key=read(args.tls_key)
-    )
+    try:
+        return TlsConfig(
+            root_certificates=read(args.tls_ca), certificate_chain=read(args.tls_cert), private_key=read(args.tls_key)
+        )
+    except TlsFlagsError:
+        raise
+    except ValueError as exc:
+        raise TlsFlagsError(f"{exc} (--tls-cert and --tls-key go together)") from exc
 
 
 def tls_flags(args: argparse.Namespace) -> list[str]:
