@@ -98,19 +98,31 @@ def overhead_table(result: dict[str, Any]) -> list[str]:
 
 def concurrency_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "2 MiB pulls with N in flight (StartPull -> FinishedRecving on the engine stream)",
+        "2 MiB pulls with N in flight (StartPull -> FinishedRecving on the engine stream); "
+        "CPU ms per pull of each process over the level's window (reader, holder: daemon process trees; "
+        "client: the bench process; all: their sum)",
         f"{'N':>4} {'pulls':>6} {'pulls/s':>8} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'reader CPU ms/pull':>18} {'holder CPU ms/pull':>18}",
+        f"{'reader':>7} {'holder':>7} {'client':>7} {'all':>7}",
     ]
     for row in rows:
         lat, pulls, wall = row["latency_s"], row["pulls"], row["wall_s"]
-        cpu = row["cpu_s"]
+        cpu = {k: f"{v / pulls * 1e3:7.2f}" for k, v in row["cpu_s"].items()}
         out.append(
             f"{row['in_flight']:4d} {pulls:6d} {pulls / wall:8.0f} {pulls * (2 << 20) / wall / GB:6.2f} "
             f"{_ms(median(lat)):>8} {_ms(percentile(lat, 99)):>8} "
-            f"{cpu['reader'] / pulls * 1e3:18.2f} {cpu['holder'] / pulls * 1e3:18.2f}"
+            f"{cpu['reader']} {cpu['holder']} {cpu['client']} {cpu['all']}"
         )
     return out
+
+
+def idle_table(result: dict[str, Any]) -> list[str]:
+    percent = result["core_percent"]
+    return [
+        f"idle daemons (no engine pulling; {result['wall_s']:.1f} s sampled after {result['settle_s']:.1f} s "
+        "without a pull), % of one core: "
+        + ", ".join(f"{name} {value:.2f} %" for name, value in percent.items())
+        + f"; the client beside them {result['client_core_percent']:.2f} %"
+    ]
 
 
 def first_contact_table(result: dict[str, Any]) -> list[str]:

@@ -32,12 +32,52 @@ BLOCK_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # one block of the scratch layout: 2 Mi
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (from /proc; 0 where there is none)."""
+    """User + system CPU seconds so far of a process and of every process under it, live or
+    reaped (0 where there is none).
+
+    A daemon that hands work to processes of its own (workers) is charged for them too: a live
+    child is read on its own (recursively), a child that exited and was waited for is in the
+    parent's ``cutime``/``cstime``. So a window's difference is the whole tree's CPU, whichever of
+    its processes spent it. The process's own time is read from its CPU clock (nanoseconds: an
+    idle daemon spends a few clock ticks a second, too few to count in ticks); ``/proc``'s ticks
+    where the clock cannot be read.
+    """
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        own = time.clock_gettime(_process_cpu_clock(pid))
+    except OSError:
+        own = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    reaped = (int(fields[13]) + int(fields[14])) / tick  # cutime, cstime
+    return own + reaped + sum(cpu_seconds(child) for child in _children(pid))
+
+
+def _process_cpu_clock(pid: int) -> int:
+    """The clock id of a process's CPU time, all its threads (Linux's ``clock_getcpuclockid``:
+    ``MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)``)."""
+    return ((~pid) << 3) | 2
+
+
+def _children(pid: int) -> list[int]:
+    """The live children of ``pid`` (from each of its threads' ``children`` file)."""
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        with contextlib.suppress(OSError, ValueError):
+            out.extend(int(child) for child in (task / "children").read_text().split())
+    return out
+
+
+def own_cpu_seconds() -> float:
+    """This process's CPU seconds so far, every thread (the bench's client: its gRPC channels,
+    its event loop, its engine stream), without its children (it has none but the daemons)."""
+    return time.process_time()
 
 
 @dataclasses.dataclass
@@ -49,7 +89,15 @@ class Daemons:
     fresh: list[DaemonProcess]
 
     def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of the reader's and the holder's process trees."""
         return {"reader": cpu_seconds(self.local.process.pid), "holder": cpu_seconds(self.peer.process.pid)}
+
+    def every_cpu(self) -> dict[str, float]:
+        """CPU seconds so far of every daemon's process tree: reader, holder, fresh holders."""
+        return {
+            **self.cpu(),
+            **{f"fresh holder {i}": cpu_seconds(d.process.pid) for i, d in enumerate(self.fresh)},
+        }
 
 
 def start_daemons(stack: contextlib.ExitStack, workdir: Path, fresh_peers: int) -> Daemons:
@@ -165,7 +213,9 @@ class RawReader:
         import torch  # noqa: PLC0415
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
 
-        self.agent = nixl_agent(f"kvd-bench-raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(
+            f"kvd-bench-raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         self.buffer = torch.zeros(size, dtype=torch.uint8)
         self._registration = self.agent.register_memory(self.buffer)
         self._local: Any = None

@@ -2,9 +2,10 @@
 
 * **sizes**: pulls of 2 MiB .. 512 MiB interleaved with raw NIXL reads of the same bytes;
 * **overhead**: 2 MiB pulls and raw reads interleaved, the per-pair difference (control path);
-* **concurrency**: 2 MiB pulls with 1..64 in flight (pulls/s, GB/s, p50/p99) and the daemons'
-  CPU seconds per pull from /proc;
-* **first contact**: the first pull to a daemon never seen, against later pulls to it.
+* **concurrency**: 2 MiB pulls with 1..64 in flight (pulls/s, GB/s, p50/p99) and the
+  CPU per pull of every process (reader and holder from /proc, the client from this process);
+* **first contact**: the first pull to a daemon never seen, against later pulls to it;
+* **idle**: every daemon's CPU (% of a core) over a few seconds with no engine pulling.
 
 Samples are interleaved (pull, raw, pull, raw, ...) so both see the same machine load; every
 pull's bytes are checked against the pattern (sizes: each pull; concurrency: every block at
@@ -22,7 +23,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvd.bench.rig import BLOCK_BYTES, Daemons, Engine, RawReader, hold_many, scratch_engine_id
+from kvd.bench.rig import (
+    BLOCK_BYTES,
+    Daemons,
+    Engine,
+    RawReader,
+    hold_many,
+    own_cpu_seconds,
+    scratch_engine_id,
+)
 from kvd_client.aio import AsyncKvdClient
 
 Progress = Callable[[str, float], None]
@@ -119,7 +128,9 @@ async def overhead(session: Session, samples: int, progress: Progress) -> dict[s
 async def concurrency(
     session: Session, levels: list[int], pulls_per_level: int, progress: Progress
 ) -> list[dict[str, Any]]:
-    """2 MiB pulls with ``level`` in flight: latencies, pulls/s, and the daemons' CPU per pull."""
+    """2 MiB pulls with ``level`` in flight: latencies, pulls/s, and the CPU seconds each process
+    spent over the level's window (``cpu_s``: reader, holder, client = this process, all = their
+    sum); divided by the pulls, the CPU a pull costs."""
     engine = session.engine
     out = []
     for n, level in enumerate(levels):
@@ -127,7 +138,8 @@ async def concurrency(
         count = max(pulls_per_level, 4 * level)
         held = collections.deque(await session.hold(BLOCK_BYTES, count))
         engine.buffer.zero_()
-        cpu0 = session.daemons.cpu()
+        cpu0 = session.daemons.cpu()  # /proc read outside the client's window (it is the bench's CPU)
+        client0 = own_cpu_seconds()
         t0 = time.perf_counter()
 
         def tick(done: int, n: int = n, level: int = level, count: int = count) -> None:
@@ -135,7 +147,11 @@ async def concurrency(
 
         latencies = await _in_flight(engine, held, level, tick)
         wall = time.perf_counter() - t0
+        client1 = own_cpu_seconds()
         cpu1 = session.daemons.cpu()
+        cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+        cpu["client"] = client1 - client0
+        cpu["all"] = sum(cpu.values())
         for block in range(level):  # every block a pull landed in holds the pattern
             session.verify(block, BLOCK_BYTES)
         out.append(
@@ -144,7 +160,7 @@ async def concurrency(
                 "pulls": count,
                 "wall_s": wall,
                 "latency_s": latencies,
-                "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0},
+                "cpu_s": cpu,
             }
         )
     return out
@@ -183,6 +199,37 @@ async def first_contact(session: Session, fresh: list[Any], later: int, progress
                 progress("first contact", (n + (i + 1) / len(held)) / len(fresh))
         session.verify(0, BLOCK_BYTES)
     return {"first_s": firsts, "later_s": laters}
+
+
+async def idle(session: Session, seconds: float, settle_s: float, progress: Progress) -> dict[str, Any]:
+    """Every daemon's CPU while no engine pulls: the reader (its engine still registered, its
+    stream open, as an idle vLLM leaves it), the holder and any fresh holder, sampled over
+    ``seconds`` after ``settle_s`` without a pull; this process (the client) beside them.
+
+    Each figure is CPU seconds over wall seconds, as % of one core: what a daemon costs a node
+    that has nothing to move. The event loop here only sleeps meanwhile.
+    """
+    if settle_s > 0:
+        await asyncio.sleep(settle_s)
+    cpu0 = session.daemons.every_cpu()
+    client0 = own_cpu_seconds()
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    while (left := deadline - time.perf_counter()) > 0:
+        await asyncio.sleep(min(0.25, left))
+        progress("idle daemons", 1.0 - max(0.0, deadline - time.perf_counter()) / seconds)
+    wall = time.perf_counter() - t0
+    client1 = own_cpu_seconds()
+    cpu1 = session.daemons.every_cpu()
+    cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    return {
+        "wall_s": wall,
+        "settle_s": settle_s,
+        "cpu_s": cpu,
+        "client_cpu_s": client1 - client0,
+        "core_percent": {k: 100.0 * v / wall for k, v in cpu.items()},
+        "client_core_percent": 100.0 * (client1 - client0) / wall,
+    }
 
 
 def median(values: list[float]) -> float:

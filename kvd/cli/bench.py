@@ -2,9 +2,10 @@
 
 Starts two daemons on loopback (and, for first-contact samples, fresh holders), registers an
 engine on one, and measures (see :mod:`kvd.bench.runs`): pull vs raw NIXL by size, the control
-overhead distribution, 2 MiB pulls with 1..64 in flight and the daemons' CPU per pull, the cost of
-a first contact, and the layout-conversion pairs (:mod:`kvd.bench.convert`). Prints the tables
-(a progress bar meanwhile), writes ``bench.json`` with every sample and PNG plots into ``--out``.
+overhead distribution, 2 MiB pulls with 1..64 in flight and every process's CPU per pull, the
+cost of a first contact, the daemons' CPU while idle, and the layout-conversion pairs
+(:mod:`kvd.bench.convert`). Prints the tables (a progress bar meanwhile) and the goals table
+(:mod:`kvd.bench.goals`), writes ``bench.json`` with every sample and PNG plots into ``--out``.
 ``--quick`` is the small configuration (under two minutes on a 2-core machine).
 """
 
@@ -39,10 +40,12 @@ class BenchConfig:
     later_pulls: int
     convert_tokens: int
     convert_repeat: int
+    idle_s: float  # the idle daemons' sampling window (0: no idle section)
+    idle_settle_s: float  # without a pull before the window opens
 
 
-QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5)
-FULL = BenchConfig((2, 8, 32, 128, 512), 10, 300, (1, 2, 4, 8, 16, 32, 64), 1000, 2, 20, 1024, 5)
+QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5, 3.0, 1.0)
+FULL = BenchConfig((2, 8, 32, 128, 512), 10, 300, (1, 2, 4, 8, 16, 32, 64), 1000, 2, 20, 1024, 5, 10.0, 1.0)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +60,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-samples", type=int, default=0, help="pull/raw pairs for the control overhead")
     parser.add_argument("--fresh-peers", type=int, default=-1, help="extra holders started for first-contact samples")
     parser.add_argument("--convert-tokens", type=int, default=-1, help="request size of the conversion pairs (0: skip)")
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=-1.0,
+        help="seconds the idle daemons' CPU is sampled (0: skip; quick 3, full 10)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
 
 
@@ -82,6 +91,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         changes["fresh_peers"] = args.fresh_peers
     if args.convert_tokens >= 0:
         changes["convert_tokens"] = args.convert_tokens
+    if args.idle_s >= 0:
+        changes["idle_s"] = args.idle_s
     config = dataclasses.replace(base, **changes)
     bad = [s for s in config.sizes_mb if s < 2 or s % 2 or s > 1024]
     if bad or any(n < 1 for n in config.levels):
@@ -113,66 +124,6 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": bool(torch.cuda.is_available()),
     }
-
-
-def goals(result: dict[str, Any]) -> list[str]:
-    """Each of issue 11's goals with this run's figure."""
-    from kvd.bench import runs  # noqa: PLC0415
-
-    out = []
-
-    def line(name: str, figure: str, met: bool | None) -> None:
-        mark = "-" if met is None else ("met" if met else "NOT met")
-        out.append(f"  {name:52} {figure:>28}  {mark}")
-
-    over = result.get("overhead")
-    if over:
-        p50 = runs.median(over["overhead_s"])
-        line("control overhead p50, one 2 MiB pull (< 1 ms)", f"{p50 * 1e3:.2f} ms", p50 < 1e-3)
-    for row in result.get("concurrency", []):
-        if row["in_flight"] == 32:
-            rate, p99 = row["pulls"] / row["wall_s"], runs.percentile(row["latency_s"], 99)
-            line(
-                "2 MiB pulls/s, 32 in flight (>= 2000, p99 < 50 ms)",
-                f"{rate:.0f}/s, p99 {p99 * 1e3:.0f} ms",
-                rate >= 2000 and p99 < 0.05,
-            )
-        if row["in_flight"] == 1:
-            cpu = row["cpu_s"]
-            line(
-                "daemon CPU per pull (reader + holder)",
-                f"{cpu['reader'] / row['pulls'] * 1e3:.2f} + {cpu['holder'] / row['pulls'] * 1e3:.2f} ms",
-                None,
-            )
-    for row in result.get("sizes", []):
-        ratio = runs.median(row["raw_s"]) / runs.median(row["kvd_s"])
-        mib = row["size_bytes"] >> 20
-        if mib == 8:
-            line("8 MiB pull vs raw NIXL (>= 0.8x)", f"{ratio:.2f}x", ratio >= 0.8)
-        elif mib >= 128:
-            line(f"{mib} MiB pull vs raw NIXL (>= 0.95x)", f"{ratio:.2f}x", ratio >= 0.95)
-    first = result.get("first_contact")
-    if first and first["first_s"]:
-        extra = runs.median(first["first_s"]) - runs.median(first["later_s"])
-        line("first pull to a new peer, extra (< 10 ms)", f"{extra * 1e3:.1f} ms", extra < 0.01)
-    pairs = result.get("conversions", [])
-    staged = [row for row in pairs if "vs_copy" in row]
-    if staged:
-        worst = min(staged, key=lambda row: row["vs_copy"])
-        line(
-            "worst staged conversion vs copy_ (>= 0.8x)",
-            f"{worst['vs_copy']:.2f}x ({worst['pair'][:14]})",
-            worst["vs_copy"] >= 0.8,
-        )
-    pulled = [row for row in pairs if "vs_same_layout" in row]
-    if pulled:
-        worst = min(pulled, key=lambda row: row["vs_same_layout"])
-        line(
-            "worst pair vs same-layout pull (>= 0.5x)",
-            f"{worst['vs_same_layout']:.2f}x ({worst['pair'][:14]})",
-            worst["vs_same_layout"] >= 0.5,
-        )
-    return out
 
 
 async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressBar) -> dict[str, Any]:
@@ -221,6 +172,10 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
                 )
                 _show(bar, report.concurrency_table(result["concurrency"]))
                 lap("concurrency")
+                if config.idle_s > 0:  # last: every pull of the run has finished
+                    result["idle"] = await runs.idle(session, config.idle_s, config.idle_settle_s, bar)
+                    _show(bar, report.idle_table(result["idle"]))
+                    lap("idle")
             finally:
                 await engine.close()
                 raw.close()
@@ -239,7 +194,7 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvd bench: {exc}", file=sys.stderr)
         return 2
-    from kvd.bench import report, runs  # noqa: PLC0415
+    from kvd.bench import goals, report, runs  # noqa: PLC0415
     from kvd_client import errors  # noqa: PLC0415
 
     out = Path(args.out or f"kvd-bench-{datetime.datetime.now():%Y%m%d-%H%M%S}")
@@ -269,10 +224,12 @@ def run_bench(args: argparse.Namespace) -> int:
         code = 1
     result["elapsed_s"] = time.perf_counter() - started
     result["machine"]["load_at_end"] = os.getloadavg()
+    measured = goals.evaluate(result) if code == 0 else []  # a failed run's figures mean nothing
+    if measured:
+        result["goals"] = goals.as_json(measured)
     report.write_json(out / "bench.json", result)
     written = [] if args.no_plots or code else report.write_plots(out, result)
-    if code == 0:
-        print("goals (issue 11):")
-        print("\n".join(goals(result)))
+    if measured:
+        print("\n".join(goals.table(measured)))
     print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in written) + f" in {result['elapsed_s']:.0f} s")
     return code

@@ -4,6 +4,7 @@ in the JSON, the plots written. Not a timed test: it checks the tool, not the fi
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,20 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         "--pulls-per-level", "8",
         "--fresh-peers", "1",
         "--convert-tokens", "16",
+        "--idle-s", "1",
     ]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "kvd.cli.main", *args], capture_output=True, text=True, timeout=240, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    for table in ("pull vs raw NIXL read", "control overhead", "in flight", "first pull to a new peer", "goals"):
+    for table in (
+        "pull vs raw NIXL read",
+        "control overhead",
+        "in flight",
+        "first pull to a new peer",
+        "idle daemons",
+        "goals",
+    ):
         assert table in result.stdout, result.stdout
 
     data = json.loads((out / "bench.json").read_text())
@@ -53,12 +62,46 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert set(levels) == {1, 4}
     for n, row in levels.items():
         assert len(row["latency_s"]) == row["pulls"] >= max(8, 4 * n)
-        assert row["cpu_s"]["reader"] > 0 and row["cpu_s"]["holder"] > 0  # read from /proc of the daemons
+        cpu = row["cpu_s"]
+        assert cpu["reader"] > 0 and cpu["holder"] > 0  # read from /proc of the daemons
+        assert cpu["client"] > 0  # this process's own CPU over the same window
+        assert cpu["all"] == pytest.approx(cpu["reader"] + cpu["holder"] + cpu["client"])
+        assert all(math.isfinite(v) for v in cpu.values())
+    header = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("N "))
+    assert header.split()[-4:] == ["reader", "holder", "client", "all"], header
     first = data["first_contact"]
     assert len(first["first_s"]) == 1 and len(first["later_s"]) == data["config"]["later_pulls"]
+    idle = data["idle"]  # the daemons with no engine pulling, after every other daemon section
+    assert data["config"]["idle_s"] == 1 and idle["wall_s"] >= 1
+    assert set(idle["core_percent"]) == {"reader", "holder", "fresh holder 0"}
+    assert all(math.isfinite(v) and v >= 0 for v in [*idle["core_percent"].values(), idle["client_core_percent"]])
+    sections = list(data["section_s"])
+    assert sections.index("idle") == sections.index("concurrency") + 1  # the last section with daemons
     pairs = {row["pair"]: row for row in data["conversions"]}
     assert "same layout (baseline)" in pairs and any(row["mode"] == "staged" for row in pairs.values())
     assert all("vs_copy" in row for row in pairs.values() if row["mode"] == "staged")
+
+    goals = {goal["key"]: goal for goal in data["goals"]}
+    assert list(goals)[:6] == [  # issue 19's, in its order, then issue 11's
+        "control_overhead_p50",
+        "pulls_per_s_32",
+        "pull_128mib_vs_raw",
+        "cpu_per_pull_all",
+        "first_contact_extra",
+        "idle_daemon_cpu",
+    ]
+    not_run = {"pulls_per_s_32", "pull_128mib_vs_raw", "pull_8mib_vs_raw", "pull_over_128mib_vs_raw"}
+    for key, goal in goals.items():  # the tiny run has no 32 in flight and no 8 or 128 MiB size
+        if key in not_run:
+            assert goal["value"] is None and goal["met"] is None and goal["figure"].startswith("not measured"), goal
+        else:
+            assert math.isfinite(goal["value"]) and isinstance(goal["met"], bool), goal
+        assert goal["what"] in result.stdout, goal
+    for key in ("cpu_per_pull_all", "idle_daemon_cpu", "staged_conversion_vs_copy", "pair_vs_same_layout"):
+        assert goals[key]["value"] >= 0, goals[key]
+    worst = max(row["cpu_s"]["all"] / row["pulls"] for row in data["concurrency"])
+    assert goals["cpu_per_pull_all"]["value"] == pytest.approx(worst)
+    assert goals["idle_daemon_cpu"]["value"] == pytest.approx(max(idle["core_percent"].values()))
 
     for name in ("throughput.png", "latency_cdf.png", "concurrency.png"):
         png = (out / name).read_bytes()

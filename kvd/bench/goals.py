@@ -1,0 +1,177 @@
+"""The bench's goals table: each goal of issue 19 (and those of issue 11 that still apply) with
+this run's figure and whether it is met.
+
+Every figure comes from the run's own samples (``result``: what ``bench.json`` holds); a goal
+whose section did not run in this configuration (no level of 32 in flight, no 128 MiB size, no
+fresh holder, no idle window, no conversion pairs) is reported "not measured", with why, and
+counts as neither met nor missed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from kvd.bench.runs import median, percentile
+
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    """One row: what is asked, this run's figure, met or not (None: not measured)."""
+
+    key: str
+    issue: int
+    what: str
+    target: str
+    figure: str
+    value: float | None
+    met: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    figure: str
+    value: float
+    met: bool
+
+
+_Check = Callable[[dict[str, Any]], "_Measured | str"]
+
+
+def _overhead(result: dict[str, Any]) -> _Measured | str:
+    over = (result.get("overhead") or {}).get("overhead_s") or []
+    if not over:
+        return "no overhead samples"
+    p50 = median(over)
+    return _Measured(f"{p50 * 1e3:.2f} ms ({len(over)} pairs)", p50, p50 < 1e-3)
+
+
+def _level(result: dict[str, Any], in_flight: int) -> dict[str, Any] | None:
+    return next((row for row in result.get("concurrency") or [] if row["in_flight"] == in_flight), None)
+
+
+def _pulls_per_s(result: dict[str, Any]) -> _Measured | str:
+    row = _level(result, 32)
+    if row is None:
+        return "no level of 32 in flight"
+    rate, p99 = row["pulls"] / row["wall_s"], percentile(row["latency_s"], 99)
+    return _Measured(f"{rate:.0f}/s, p99 {p99 * 1e3:.0f} ms", rate, rate >= 2000 and p99 < 0.05)
+
+
+def _size_ratio(result: dict[str, Any], size_mb: int) -> float | None:
+    row = next((r for r in result.get("sizes") or [] if r["size_bytes"] == size_mb * MIB), None)
+    return None if row is None else median(row["raw_s"]) / median(row["kvd_s"])
+
+
+def _large_pull(result: dict[str, Any]) -> _Measured | str:
+    ratio = _size_ratio(result, 128)
+    if ratio is None:
+        return "no 128 MiB size"
+    return _Measured(f"{ratio:.2f}x", ratio, ratio >= 0.95)
+
+
+def _cpu_per_pull(result: dict[str, Any]) -> _Measured | str:
+    rows = result.get("concurrency") or []
+    if not rows:
+        return "no concurrency level"
+    worst = max(rows, key=lambda row: row["cpu_s"]["all"] / row["pulls"])
+    per_pull = worst["cpu_s"]["all"] / worst["pulls"]
+    return _Measured(f"{per_pull * 1e3:.2f} ms (worst: {worst['in_flight']} in flight)", per_pull, per_pull < 0.5e-3)
+
+
+def _first_contact(result: dict[str, Any]) -> _Measured | str:
+    first = result.get("first_contact") or {}
+    if not first.get("first_s") or not first.get("later_s"):
+        return "no fresh holder"
+    extra = median(first["first_s"]) - median(first["later_s"])
+    return _Measured(f"+{extra * 1e3:.1f} ms", extra, extra < 0.01)
+
+
+def _idle(result: dict[str, Any]) -> _Measured | str:
+    percent = (result.get("idle") or {}).get("core_percent") or {}
+    if not percent:
+        return "no idle window"
+    name, worst = max(percent.items(), key=lambda item: item[1])
+    return _Measured(f"{worst:.2f} % ({name})", worst, worst < 0.5)
+
+
+def _eight_mib(result: dict[str, Any]) -> _Measured | str:
+    ratio = _size_ratio(result, 8)
+    if ratio is None:
+        return "no 8 MiB size"
+    return _Measured(f"{ratio:.2f}x", ratio, ratio >= 0.8)
+
+
+def _larger_pulls(result: dict[str, Any]) -> _Measured | str:
+    ratios = [
+        (row["size_bytes"] // MIB, median(row["raw_s"]) / median(row["kvd_s"]))
+        for row in result.get("sizes") or []
+        if row["size_bytes"] > 128 * MIB
+    ]
+    if not ratios:
+        return "no size above 128 MiB"
+    mib, worst = min(ratios, key=lambda item: item[1])
+    return _Measured(f"{worst:.2f}x ({mib} MiB)", worst, worst >= 0.95)
+
+
+def _worst_pair(key: str, floor: float) -> _Check:
+    def check(result: dict[str, Any]) -> _Measured | str:
+        rows = [row for row in result.get("conversions") or [] if key in row]
+        if not rows:
+            return "no conversion pairs" if not result.get("conversions") else "no such pair in this run"
+        worst = min(rows, key=lambda row: row[key])
+        return _Measured(f"{worst[key]:.2f}x ({worst['pair'][:18]})", worst[key], worst[key] >= floor)
+
+    return check
+
+
+GOALS: tuple[tuple[str, int, str, str, _Check], ...] = (
+    ("control_overhead_p50", 19, "control overhead of one 2 MiB pull, p50 (pull - raw)", "< 1 ms", _overhead),
+    ("pulls_per_s_32", 19, "2 MiB pulls/s at 32 in flight", ">= 2000/s, p99 < 50 ms", _pulls_per_s),
+    ("pull_128mib_vs_raw", 19, "128 MiB pull / raw NIXL read", ">= 0.95x", _large_pull),
+    ("cpu_per_pull_all", 19, "CPU per pull, all processes together", "< 0.5 ms", _cpu_per_pull),
+    ("first_contact_extra", 19, "first pull to a new peer, over later pulls", "< 10 ms", _first_contact),
+    ("idle_daemon_cpu", 19, "CPU of an idle daemon (worst daemon)", "< 0.5 % of a core", _idle),
+    ("pull_8mib_vs_raw", 11, "8 MiB pull / raw NIXL read", ">= 0.8x", _eight_mib),
+    ("pull_over_128mib_vs_raw", 11, "pulls above 128 MiB / raw NIXL (worst)", ">= 0.95x", _larger_pulls),
+    ("staged_conversion_vs_copy", 11, "staged conversion / copy_ (worst pair)", ">= 0.8x", _worst_pair("vs_copy", 0.8)),
+    (
+        "pair_vs_same_layout",
+        11,
+        "layout pair pull / same-layout pull (worst)",
+        ">= 0.5x",
+        _worst_pair("vs_same_layout", 0.5),
+    ),
+)
+
+
+def evaluate(result: dict[str, Any]) -> list[Goal]:
+    """Every goal, in the table's order, against this run's samples."""
+    out = []
+    for key, issue, what, target, check in GOALS:
+        measured = check(result)
+        if isinstance(measured, str) or not math.isfinite(measured.value):
+            why = measured if isinstance(measured, str) else "no finite figure"
+            out.append(Goal(key, issue, what, target, f"not measured ({why})", None, None))
+        else:
+            out.append(Goal(key, issue, what, target, measured.figure, measured.value, measured.met))
+    return out
+
+
+def table(goals: list[Goal]) -> list[str]:
+    out = [
+        "goals (issue 19; issue 11's that still apply), this run's figures:",
+        f"  {'goal':52} {'target':22} {'this run':40} met",
+    ]
+    for goal in goals:
+        mark = "-" if goal.met is None else ("met" if goal.met else "NOT met")
+        out.append(f"  {goal.what[:52]:52} {goal.target:22} {goal.figure:40} {mark}  (#{goal.issue})")
+    return out
+
+
+def as_json(goals: list[Goal]) -> list[dict[str, Any]]:
+    return [dataclasses.asdict(goal) for goal in goals]

@@ -1,0 +1,104 @@
+"""`kvd bench`'s goals table, from a run's samples: each goal's figure, met or not, and "not
+measured" (neither met nor missed) where its section did not run. The bench itself runs in
+tests/integration/test_bench.py; here, samples are written out so each threshold is exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvd.bench import goals
+from kvd.bench.rig import cpu_seconds
+
+MIB = 1 << 20
+
+
+def _run(**changes: Any) -> dict[str, Any]:
+    """A run's samples where every goal of issue 19 is met."""
+    result: dict[str, Any] = {
+        "overhead": {"overhead_s": [0.0004, 0.0005, 0.0006]},
+        "sizes": [
+            {"size_bytes": 8 * MIB, "kvd_s": [0.010], "raw_s": [0.009]},
+            {"size_bytes": 128 * MIB, "kvd_s": [0.100], "raw_s": [0.096]},
+        ],
+        "concurrency": [
+            {
+                "in_flight": n,
+                "pulls": 1000,
+                "wall_s": 0.4,
+                "latency_s": [0.010] * 1000,
+                "cpu_s": {"reader": 0.1, "holder": 0.1, "client": 0.1, "all": 0.3},
+            }
+            for n in (1, 32)
+        ],
+        "first_contact": {"first_s": [0.012], "later_s": [0.004, 0.005]},
+        "idle": {"core_percent": {"reader": 0.2, "holder": 0.1}},
+        "conversions": [
+            {"pair": "same layout (baseline)", "vs_same_layout": 1.0},
+            {"pair": "NHD -> HND", "vs_copy": 0.9, "vs_same_layout": 0.7},
+        ],
+    }
+    result.update(changes)
+    return result
+
+
+def _by_key(result: dict[str, Any]) -> dict[str, goals.Goal]:
+    return {goal.key: goal for goal in goals.evaluate(result)}
+
+
+def test_every_goal_has_its_row_and_a_run_that_meets_them_all_says_so() -> None:
+    table = goals.evaluate(_run(sizes=[*_run()["sizes"], {"size_bytes": 512 * MIB, "kvd_s": [1.0], "raw_s": [0.97]}]))
+    assert [goal.key for goal in table] == [key for key, *_ in goals.GOALS]
+    assert [goal.issue for goal in table][:6] == [19] * 6
+    assert all(goal.met is True for goal in table), table
+    by_key = {goal.key: goal for goal in table}
+    assert by_key["cpu_per_pull_all"].value == pytest.approx(0.3e-3)
+    assert by_key["pulls_per_s_32"].value == pytest.approx(2500)
+    assert by_key["idle_daemon_cpu"].figure.endswith("(reader)")
+    lines = goals.table(table)
+    assert all(any(goal.what in line for line in lines) for goal in table)
+
+
+def test_each_threshold_of_issue_19() -> None:
+    slow = _run(overhead={"overhead_s": [0.001, 0.001, 0.001]})
+    assert _by_key(slow)["control_overhead_p50"].met is False
+    level = _run()["concurrency"][1]
+    late = _run(concurrency=[{**level, "latency_s": [0.010] * 980 + [0.060] * 20}])
+    assert _by_key(late)["pulls_per_s_32"].met is False  # 2,500/s, but p99 60 ms
+    few = _run(concurrency=[{**level, "wall_s": 0.6}])
+    assert _by_key(few)["pulls_per_s_32"].met is False  # 1,667/s
+    assert (
+        _by_key(_run(sizes=[{"size_bytes": 128 * MIB, "kvd_s": [0.1], "raw_s": [0.094]}]))["pull_128mib_vs_raw"].met
+        is False
+    )
+    one_costly = _run(concurrency=[level, {**level, "in_flight": 1, "cpu_s": {**level["cpu_s"], "all": 0.5}}])
+    cpu = _by_key(one_costly)["cpu_per_pull_all"]
+    assert cpu.met is False and cpu.value == pytest.approx(0.5e-3) and "1 in flight" in cpu.figure  # the worst level
+    assert _by_key(_run(first_contact={"first_s": [0.016], "later_s": [0.005]}))["first_contact_extra"].met is False
+    idle = _by_key(_run(idle={"core_percent": {"reader": 0.2, "holder": 0.5}}))["idle_daemon_cpu"]
+    assert idle.met is False and idle.figure.endswith("(holder)")
+
+
+def test_a_section_that_did_not_run_is_not_measured_rather_than_a_number() -> None:
+    bare = _by_key({"overhead": {"overhead_s": [0.002]}})
+    assert bare["control_overhead_p50"].met is False
+    for key, goal in bare.items():
+        if key != "control_overhead_p50":
+            assert goal.met is None and goal.value is None and goal.figure.startswith("not measured ("), goal
+    only_one = _by_key(_run(concurrency=[_run()["concurrency"][0]]))
+    assert only_one["pulls_per_s_32"].figure == "not measured (no level of 32 in flight)"
+    assert only_one["cpu_per_pull_all"].met is True  # measured at the levels that ran
+    assert goals.as_json(list(bare.values()))[1]["figure"].startswith("not measured")
+
+
+def test_cpu_seconds_counts_a_process_and_grows_with_its_work() -> None:
+    import os
+    import time
+
+    before = cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    assert cpu_seconds(os.getpid()) - before >= 0.04
+    assert cpu_seconds(2**22 + 12345) == 0.0  # no such process
