@@ -26,7 +26,7 @@ from kvd.core.events import FinishedSending
 from kvd.core.holdchecks import HoldChecks, SchedulerChannel
 from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseEnd, LeaseTable
 from kvd.core.local_memory import LocalMemory, Memories
-from kvd.core.memory import RegionRequest, open_region
+from kvd.core.memory import OpenedRegion, RegionRequest, open_region
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
 from kvd.core.peers import HandshakeInfo, Peers, PeerSession, PeerTransport, PrepareResult, RemoteEngine
@@ -242,10 +242,16 @@ class Daemon:
                 raise InvalidArgument(
                     f"{kv_groups.describe_group(index, group)}: {exc.message}" if index else exc.message
                 ) from None
-        opened = [open_region(region) for region in regions]
+        opened: list[OpenedRegion] = []
         try:
+            for region in regions:
+                opened.append(open_region(region))
             memory = await self._mem.register(opened, next_registration_id())
-        except Exception as exc:
+        except BaseException as exc:
+            for mapped in opened:  # nothing was registered: unmap what was mapped
+                mapped.close()
+            if isinstance(exc, KvdError | asyncio.CancelledError):
+                raise
             raise Internal(f"NIXL could not register engine {engine_id!r} memory: {exc}") from exc
         rank = EngineRank(
             engine_id=engine_id,

@@ -225,7 +225,9 @@ class Memories:
         for registration in memory.nixl_registrations:
             await self._dataplane.deregister(registration)
         memory.nixl_registrations.clear()
-        memory.regions.clear()  # drops the tensors: torch unmaps what it mapped
+        for region in memory.regions:
+            region.close()  # the daemon's mapping of an engine's shm file
+        memory.regions.clear()  # drops the tensors (a CUDA IPC one closes its handle)
         for mapping in memory.owned_mappings:
             mapping.close()
         memory.owned_mappings.clear()

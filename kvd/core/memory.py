@@ -1,14 +1,15 @@
 """Opening an engine's KV memory without copying it.
 
 Host memory is a POSIX shared-memory file the engine created under ``/dev/shm``; the daemon
-maps the same file (``torch.UntypedStorage.from_file(shared=True)``), so a NIXL write into the
-daemon's mapping is the engine's memory. GPU memory is a CUDA IPC handle of a torch storage,
-opened on the same device. Either way the daemon gets a uint8 tensor over the engine's bytes
-and its address, and never copies them.
+maps the same file (``MAP_SHARED``, at an address from :data:`kvd.core.vm.ARENA`, never one a
+released region had), so a NIXL write into the daemon's mapping is the engine's memory. GPU
+memory is a CUDA IPC handle of a torch storage, opened on the same device. Either way the daemon
+gets a uint8 tensor over the engine's bytes and its address, and never copies them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import enum
 import logging
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvd.core import vm
 from kvd_client.errors import InvalidArgument, MemoryOpenError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,14 @@ class OpenedRegion:
 
     request: RegionRequest
     tensor: torch.Tensor
+    # The daemon's mapping of a shm region, unmapped by close() once nothing can touch it.
+    mapping: vm.HostMapping | None = None
+
+    def close(self) -> None:
+        """Unmap the daemon's own mapping (the engine's file and pages are the engine's)."""
+        if self.mapping is not None:
+            self.mapping.close()
+            self.mapping = None
 
     @property
     def address(self) -> int:
@@ -89,13 +99,15 @@ def open_region(request: RegionRequest) -> OpenedRegion:
     if request.size_bytes <= 0:
         raise InvalidArgument(f"region size must be > 0, got {request.size_bytes}")
     if request.kind is MemoryKind.SHM:
-        return OpenedRegion(request, _open_shm(request.shm_name, request.size_bytes))
+        mapping = _open_shm(request.shm_name, request.size_bytes)
+        buffer = (ctypes.c_uint8 * request.size_bytes).from_address(mapping.address)
+        return OpenedRegion(request, torch.frombuffer(buffer, dtype=torch.uint8), mapping)
     if request.cuda_ipc is None:
         raise InvalidArgument("a CUDA IPC region needs its cuda_ipc handle")
     return OpenedRegion(request, _open_cuda_ipc(request.cuda_ipc, request.size_bytes))
 
 
-def _open_shm(name: str, size: int) -> torch.Tensor:
+def _open_shm(name: str, size: int) -> vm.HostMapping:
     if not _SHM_NAME.match(name or ""):
         raise InvalidArgument(
             f"shm name {name!r} is not a plain file name under {SHM_DIR} (letters, digits, '.', '_', '-')"
@@ -112,10 +124,15 @@ def _open_shm(name: str, size: int) -> torch.Tensor:
     if not os.access(path, os.R_OK | os.W_OK):
         raise MemoryOpenError(f"the daemon may not read and write {path} (permissions {oct(stat.st_mode & 0o777)})")
     try:
-        storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=size)
-    except RuntimeError as exc:
-        raise MemoryOpenError(f"cannot map shared memory {path}: {exc}") from exc
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise MemoryOpenError(f"cannot open shared memory {path}: {exc.strerror}") from exc
+    try:
+        return vm.map_shared_file(fd, size)
+    except OSError as exc:
+        raise MemoryOpenError(f"cannot map shared memory {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)  # the mapping keeps the file's pages
 
 
 def _open_cuda_ipc(spec: CudaIpcSpec, size: int) -> torch.Tensor:

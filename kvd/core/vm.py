@@ -13,6 +13,15 @@ shared memory. Two operations on that mapping make a late copy harmless:
   touch the engine's memory or fault.
 
 A retired range stays reserved until no transfer can still touch it (see docs/lifetimes.md).
+
+**Addresses are not reused.** Peers load this daemon's NIXL metadata and keep the regions they
+loaded even after this daemon deregisters them (NIXL merges metadata); a new region at addresses
+an old one had forces every such peer to reload its view of this daemon (kvd.core.peers), which
+costs a UCX connection each time. So engine mappings (and their re-maps) are placed by
+:class:`AddressArena`: at increasing addresses in a range the kernel does not place mappings in
+on its own (16-64 TiB, far below the top-down mmap area), never the same range twice until the
+arena wraps. Where that range is unavailable (another address-space layout) the kernel chooses,
+as before, and a reuse is handled by the peers' reload.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import ctypes.util
 import logging
 import mmap
 import os
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +39,25 @@ PAGE = mmap.PAGESIZE
 _PROT_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_PRIVATE = mmap.MAP_PRIVATE
 _MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0x20)
+_MAP_SHARED = mmap.MAP_SHARED
+_PROT_NONE = 0
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = 0x4000
+_MAP_FIXED_NOREPLACE = 0x100000  # Linux >= 4.17: fail with EEXIST instead of replacing a mapping
 _MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_EEXIST = 17
+
+ARENA_BASE = 0x1000_0000_0000  # 16 TiB
+ARENA_END = 0x4000_0000_0000  # 64 TiB
+ARENA_GUARD = 1 << 21  # an unmapped gap between two placements
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.mremap.restype = ctypes.c_void_p
-_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
@@ -70,6 +89,55 @@ def retire_range(address: int, size: int) -> None:
         raise OSError(0, f"mmap(MAP_FIXED) returned {got:#x}, not {start:#x}")
 
 
+class AddressArena:
+    """Hands out page ranges at increasing addresses of [base, end), never the same twice until it
+    wraps (module docstring). Thread-safe; each range is reserved (``PROT_NONE``) when handed out,
+    and the caller maps over it with ``MAP_FIXED``."""
+
+    def __init__(self, base: int = ARENA_BASE, end: int = ARENA_END) -> None:
+        self._base = base
+        self._end = end
+        self._cursor = base
+        self._lock = threading.Lock()
+        self._usable = True
+
+    def reserve(self, length: int) -> int | None:
+        """Reserve ``length`` bytes (a multiple of the page size); None where the arena cannot be used."""
+        with self._lock:
+            if not self._usable:
+                return None
+            wrapped = False
+            for _ in range(256):
+                start = self._cursor
+                if start + length > self._end:
+                    if wrapped:
+                        return None
+                    logger.info("address arena wrapped: later mappings may reuse addresses of released ones")
+                    self._cursor = self._base
+                    wrapped = True
+                    continue
+                flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED_NOREPLACE
+                got = _libc.mmap(start, length, _PROT_NONE, flags, -1, 0)
+                if got == start:
+                    self._cursor = start + length + ARENA_GUARD
+                    return start
+                if got is not None and got != _MAP_FAILED:  # a kernel that ignores MAP_FIXED_NOREPLACE
+                    _libc.munmap(got, length)
+                    self._usable = False
+                    logger.info("MAP_FIXED_NOREPLACE is not honoured here: the kernel places engine mappings")
+                    return None
+                errno = ctypes.get_errno()
+                if errno != _EEXIST:
+                    self._usable = False
+                    logger.info("the address arena cannot be used (%s): the kernel places mappings", os.strerror(errno))
+                    return None
+                self._cursor = start + length + ARENA_GUARD  # taken by someone else: step past it
+            return None
+
+
+ARENA = AddressArena()
+
+
 class HostMapping:
     """A second mapping of shared pages, owned by kvd (unmapped by :meth:`close`)."""
 
@@ -85,7 +153,7 @@ class HostMapping:
                 logger.warning("munmap(%#x, %d) failed: %s", self.address, self.size, os.strerror(ctypes.get_errno()))
 
 
-def duplicate_mapping(address: int, size: int) -> HostMapping:
+def duplicate_mapping(address: int, size: int, arena: AddressArena | None = None) -> HostMapping:
     """Map the shared pages under ``address`` once more, at a new address (the old one is untouched).
 
     ``address`` must start a page and lie in a shared mapping (an engine's ``/dev/shm`` file as
@@ -94,5 +162,28 @@ def duplicate_mapping(address: int, size: int) -> HostMapping:
     if address % PAGE:
         raise ValueError(f"address {address:#x} does not start a page")
     _, length = page_span(address, size)
-    new = _check(_libc.mremap(address, 0, length, _MREMAP_MAYMOVE), "mremap(old_size=0) of a shared mapping")
-    return HostMapping(new, length)
+    at = (arena or ARENA).reserve(length)
+    if at is None:
+        new = _check(_libc.mremap(address, 0, length, _MREMAP_MAYMOVE, None), "mremap(old_size=0) of a shared mapping")
+        return HostMapping(new, length)
+    got = _libc.mremap(address, 0, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, at)
+    if got is None or got == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        _libc.munmap(at, length)
+        raise OSError(errno, f"mremap(old_size=0) of a shared mapping: {os.strerror(errno)}")
+    return HostMapping(int(got), length)
+
+
+def map_shared_file(fd: int, size: int, arena: AddressArena | None = None) -> HostMapping:
+    """Map ``size`` bytes of the shared file ``fd`` read-write, at an address from ``arena``."""
+    _, length = page_span(0, size)
+    at = (arena or ARENA).reserve(length)
+    if at is None:
+        got = _check(_libc.mmap(None, length, _PROT_READ_WRITE, _MAP_SHARED, fd, 0), "mmap of shared memory")
+        return HostMapping(got, length)
+    got = _libc.mmap(at, length, _PROT_READ_WRITE, _MAP_SHARED | _MAP_FIXED, fd, 0)
+    if got is None or got == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        _libc.munmap(at, length)
+        raise OSError(errno, f"mmap of shared memory: {os.strerror(errno)}")
+    return HostMapping(int(got), length)

@@ -22,6 +22,7 @@ from kvtest import small_spec
 from lifetime_fakes import SAFETY_TIMEOUT_S, Fabric, Gate, Node
 
 import kvd.core.daemon as daemon_module
+from kvd.core import vm
 from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.local_memory import LocalMemory, MemoryState
 from kvd.core.registry import EngineRank
@@ -39,6 +40,13 @@ DONE, FAILED, ABORTED = TransferState.DONE, TransferState.FAILED, TransferState.
 HOLDER, READER = "holder.test:1", "reader.test:1"
 HOLD_BLOCKS, NUM_TOKENS, LOCAL_BLOCKS = [0, 1, 2], 40, [3, 4, 5]  # 2 full blocks + 8 tokens: 2 READs
 SHORT_FENCE_S = 0.05  # for tests whose READs never end: the fence gives up after this
+
+
+@pytest.fixture
+def kernel_placed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine memory placed by the kernel, which reuses a released region's addresses at once (as
+    where kvd's address arena is unavailable, or for VRAM): what makes a peer reload its agent."""
+    monkeypatch.setattr(vm, "ARENA", vm.AddressArena(base=0, end=0))
 
 
 @pytest.fixture
@@ -608,6 +616,7 @@ def test_peer_refresh_with_a_read_in_flight_merges_new_memory_into_the_pinned_ag
     run(fabric, scenario)
 
 
+@pytest.mark.usefixtures("kernel_placed_memory")
 def test_a_holder_that_replaced_memory_is_reloaded_once_the_reads_through_it_end(fabric: Fabric) -> None:
     """eng-b unregisters and registers again after the reader loaded its memory: merging the fresh
     metadata would leave the old region loaded under the new one (NIXL then fails or misresolves the
@@ -629,7 +638,7 @@ def test_a_holder_that_replaced_memory_is_reloaded_once_the_reads_through_it_end
         (fresh,) = [r for r in p.holder.dataplane.live_registrations() if r.reg_id not in old]
         stale = [r for r in old.values() if not r.live]
         assert any(fresh.overlaps(r.address, r.address + r.size) for r in stale), (
-            "precondition: the new registration reuses the old one's addresses (as mmap does here)"
+            "precondition: the new registration reuses the old one's addresses (the kernel places it)"
         )
         _, params = holder.hold("eng-b", "req-b", HOLD_BLOCKS, NUM_TOKENS)
         transfer_b = reader.start_pull("eng-r", 0, "req-b", [6, 7, 0], params)
@@ -656,6 +665,41 @@ def test_a_holder_that_replaced_memory_is_reloaded_once_the_reads_through_it_end
     run(fabric, scenario)
 
 
+def test_a_holder_that_replaced_memory_in_its_arena_needs_no_reload(fabric: Fabric) -> None:
+    """The same re-registration with kvd's address arena: the new mapping never reuses the old
+    one's addresses, so the fresh metadata is merged (no reload, no new connection) and pull B
+    reads while pull A still reads through the same agent."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        transfer_a, _ = p.pull()
+        xfers_a = await p.reading(transfer_a)
+        (agent,) = reader.peers.agents()
+        old = list(p.holder.dataplane.live_registrations())
+
+        await holder.unregister_engine("eng-b", 0)
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        (fresh,) = [r for r in p.holder.dataplane.live_registrations() if r not in old]
+        assert not any(fresh.overlaps(r.address, r.address + r.size) for r in old)
+        _, params = holder.hold("eng-b", "req-b", HOLD_BLOCKS, NUM_TOKENS)
+        transfer_b = reader.start_pull("eng-r", 0, "req-b", [6, 7, 0], params)
+        xfers_b = await p.reading(transfer_b)
+        assert reader.peers.agents() == [agent] and not agent.reloading and dp.removals(agent.name) == 0
+        for xfer in xfers_a + xfers_b:
+            dp.finish(xfer)
+        await ended(transfer_a)
+        await ended(transfer_b)
+        await settle(p.holder)
+        assert transfer_a.state is DONE and transfer_b.state is DONE
+        assert p.reader.metric("kvd_agent_reloads_total") == 0
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+@pytest.mark.usefixtures("kernel_placed_memory")
 def test_a_reload_that_cannot_wait_fails_that_pull_and_the_next_pull_reloads(fabric: Fabric) -> None:
     """Pull A's READ never ends, so the agent cannot be reloaded within the wait: pull B fails
     UNAVAILABLE (naming the reason) and nothing is prepared over the stale region; once A's READ
