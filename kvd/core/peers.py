@@ -31,6 +31,7 @@ whose regions the agent's current metadata names.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import dataclasses
 import logging
@@ -46,6 +47,10 @@ from kvd.layout.plan import EngineView
 from kvd_client.errors import DeadlineExceeded, FailedPrecondition, KvdError, PeerUnavailable, Unavailable
 
 logger = logging.getLogger(__name__)
+
+# Regions a peer deregistered stay loaded in NIXL's view of it (merges never remove): past this
+# many, the agent is reloaded so that neither NIXL's view nor kvd's record of it grows forever.
+MAX_STALE_REGIONS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,19 +161,42 @@ class RemoteAgent:
     removed: bool = False
     # Every region loaded into NIXL for this agent since it was added, stale ones included.
     loaded: frozenset[NixlRegion] = frozenset()
-    # The regions the last loaded metadata names (what the peer has registered now).
+    # The regions the last loaded metadata names (what the peer has registered now), and their
+    # (address, size, device, vram) for the per-pull check.
     current: frozenset[NixlRegion] = frozenset()
+    current_keys: frozenset[tuple[int, int, int, bool]] = frozenset()
     reloading: bool = False  # being drained for a reload: no new pins
 
     def needs_reload(self, regions: frozenset[NixlRegion]) -> bool:
-        """Would merging metadata naming ``regions`` leave a stale region overlapping a named one?"""
-        stale = self.loaded - regions
-        return any(new.overlaps(old) for new in regions - self.loaded for old in stale)
+        """Would merging metadata naming ``regions`` leave a stale region overlapping a named one,
+        or more stale regions than NIXL should keep for one peer?"""
+        stale = sorted((r.address, r.address + r.size, r.device_index, r.vram) for r in self.loaded - regions)
+        if len(stale) > MAX_STALE_REGIONS:
+            return True
+        starts = [start for start, _, _, _ in stale]
+        longest = max((end - start for start, end, _, _ in stale), default=0)
+        for new in regions - self.loaded:
+            # Stale ranges that start before the new one ends and within the longest stale size of it.
+            first = bisect.bisect_left(starts, new.address - longest)
+            last = bisect.bisect_left(starts, new.address + new.size)
+            for _start, end, device, vram in stale[first:last]:
+                if end > new.address and device == new.device_index and vram == new.vram:
+                    return True
+        return False
+
+    def loaded_metadata(self, regions: frozenset[NixlRegion], fresh: bool) -> None:
+        """Record that metadata naming ``regions`` was loaded (into a fresh agent or merged)."""
+        self.loaded = regions if fresh else self.loaded | regions
+        self.current = regions
+        self.current_keys = frozenset((r.address, r.size, r.device_index, r.vram) for r in regions)
 
     def names(self, engine: RemoteEngine) -> bool:
-        """Does the loaded metadata name every region of ``engine`` (so a list over it is sound)?"""
+        """Does the loaded metadata name every region of ``engine`` (so a list over it is sound)?
+        Once per pull: a set lookup per region (an engine's regions are registered one by one)."""
+        keys = self.current_keys
         return all(
-            any(region.covers(address, size, engine.device_index, engine.vram) for region in self.current)
+            (address, size, engine.device_index, engine.vram) in keys
+            or any(region.covers(address, size, engine.device_index, engine.vram) for region in self.current)
             for address, size in zip(engine.region_addresses, engine.region_sizes, strict=True)
         )
 
@@ -297,8 +325,7 @@ class Peers:
             raise
         if loaded != info.agent_name:
             raise PeerUnavailable(f"peer {address} sent metadata of agent {loaded!r}, not of {info.agent_name!r}")
-        agent.loaded = named if fresh else agent.loaded | named
-        agent.current = named
+        agent.loaded_metadata(named, fresh)
         agent.live = True
         engines = {(e.engine_id, e.view.spec.tp_rank): e for e in info.engines}
         for other in self._sessions.values():  # a reload replaced the agent every session of it uses
