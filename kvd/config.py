@@ -160,6 +160,23 @@ class KvdConfig:
             "without it kvd's own NIXL thread drives progress (fast only while reads are in flight)."
         },
     )
+    dataplane_heartbeat_timeout_s: float = dataclasses.field(
+        default=5.0,
+        metadata={
+            "help": "A data-plane worker whose NIXL thread does not answer a heartbeat within this many seconds "
+            "is hung: it is killed and replaced (its pulls fail UNAVAILABLE)."
+        },
+    )
+    dataplane_max_restarts: int = dataclasses.field(
+        default=5,
+        metadata={
+            "help": "Data-plane workers lost within dataplane_restart_window_s before the daemon gives up: health "
+            "goes NOT_SERVING and it exits non-zero, so systemd or Kubernetes restarts it with back-off."
+        },
+    )
+    dataplane_restart_window_s: float = dataclasses.field(
+        default=60.0, metadata={"help": "The window of dataplane_max_restarts."}
+    )
     gil_switch_interval_s: float = dataclasses.field(
         default=0.0002,
         metadata={
@@ -268,6 +285,8 @@ class KvdConfig:
             "staging_wait_s",
             "fence_timeout_s",
             "peer_idle_s",
+            "dataplane_heartbeat_timeout_s",
+            "dataplane_restart_window_s",
         ):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0 (and finite), got {getattr(self, name)}")
@@ -285,6 +304,8 @@ class KvdConfig:
             problems.append(f"lease_ttl_s {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}")
         if self.max_run_blocks < 1 or self.max_run_blocks & (self.max_run_blocks - 1):
             problems.append(f"max_run_blocks must be a power of two >= 1, got {self.max_run_blocks}")
+        if self.dataplane_max_restarts < 0:
+            problems.append(f"dataplane_max_restarts must be >= 0, got {self.dataplane_max_restarts}")
         if self.staging_pool_bytes < 0 or self.direct_read_min_bytes < 0:
             problems.append("staging_pool_bytes and direct_read_min_bytes must be >= 0")
         if not self.nixl_backends:

@@ -181,7 +181,12 @@ def render(snapshot: Snapshot, previous: Snapshot | None, target: str) -> str:
     lines = [
         f"kvd {s.incarnation[:8]} at {target}: {'serving' if s.serving else 'NOT serving (shutting down)'}, "
         f"up {_duration(s.uptime_s)}, {_version(s.version)}",
-        f"  agent {s.agent_name}",
+        f"  agent {s.agent_name}, data-plane worker pid {s.dataplane_pid or '-'}"
+        + (
+            f", restarted {s.dataplane_restarts}x (last: {s.dataplane_last_restart})"
+            if s.dataplane_restarts
+            else ", never restarted"
+        ),
         f"  peers reach it at {s.peer_address or '-'}; metrics at {s.metrics_address or 'off'}",
         "",
     ]

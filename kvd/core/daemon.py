@@ -26,13 +26,14 @@ from kvd.core.events import FinishedSending
 from kvd.core.holdchecks import HoldChecks, SchedulerChannel
 from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseEnd, LeaseTable
 from kvd.core.local_memory import LocalMemory, Memories
-from kvd.core.memory import OpenedRegion, RegionRequest, open_region
+from kvd.core.memory import RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
 from kvd.core.peers import HandshakeInfo, Peers, PeerSession, PeerTransport, PrepareResult, RemoteEngine
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.transfers import Transfer, TransferTable
+from kvd.core.workers import WorkerLauncher
 from kvd.layout import groups as kv_groups
 from kvd.layout.plan import EngineView, block_geometry
 from kvd.layout.spec import LayerPlacement, LayoutSpec
@@ -77,6 +78,9 @@ class DaemonStatus:
     # (engine_id, tp_rank) -> (hard-held, soft-held, draining) bytes of that rank's blocks
     held_bytes: dict[tuple[str, int], tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     holds_ended: dict[str, int] = dataclasses.field(default_factory=dict)
+    dataplane_pid: int = 0
+    dataplane_restarts: int = 0
+    dataplane_last_restart: str = ""  # why the last worker was replaced ("" if never)
 
 
 class Daemon:
@@ -87,7 +91,8 @@ class Daemon:
         self.metrics = metrics
         self.incarnation = uuid.uuid4().hex
         host = socket.gethostname().split(".")[0] or "host"
-        self.agent_name = f"{config.agent_name_prefix}-{host}-{self.incarnation}"
+        self._agent_base = f"{config.agent_name_prefix}-{host}-{self.incarnation}"
+        self.agent_name = self._agent_base  # a new data-plane worker gets a new name (…-r<N>)
         self.advertise_address = config.advertise_address
         self.registry = Registry()
         self.leases = LeaseTable(
@@ -115,19 +120,38 @@ class Daemon:
         self._selftest_seed = -1
         self.serving = False
         self.started_at = time.monotonic()
+        # Data-plane restarts (kvd.core.dataplane): when, why; a crash loop ends the daemon.
+        self._launcher: WorkerLauncher | None = None
+        self._restart_times: list[float] = []
+        self._restarting: asyncio.Task[None] | None = None
+        self.dataplane_restarts = 0
+        self.dataplane_last_restart = ""
+        self.fatal: asyncio.Future[str] | None = None  # set with the reason when the daemon must exit
         self.selftest_engine_id = f"kvd-selftest-{self.incarnation[:8]}"
 
     # --- life cycle ------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        dataplane = DataPlane(
-            self.agent_name,
+    def _new_dataplane(self, agent_name: str) -> DataPlane:
+        return DataPlane(
+            agent_name,
             self.config.nixl_backends,
             self.config.nixl_progress_thread,
             on_reads_in_flight=self.metrics.nixl_reads_in_flight.set,
+            launcher=self._launcher,
+            heartbeat_timeout_s=self.config.dataplane_heartbeat_timeout_s,
+            on_lost=self._dataplane_lost,
         )
-        await dataplane.start(self._on_notifications)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.fatal = loop.create_future()
+        self._launcher = WorkerLauncher(self.config.log_level, self.config.gil_switch_interval_s)
+        dataplane = self._new_dataplane(self.agent_name)
+        try:
+            await dataplane.start(self._on_notifications)
+        except BaseException:
+            await self._launcher.close()
+            raise
         self.dataplane = dataplane
         self.memories = Memories(dataplane, self.metrics)
         self.peers = Peers(
@@ -184,8 +208,13 @@ class Daemon:
         await self._transport.close()
         if self._puller is not None:
             await self._puller.close()
+        if self._restarting is not None:
+            self._restarting.cancel()
+            await asyncio.gather(self._restarting, return_exceptions=True)
         if self.dataplane is not None:
             await self.dataplane.stop()
+        if self._launcher is not None:
+            await self._launcher.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         logger.info("daemon %s stopped", self.incarnation)
 
@@ -202,6 +231,97 @@ class Daemon:
     def require_serving(self) -> None:
         if not self.serving:
             raise Unavailable("the daemon is shutting down: retry against its replacement")
+
+    def require_dataplane(self) -> None:
+        """Refuse work that needs the data plane while a lost worker is being replaced."""
+        if self.dataplane is None:
+            raise Unavailable("the daemon is still starting")
+        if self._restarting is not None or not getattr(self.dataplane, "alive", True):
+            raise Unavailable("the daemon's data plane is restarting (its worker was lost): retry in a moment")
+
+    # --- data-plane restarts -------------------------------------------------------------------
+
+    def _dataplane_lost(self, plane: DataPlane, reason: str) -> None:
+        """DataPlane callback: its worker is gone (reaped). Replace it, unless shutting down."""
+        if plane is not self.dataplane or not self.serving or self._restarting is not None:
+            return
+        self.metrics.dataplane_restarts.labels(reason).inc()
+        self.dataplane_restarts += 1
+        self.dataplane_last_restart = reason
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < self.config.dataplane_restart_window_s]
+        self._restart_times.append(now)
+        if len(self._restart_times) > self.config.dataplane_max_restarts:
+            self._give_up(
+                f"the data-plane worker was lost {len(self._restart_times)} times within "
+                f"{self.config.dataplane_restart_window_s:.0f}s (last: {reason})"
+            )
+            return
+        self._restarting = asyncio.get_running_loop().create_task(self._restart(reason), name="kvd-dataplane-restart")
+
+    def _give_up(self, why: str) -> None:
+        logger.critical("%s: the daemon exits so that its supervisor restarts it with back-off", why)
+        self.serving = False
+        if self.fatal is not None and not self.fatal.done():
+            self.fatal.set_result(why)
+
+    async def _restart(self, reason: str) -> None:
+        """Start a new worker, map every registered engine again, serve again (docs/lifetimes.md)."""
+        started = time.monotonic()
+        lost = self.dataplane
+        try:
+            for rank in self.registry:
+                Memories.lose(rank.memory)
+            self.agent_name = f"{self._agent_base}-r{self.dataplane_restarts}"
+            plane = self._new_dataplane(self.agent_name)
+            try:
+                await plane.start(self._on_notifications)
+            except KvdError as exc:
+                self._give_up(f"a new data-plane worker did not start after the last was lost ({reason}): {exc}")
+                return
+            self.dataplane = plane
+            self._mem.rebind(plane)
+            if self.peers is not None:
+                self.peers.rebind(plane)
+            if self._puller is not None:
+                self._puller.rebind(plane)
+            if self.dataplane_restarts and plane.alive:
+                plane.fast_poll_until = self.leases.latest_admission_deadline()
+            for rank in list(self.registry):
+                await self._remap_rank(rank)
+        finally:
+            self._restarting = None
+        logger.warning(
+            "data plane restarted in %.0f ms after its worker (agent %s) was lost (%s): agent %s, pid %d, "
+            "%d engine ranks mapped again",
+            (time.monotonic() - started) * 1000,
+            lost.name if lost is not None else "?",
+            reason,
+            self.agent_name,
+            plane.pid,
+            len(self.registry),
+        )
+
+    async def _remap_rank(self, rank: EngineRank) -> None:
+        """Map a registered rank's memory in the new worker (the engine does nothing)."""
+        requests = [region.request for region in rank.memory.regions]
+        try:
+            memory = await self._mem.open(requests, next_registration_id())
+        except KvdError as exc:
+            logger.error(
+                "engine %s rank %d: its memory cannot be mapped again after the data-plane restart: %s",
+                rank.engine_id,
+                rank.tp_rank,
+                exc.message,
+            )
+            await self._unregister(rank, f"memory lost in a data-plane restart: {exc.message}")
+            return
+        if self.registry.current(rank) is not rank:  # unregistered meanwhile
+            await self._mem.fence(memory)
+            return
+        rank.memory = memory
+        self.metrics.registered_bytes.labels(rank.engine_id, str(rank.tp_rank)).set(rank.registered_bytes)
+        await self._prepare_tables(rank)
 
     @property
     def _mem(self) -> Memories:
@@ -242,17 +362,16 @@ class Daemon:
                 raise InvalidArgument(
                     f"{kv_groups.describe_group(index, group)}: {exc.message}" if index else exc.message
                 ) from None
-        opened: list[OpenedRegion] = []
+        plane = self.dataplane
+        self.require_dataplane()
         try:
-            for region in regions:
-                opened.append(open_region(region))
-            memory = await self._mem.register(opened, next_registration_id())
+            memory = await self._mem.open(regions, next_registration_id())
         except BaseException as exc:
-            for mapped in opened:  # nothing was registered: unmap what was mapped
-                mapped.close()
             if isinstance(exc, KvdError | asyncio.CancelledError):
                 raise
             raise Internal(f"NIXL could not register engine {engine_id!r} memory: {exc}") from exc
+        if self.dataplane is not plane:  # the worker was replaced meanwhile: that mapping is gone
+            raise Unavailable(f"the data plane restarted while engine {engine_id!r} registered: register again")
         rank = EngineRank(
             engine_id=engine_id,
             spec=spec,
@@ -269,13 +388,7 @@ class Daemon:
             raise
         self.metrics.engines.set(len(self.registry))
         self.metrics.registered_bytes.labels(engine_id, str(spec.tp_rank)).set(rank.registered_bytes)
-        # Prepare the engine's whole-block table now, so the first pull does not pay for it.
-        self._mem.pin(memory)
-        try:
-            for group in rank.groups:
-                await memory.table(block_geometry(group, self.config.max_run_blocks), self._executor)
-        finally:
-            await self._mem.unpin(memory)
+        await self._prepare_tables(rank)
         logger.info(
             "registered engine %s rank %d: %s, %d bytes in %d %s regions",
             engine_id,
@@ -284,10 +397,22 @@ class Daemon:
             if extra_groups
             else spec.describe(),
             rank.registered_bytes,
-            len(opened),
+            len(regions),
             rank.mem_type,
         )
         return rank
+
+    async def _prepare_tables(self, rank: EngineRank) -> None:
+        """Prepare the rank's whole-block tables now, so the first pull does not pay for them."""
+        memory = rank.memory
+        if not memory.usable:
+            return
+        self._mem.pin(memory)
+        try:
+            for group in rank.groups:
+                await memory.table(block_geometry(group, self.config.max_run_blocks), self._executor)
+        finally:
+            await self._mem.unpin(memory)
 
     async def unregister_engine(self, engine_id: str, tp_rank: int) -> None:
         await self._unregister(self.registry.get(engine_id, tp_rank), "unregistered by the engine")
@@ -623,8 +748,8 @@ class Daemon:
             )
             for rank in self.registry
         )
-        if self.dataplane is None:
-            raise Unavailable("the daemon is still starting")
+        self.require_dataplane()
+        assert self.dataplane is not None
         identity = self.dataplane.identity()
         return HandshakeInfo(self.incarnation, self.agent_name, identity.metadata, engines, identity.regions)
 
@@ -682,6 +807,7 @@ class Daemon:
         # The wait yielded: the lease and the ranks may have changed meanwhile. From here to the
         # return nothing awaits, so what is checked is what is pinned.
         self.require_serving()
+        self.require_dataplane()
         ranks = self._holder_ranks(engine_id, remote_tp_ranks)
         reader = f"{reader_incarnation or reader_address or 'unknown'}/{reader_transfer_id}"
         admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, hold_s)
@@ -937,6 +1063,9 @@ class Daemon:
             uptime_s=time.monotonic() - self.started_at,
             held_bytes=self.held_bytes(),
             holds_ended=dict(self.holds_ended),
+            dataplane_pid=getattr(self.dataplane, "pid", 0),
+            dataplane_restarts=self.dataplane_restarts,
+            dataplane_last_restart=self.dataplane_last_restart,
         )
 
     def held_bytes(self) -> dict[tuple[str, int], tuple[int, int, int]]:

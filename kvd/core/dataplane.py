@@ -1,118 +1,66 @@
-"""The NIXL data plane: one agent per daemon incarnation, driven by one thread that owns it.
+"""The control process's handle on one data-plane worker incarnation (kvd.dataplane_protocol).
 
-This is the only module that talks to NIXL. It turns NIXL's string states and exceptions into
-:class:`XferState` and kvd errors.
+A :class:`DataPlane` is one worker process and its NIXL agent: its memory mappings, registrations,
+prepared lists and posted READs are named by ids that mean something only to that worker. When
+the worker dies (a crash, an OOM kill, or a hang this side ended with SIGKILL), the DataPlane is
+**lost** for good: every call in flight and every later call fails :class:`Unavailable` naming
+the cause, and every READ it had posted is settled as final with that error, once the process is
+reaped (no byte can land through a dead process's endpoints). The daemon then starts a new
+DataPlane with a new agent name and maps every engine again (kvd.core.daemon, docs/lifetimes.md).
 
-**Threads.** Every call on the agent runs on the data plane's own thread (``kvd-nixl``), fed
-by a queue, except ``prep_xfer_dlist``: preparing a large table takes long, touches no UCX
-worker and runs under NIXL's agent lock, so it runs in the caller's thread pool. The owner
-thread also polls every posted transfer and NIXL's notifications, so UCX makes progress (it
-copies inside those polls) and no two threads ever drive the UCX worker at once.
+**Threads.** Everything runs on the event loop, except :meth:`prepare_table`, called from the
+daemon's thread pool as before (it blocks that thread on the worker's answer).
 
-**Transfers.** A posted READ is an :class:`Xfer`. NIXL 1.5 cannot cancel a READ in flight
-(``release`` leaves the UCX request running and its bytes still land), so the data plane
-never releases a handle that is not final: it polls it until NIXL reports DONE or ERR, then
-releases it. ``Xfer.final`` is therefore the proof that no byte of the read can land any
-more; callers that give up on a read keep its destination pinned until then (see
-docs/lifetimes.md).
+**Transfers.** A posted READ is an :class:`Xfer`; ``Xfer.final`` is the proof that no byte of
+it can land any more: NIXL said DONE or ERR in the worker, or the worker is dead.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
+import contextlib
 import dataclasses
-import enum
+import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from kvd_client.errors import Internal, InvalidArgument, KvdError, PeerUnavailable, Unavailable
+from kvd.core.workers import WorkerLauncher, WorkerProcess, exit_reason
+from kvd.dataplane_protocol import (
+    CALL,
+    LOCAL_AGENT,
+    NOTIFS,
+    REPLY,
+    SETTLED,
+    AgentIdentity,
+    MappedRegion,
+    NixlRegion,
+    RegionRequest,
+    WireError,
+    XferState,
+    decode_error,
+    frame,
+    read_frame,
+)
+from kvd_client.errors import KvdError, Unavailable
+
+__all__ = ["LOCAL", "AgentIdentity", "DataPlane", "NixlRegion", "Xfer", "XferState"]
 
 logger = logging.getLogger(__name__)
 
-LOCAL = "NIXL_INIT_AGENT"
-T = TypeVar("T")
-
-# The owner thread polls posted reads without sleeping (sleep(0): it still yields the GIL) for
-# SPIN_S plus the bytes' time at SPIN_BYTES_PER_S, then every POLL_SLOW_S; with no read in flight
-# it polls notifications every POLL_IDLE_S, or POLL_FAST_S while a reader may be reading from us
-# (a READ that carries a notification completes only once the holder has made progress).
-SPIN_S = 0.002
-SPIN_BYTES_PER_S = 2e9
-POLL_SLOW_S = 0.001
-POLL_IDLE_S = 0.001
-POLL_FAST_S = 0.0002
-# With nothing to do for DORMANT_AFTER_S (no call, no read, no notification, no admitted reader),
-# notifications are polled every POLL_DORMANT_S only: an idle daemon then costs well under 1 % of
-# a core instead of ~5 %. Any call or a reader's admission wakes the thread at once.
-DORMANT_AFTER_S = 1.0
-POLL_DORMANT_S = 0.05
-
-
-class XferState(enum.Enum):
-    IN_PROGRESS = "PROC"
-    DONE = "DONE"
-    ERROR = "ERR"
-
-
-def _nixl() -> Any:
-    """Import NIXL lazily: the layout and registry code is usable (and testable) without it."""
-    from nixl import _api  # noqa: PLC0415
-
-    return _api
-
-
-@dataclasses.dataclass(frozen=True)
-class NixlRegion:
-    """One memory registration as an agent's metadata names it.
-
-    ``serial`` tells registrations of the same addresses apart: NIXL keys a peer's regions by
-    address and length, so a region deregistered and registered again is a *different* region
-    that a reader must not confuse with the one it loaded before (see kvd.core.peers).
-    """
-
-    address: int
-    size: int
-    device_index: int
-    vram: bool
-    serial: int
-
-    def overlaps(self, other: NixlRegion) -> bool:
-        return (
-            self.vram == other.vram
-            and self.device_index == other.device_index
-            and self.address < other.address + other.size
-            and other.address < self.address + self.size
-        )
-
-    def covers(self, address: int, size: int, device_index: int, vram: bool) -> bool:
-        return (
-            self.vram == vram
-            and self.device_index == device_index
-            and self.address <= address
-            and address + size <= self.address + self.size
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentIdentity:
-    """The agent's metadata and the exact regions it names, taken together (one snapshot)."""
-
-    metadata: bytes
-    regions: tuple[NixlRegion, ...]
+LOCAL = LOCAL_AGENT
+HEARTBEAT_S = 0.5  # how often the worker's NIXL thread is asked to answer
 
 
 @dataclasses.dataclass(eq=False)
 class Xfer:
-    """One posted READ. Owned by the data plane's thread until final; see the module docstring."""
+    """One posted READ, until final; see the module docstring."""
 
-    handle: Any
+    handle: Any  # the READ's id in its worker
     peer: str
     nbytes: int
     spin_until: float
@@ -122,12 +70,12 @@ class Xfer:
 
     @property
     def final(self) -> bool:
-        """True once NIXL said DONE or ERR: no byte of this read can land any more."""
+        """True once NIXL said DONE or ERR, or its worker is dead: no byte of it can land any more."""
         return self.state is not XferState.IN_PROGRESS
 
 
 class DataPlane:
-    """A NIXL agent and the one thread that calls it."""
+    """One data-plane worker: its NIXL agent and its mappings of engine memory."""
 
     def __init__(
         self,
@@ -135,70 +83,217 @@ class DataPlane:
         backends: Sequence[str] = ("UCX",),
         progress_thread: bool = False,
         on_reads_in_flight: Callable[[int], None] = lambda _: None,
+        *,
+        launcher: WorkerLauncher | None = None,
+        heartbeat_timeout_s: float = 5.0,
+        on_lost: Callable[[DataPlane, str], None] = lambda _plane, _reason: None,
     ) -> None:
         self.name = agent_name
-        self._on_reads_in_flight = on_reads_in_flight  # called on the owner thread when the count changes
-        self._backends = list(backends)
-        self._nixl_progress_thread = progress_thread
-        self.agent: Any = None
-        # Replaced whole (never mutated) on the owner thread after each (de)registration.
-        self._identity = AgentIdentity(b"", ())
-        self._regions: dict[int, NixlRegion] = {}  # id(registration) -> region; owner thread only
-        self._serials = 0
-        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
-            collections.deque()
-        )
-        self._wake = threading.Event()
-        self._stopping = False
-        self._xfers: list[Xfer] = []  # owner thread only
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._backends = tuple(backends)
+        self._progress_thread = progress_thread
+        self._on_reads_in_flight = on_reads_in_flight
+        self._launcher = launcher
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._on_lost = on_lost
         self._on_notifications: Callable[[dict[str, list[bytes]]], None] = lambda _: None
-        self._fast_poll_until = 0.0  # written on the event loop, read by the owner thread
-        self._active_at = time.monotonic()  # the owner thread's last call, read or notification
+        self._worker: WorkerProcess | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count(1)
+        self._xfer_ids = itertools.count(1)
+        self._xfers: dict[int, Xfer] = {}
+        self._identity = AgentIdentity(b"", ())
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fast_poll_until = 0.0
+        self.lost_reason = ""  # set once the worker is gone
+        self._stopping = False
+        self._reported = False
 
-    # --- the owner thread ---------------------------------------------------------------------
+    # --- life cycle ---------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        return self._worker.pid if self._worker is not None else 0
+
+    @property
+    def alive(self) -> bool:
+        return self._worker is not None and not self.lost_reason
 
     async def start(self, on_notifications: Callable[[dict[str, list[bytes]]], None]) -> None:
-        """Create the agent on the owner thread; ``on_notifications`` runs on the event loop."""
+        """Take a worker from the launcher and create its NIXL agent."""
+        if self._launcher is None:
+            raise Unavailable("no data-plane worker launcher")
         self._loop = asyncio.get_running_loop()
         self._on_notifications = on_notifications
-        self._thread = threading.Thread(target=self._run, name="kvd-nixl", daemon=True)
-        self._thread.start()
-        await self.call(self._create_agent)
+        self._worker = await self._launcher.take()
+        self._tasks = [
+            self._loop.create_task(self._read_loop(), name="kvd-dataplane-reader"),
+            self._loop.create_task(self._heartbeat_loop(), name="kvd-dataplane-heartbeat"),
+        ]
+        try:
+            self._identity = await self._call("start", self.name, self._backends, self._progress_thread)
+        except BaseException:
+            await self.stop()
+            raise
+        logger.info("data-plane worker %d serves NIXL agent %s", self._worker.pid, self.name)
 
-    def _create_agent(self) -> None:
-        api = _nixl()
-        config = api.nixl_agent_config(
-            enable_prog_thread=self._nixl_progress_thread,
-            backends=self._backends,
-            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    async def stop(self) -> None:
+        """End the worker: close its channel (it releases everything and exits), then reap it."""
+        worker = self._worker
+        if worker is None or self._stopping:
+            return
+        self._stopping = True
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        worker.close_channel()
+        try:
+            async with asyncio.timeout(5.0):
+                await worker.reap()
+        except TimeoutError:
+            logger.warning("data-plane worker %d did not exit within 5 s of its channel closing: killed", worker.pid)
+            worker.kill()
+            await worker.reap()
+        self._lose(self.lost_reason or "stopped")
+        if self._xfers:
+            logger.warning("%d NIXL reads were still in flight at shutdown", len(self._xfers))
+
+    def kill(self) -> None:
+        """SIGKILL the worker (a hang); the reader notices its end and reports it lost."""
+        if self._worker is not None:
+            self._worker.kill()
+
+    # --- the channel --------------------------------------------------------------------------
+
+    def _send(self, *message: Any) -> None:
+        if self.lost_reason or self._worker is None:
+            raise self._gone()
+        self._worker.writer.writelines(frame(message))
+
+    def _gone(self) -> Unavailable:
+        why = self.lost_reason or "not started"
+        return Unavailable(
+            f"the data-plane worker of agent {self.name} is gone ({why}): the data plane restarts; retry"
         )
-        self.agent = api.nixl_agent(self.name, config)
-        missing = [b for b in self._backends if b not in self.agent.backends]
-        if missing:
-            raise Internal(
-                f"NIXL backends {missing} could not be created (available plugins: {self.agent.plugin_list})"
-            )
-        self._snapshot()
 
-    def _snapshot(self) -> None:
-        """Take the agent's metadata and its regions together (owner thread)."""
-        self._identity = AgentIdentity(bytes(self.agent.get_agent_metadata()), tuple(self._regions.values()))
-
-    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run ``fn`` on the owner thread (any thread may call this)."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self._stopping or self._thread is None:
-            future.set_exception(Unavailable("the NIXL data plane is stopped"))
+    def _submit(self, op: str, *args: Any) -> asyncio.Future[Any]:
+        assert self._loop is not None
+        future: asyncio.Future[Any] = self._loop.create_future()
+        if self.lost_reason or self._worker is None:
+            future.set_exception(self._gone())
             return future
-        self._commands.append((fn, future))
-        self._wake.set()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        self._send(CALL, call_id, op, args)
         return future
 
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the owner thread and wait for it (the call itself is not cancelled)."""
-        return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
+    async def _call(self, op: str, *args: Any) -> Any:
+        """Run ``op`` in the worker and wait for its answer (a cancel does not retract the call)."""
+        return await asyncio.shield(self._submit(op, *args))
+
+    async def _read_loop(self) -> None:
+        assert self._worker is not None
+        reader = self._worker.reader
+        try:
+            while True:
+                message = await read_frame(reader)
+                kind = message[0]
+                if kind == REPLY:
+                    self._reply(message[1], message[2], message[3])
+                elif kind == SETTLED:
+                    self._settle(message[1], XferState(message[2]), message[3])
+                elif kind == NOTIFS:
+                    self._on_notifications(message[1])
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass  # the worker is gone: reaped below
+        except Exception:
+            logger.exception("the data-plane channel of agent %s is corrupt: ending its worker", self.name)
+            self._worker.kill()
+        if self._stopping:
+            return
+        returncode = await self._worker.reap()
+        self._lose(exit_reason(returncode))
+
+    def _reply(self, call_id: int, value: Any, error: WireError | None) -> None:
+        future = self._calls.pop(call_id, None)
+        if future is None or future.done():
+            return
+        if error is not None:
+            future.set_exception(decode_error(error))
+        else:
+            future.set_result(value)
+
+    def _settle(self, xfer_id: int, state: XferState, error: WireError | None) -> None:
+        xfer = self._xfers.pop(xfer_id, None)
+        if xfer is None:
+            return
+        xfer.state = state
+        if error is not None:
+            xfer.error = decode_error(error)
+        if not xfer.settled.done():
+            xfer.settled.set_result(None)
+        self._on_reads_in_flight(len(self._xfers))
+
+    async def _heartbeat_loop(self) -> None:
+        """Ask the worker's NIXL thread to answer every HEARTBEAT_S; no answer in time is a hang."""
+        while not self.lost_reason:
+            await asyncio.sleep(HEARTBEAT_S)
+            if self.lost_reason or self._worker is None:
+                return
+            try:
+                async with asyncio.timeout(self._heartbeat_timeout_s):
+                    await self._call("ping")
+            except TimeoutError:
+                logger.error(
+                    "data-plane worker %d (agent %s) did not answer within %.1fs: hung, killing it",
+                    self._worker.pid,
+                    self.name,
+                    self._heartbeat_timeout_s,
+                )
+                self.lost_reason = "hung"
+                self._worker.kill()
+                await self._worker.reap()
+                self._lose("hung")
+                return
+            except KvdError:
+                return  # lost: the reader reports it
+
+    def _lose(self, reason: str) -> None:
+        """The worker is reaped: fail every call, settle every READ (final: the process is gone)."""
+        self.lost_reason = self.lost_reason or reason
+        error = self._gone()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+        for xfer in self._xfers.values():
+            xfer.state = XferState.ERROR
+            xfer.error = xfer.error or Unavailable(
+                f"read from {xfer.peer} lost: the data-plane worker of agent {self.name} died ({self.lost_reason})"
+            )
+            if not xfer.settled.done():
+                xfer.settled.set_result(None)
+        self._xfers.clear()
+        self._on_reads_in_flight(0)
+        if self._reported or self._stopping:
+            return
+        self._reported = True
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        logger.error("data-plane worker of agent %s is gone: %s", self.name, self.lost_reason)
+        self._on_lost(self, self.lost_reason)
+
+    # --- identity -----------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        return self._identity.metadata
+
+    def identity(self) -> AgentIdentity:
+        """The agent's metadata and exactly the regions it names (one snapshot, no call)."""
+        return self._identity
 
     @property
     def fast_poll_until(self) -> float:
@@ -206,167 +301,75 @@ class DataPlane:
 
     @fast_poll_until.setter
     def fast_poll_until(self, deadline: float) -> None:
-        """Poll fast until ``deadline`` (a reader is admitted): wakes a dormant thread at once."""
+        """Have the worker poll fast until ``deadline`` (CLOCK_MONOTONIC is the same in both)."""
         self._fast_poll_until = deadline
-        self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            if self._commands:
-                self._active_at = time.monotonic()
-            while self._commands:
-                fn, future = self._commands.popleft()
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except BaseException as exc:
-                        future.set_exception(exc)
-            if self._stopping and not self._commands:
-                return
-            if self.agent is not None:
-                try:
-                    self._poll()
-                except Exception:  # the owner thread must survive a NIXL hiccup: log and go on
-                    logger.exception("polling NIXL failed")
-            self._wake.wait(self._poll_interval())
-            self._wake.clear()
-
-    def _poll_interval(self) -> float:
-        now = time.monotonic()
-        if self._xfers:
-            self._active_at = now
-            return 0.0 if any(now < x.spin_until for x in self._xfers) else POLL_SLOW_S
-        if now < self._fast_poll_until:
-            self._active_at = now
-            return POLL_FAST_S
-        return POLL_IDLE_S if now - self._active_at < DORMANT_AFTER_S else POLL_DORMANT_S
-
-    def _poll(self) -> None:
-        if self._xfers:
-            still = []
-            for xfer in self._xfers:
-                self._check(xfer)
-                if xfer.final:
-                    self._settle(xfer)
-                else:
-                    still.append(xfer)
-            if len(still) != len(self._xfers):
-                self._on_reads_in_flight(len(still))
-            self._xfers = still
-            if still:
-                time.sleep(0)  # let the event loop run between spins
-        notifications = self.agent.get_new_notifs()
-        if notifications:
-            self._active_at = time.monotonic()
-        if notifications and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._on_notifications, dict(notifications))
-
-    def _check(self, xfer: Xfer) -> None:
-        try:
-            state = XferState(self.agent.check_xfer_state(xfer.handle))
-        except Exception as exc:  # NIXL reports a failed request by raising: it is final
-            xfer.state, xfer.error = XferState.ERROR, self._map(exc, xfer.peer)
-            return
-        if state is XferState.ERROR:
-            xfer.error = PeerUnavailable(f"NIXL read from peer {xfer.peer} failed: peer gone?")
-        xfer.state = state
-
-    def _settle(self, xfer: Xfer) -> None:
-        """A final transfer: release its handle here (safe now) and wake its waiter."""
-        try:
-            self.agent.release_xfer_handle(xfer.handle)
-        except Exception as exc:  # a final handle that NIXL will not release: it holds no bytes
-            logger.warning("NIXL could not release a finished transfer from %s: %s", xfer.peer, exc)
-        xfer.handle = None
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(_resolve, xfer.settled)
-
-    async def stop(self) -> None:
-        """Stop the owner thread after the queued calls (reads still in flight stay unreleased)."""
-        if self._thread is None:
-            return
-        self._stopping = True
-        self._wake.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
-        if self._xfers:
-            logger.warning("%d NIXL reads were still in flight at shutdown", len(self._xfers))
-
-    # --- identity -----------------------------------------------------------------------------
-
-    def metadata(self) -> bytes:
-        """The agent's metadata as of the last (de)registration (no NIXL call: loop-safe)."""
-        return self._identity.metadata
-
-    def identity(self) -> AgentIdentity:
-        """The agent's metadata and exactly the regions it names (no NIXL call: loop-safe)."""
-        return self._identity
+        if self.alive:
+            self._submit("fast_poll", deadline).add_done_callback(_ignore)
 
     # --- memory -------------------------------------------------------------------------------
 
+    async def open_regions(self, requests: Sequence[RegionRequest]) -> list[MappedRegion]:
+        """Map the engine's regions in the worker (all or none)."""
+        return list(await self._call("open_regions", tuple(requests)))
+
+    async def close_regions(self, region_ids: Sequence[int]) -> None:
+        if region_ids and self.alive:
+            await self._call("close_regions", tuple(region_ids))
+
+    async def duplicate_region(self, region_id: int) -> MappedRegion:
+        """The same shared pages mapped again at a new address (a re-map; kvd.worker.vm)."""
+        result: MappedRegion = await self._call("duplicate_region", region_id)
+        return result
+
+    async def retire_region(self, region_id: int) -> None:
+        """Replace the mapping's pages with throw-away ones (host memory; VRAM: nothing)."""
+        await self._call("retire_region", region_id)
+
+    async def open_staging(self, size: int, device: str) -> MappedRegion:
+        result: MappedRegion = await self._call("open_staging", size, device)
+        return result
+
+    async def convert(
+        self, postprocess: Any, staging_region: int, offset: int, size: int, engine_regions: Sequence[int]
+    ) -> None:
+        """Run a pull's conversion in the worker: staging bytes into the engine's blocks."""
+        await self._call("convert", postprocess, staging_region, offset, size, tuple(engine_regions))
+
     async def register(self, address: int, size: int, device_index: int, mem_type: str) -> Any:
-        """Register one region with every backend that takes its memory type."""
-
-        def register() -> Any:
-            registration = self.agent.register_memory([(address, size, device_index, "")], mem_type)
-            self._serials += 1
-            self._regions[id(registration)] = NixlRegion(address, size, device_index, mem_type == "VRAM", self._serials)
-            self._snapshot()
-            return registration
-
-        return await self.call(register)
+        registration, self._identity = await self._call("register", address, size, device_index, mem_type)
+        return registration
 
     async def deregister(self, registration: Any) -> None:
-        def deregister() -> None:
-            self.agent.deregister_memory(registration)
-            self._regions.pop(id(registration), None)
-            self._snapshot()
-
-        await self.call(deregister)
+        if self.alive:
+            self._identity = await self._call("deregister", registration)
 
     # --- peers --------------------------------------------------------------------------------
 
     async def add_remote(self, metadata: bytes) -> str:
-        """Load a peer's metadata. Loading a known agent again adds its new memory (NIXL merges
-        the sections: prepared lists stay valid), so a re-handshake never removes the agent."""
-
-        def add() -> str:
-            try:
-                name = self.agent.add_remote_agent(metadata)
-            except Exception as exc:  # NIXL raises its own exception types here
-                raise InvalidArgument(f"peer agent metadata rejected by NIXL: {exc}") from exc
-            return name.decode() if isinstance(name, bytes) else str(name)
-
-        return await self.call(add)
+        name: str = await self._call("add_remote", metadata)
+        return name
 
     async def remove_remote(self, agent_name: str, tables: Sequence[Any]) -> None:
-        """Release a peer's prepared lists, then forget its agent (only once nothing uses them)."""
-
-        def remove() -> None:
-            for table in tables:
-                _release_table(self.agent, table)
-            try:
-                self.agent.remove_remote_agent(agent_name)
-            except Exception as exc:  # already gone: nothing to release
-                logger.debug("remove_remote_agent(%s): %s", agent_name, exc)
-
-        await self.call(remove)
+        if self.alive:
+            await self._call("remove_remote", agent_name, tuple(tables))
 
     # --- tables -------------------------------------------------------------------------------
 
     def prepare_table(self, agent_name: str, rows: np.ndarray, mem_type: str) -> Any:
-        """Prepare a descriptor list (blocking; run in a worker thread, see the module docstring)."""
-        if self.agent is None:
-            raise Unavailable("the NIXL data plane is not started")
-        return self.agent.prep_xfer_dlist(agent_name, rows, mem_type)
+        """Prepare a descriptor list in the worker (blocking: call it from a pool thread)."""
+        loop = self._loop
+        if loop is None:
+            raise Unavailable("the data plane is not started")
+        rows = np.ascontiguousarray(rows)
+        future = asyncio.run_coroutine_threadsafe(self._call("prepare_table", agent_name, rows, mem_type), loop)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError as exc:
+            raise Unavailable("the data plane stopped while a list was prepared") from exc
 
     async def release_tables(self, tables: Sequence[Any]) -> None:
-        if tables:
-
-            def release() -> None:
-                for table in tables:
-                    _release_table(self.agent, table)
-
-            await self.call(release)
+        if tables and self.alive:
+            await self._call("release_tables", tuple(tables))
 
     # --- transfers ----------------------------------------------------------------------------
 
@@ -383,35 +386,33 @@ class DataPlane:
         """Post a READ. Raises if NIXL refused to build it (then nothing was posted).
 
         A READ that NIXL built but failed to post (wholly or in part) is returned with ``error``
-        set: part of it may be on its way, so it is polled to a final state like any other, and
-        its destination must stay pinned until then.
+        set: part of it may be on its way, so it is polled to a final state like any other.
         """
         assert self._loop is not None
-        settled: asyncio.Future[None] = self._loop.create_future()
-        local_indices = np.ascontiguousarray(local_indices, dtype=np.int32)
-        remote_indices = np.ascontiguousarray(remote_indices, dtype=np.int32)
-
-        def post() -> Xfer:
-            try:
-                handle = self.agent.make_prepped_xfer(
-                    "READ", local_table, local_indices, remote_table, remote_indices, notif
-                )
-            except Exception as exc:
-                raise self._map(exc, peer) from exc
-            xfer = Xfer(handle, peer, nbytes, time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S, settled)
-            try:
-                state = self.agent.transfer(handle)
-            except Exception as exc:
-                # Some of the read may be posted already: poll it to a final state like any other.
-                xfer.error = self._map(exc, peer)
-                state = "PROC"
-            self._xfers.append(xfer)
-            self._on_reads_in_flight(len(self._xfers))
-            if state == "ERR" and xfer.error is None:
-                xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
-            return xfer
-
-        return await self.call(post)
+        xfer_id = next(self._xfer_ids)
+        xfer = Xfer(xfer_id, peer, nbytes, 0.0, self._loop.create_future())
+        self._xfers[xfer_id] = xfer  # before the call: the worker may settle it right after posting
+        try:
+            error = await self._call(
+                "read",
+                xfer_id,
+                local_table,
+                np.ascontiguousarray(local_indices, dtype=np.int32),
+                remote_table,
+                np.ascontiguousarray(remote_indices, dtype=np.int32),
+                notif,
+                peer,
+                nbytes,
+            )
+        except KvdError:
+            if xfer.final:  # the worker died with it posted or not: its death is the fence
+                return xfer
+            self._xfers.pop(xfer_id, None)  # nothing was posted
+            raise
+        if error is not None and xfer.error is None:
+            xfer.error = decode_error(error)
+        self._on_reads_in_flight(len(self._xfers))
+        return xfer
 
     async def wait(self, xfers: Sequence[Xfer]) -> None:
         """Wait until every read is final; raise the first error. Cancelling the wait leaves the
@@ -422,27 +423,16 @@ class DataPlane:
                 raise xfer.error
 
     def in_flight(self) -> int:
-        """Reads posted and not yet final (approximate: read from another thread)."""
+        """Reads posted and not yet final."""
         return len(self._xfers)
 
-    def _map(self, exc: Exception, peer: str) -> KvdError:
-        bindings = _nixl().nixlBind
-        if isinstance(exc, (bindings.nixlRemoteDisconnectError, bindings.nixlBackendError)):
-            return PeerUnavailable(f"peer {peer} disconnected: {exc}")
-        if isinstance(exc, bindings.nixlNotFoundError):
-            return PeerUnavailable(f"peer {peer} is not known to NIXL (restarted?): {exc}")
-        if isinstance(exc, bindings.nixlInvalidParamError):
-            return Internal(f"NIXL rejected a transfer built by kvd: {exc}")
-        return Internal(f"NIXL error reading from {peer}: {type(exc).__name__}: {exc}")
+    async def ping(self) -> float:
+        """Round trip to the worker's NIXL thread, in seconds."""
+        started = time.monotonic()
+        await self._call("ping")
+        return time.monotonic() - started
 
 
-def _release_table(agent: Any, table: Any) -> None:
-    try:
-        agent.release_dlist_handle(table)
-    except Exception as exc:  # releasing a dead peer's list may fail; nothing else to do
-        logger.debug("releasing a prepared list: %s", exc)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+def _ignore(future: asyncio.Future[Any]) -> None:
+    with contextlib.suppress(BaseException):
+        future.exception()

@@ -11,29 +11,31 @@ NIXL registrations and the descriptor lists prepared over them. Its life (docs/l
   unmapped;
 * **retired** instead, when a read into it could not be proven over (a READ NIXL would not
   finish, an admitted read that ran past its deadline): host pages are replaced by private
-  anonymous ones (:func:`kvd.core.vm.retire_range`) so a late copy cannot reach the engine, and
-  the mapping stays reserved in the quarantine (metric ``kvd_quarantined_bytes``) until every
-  such read is final. VRAM cannot be retired: it stays mapped, quarantined, until then.
+  anonymous ones (:func:`kvd.worker.vm.retire_range`, in the worker) so a late copy cannot reach
+  the engine, and the mapping stays reserved in the quarantine (metric
+  ``kvd_quarantined_bytes``) until every such read is final. VRAM cannot be retired: it stays
+  mapped, quarantined, until then;
+* **lost** with its data-plane worker: the worker's death unmapped it and ended every read into
+  or out of it, so it holds nothing; a lost mapping is never used again (its rank gets a new
+  one in the new worker) and its pins end as no-ops.
 
-Everything here runs on the event loop; NIXL calls go through the data plane's thread.
+Everything here runs on the event loop; the mappings themselves are the worker's (the data plane
+names them by region id).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import dataclasses
 import enum
 import logging
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from kvd.core import vm
 from kvd.core.dataplane import DataPlane, Xfer
-from kvd.core.memory import MemoryKind, OpenedRegion
+from kvd.core.memory import MemoryKind, OpenedRegion, RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.tables import TableCache
 from kvd.layout.geometry import DescGeometry
@@ -46,6 +48,7 @@ class MemoryState(enum.Enum):
     FENCED = "fenced"  # no new pins; released when the last pin goes
     QUARANTINED = "quarantined"  # retired (host) or kept mapped (VRAM) until its stale reads are final
     RELEASED = "released"
+    LOST = "lost"  # its data-plane worker died: nothing of it is left to release
 
 
 @dataclasses.dataclass(eq=False)
@@ -67,8 +70,8 @@ class LocalMemory:
     stale: list[Xfer] = dataclasses.field(default_factory=list)
     # Set while one pull cuts this mapping off (re-map, retire); other pulls fencing on it wait.
     cut_off: asyncio.Future[None] | None = None
-    # kvd-owned duplicate mappings (re-mapped memory), unmapped on release.
-    owned_mappings: list[vm.HostMapping] = dataclasses.field(default_factory=list)
+    # The data plane (worker incarnation) whose mappings and registrations these are.
+    plane: Any = None
 
     @property
     def addresses(self) -> list[int]:
@@ -124,8 +127,38 @@ class Memories:
                 await self._dataplane.deregister(registration)
             raise
         return LocalMemory(
-            registration_id, list(regions), registrations, TableCache(self._dataplane, "NIXL_INIT_AGENT")
+            registration_id,
+            list(regions),
+            registrations,
+            TableCache(self._dataplane, "NIXL_INIT_AGENT"),
+            plane=self._dataplane,
         )
+
+    async def open(self, requests: Sequence[RegionRequest], registration_id: int) -> LocalMemory:
+        """Map an engine's regions in the worker and register them with NIXL; all or nothing."""
+        plane = self._dataplane
+        mapped = await plane.open_regions(requests)
+        regions = [OpenedRegion(request, region) for request, region in zip(requests, mapped, strict=True)]
+        try:
+            return await self.register(regions, registration_id)
+        except BaseException:
+            await plane.close_regions([region.region_id for region in regions])
+            raise
+
+    def rebind(self, dataplane: DataPlane) -> None:
+        """A new worker replaced a lost one: every mapping of the old one is lost (nothing to free)."""
+        self._dataplane = dataplane
+        for memory in self.quarantine:
+            memory.state = MemoryState.LOST
+            self._metrics.quarantined_bytes.dec(memory.size_bytes)
+        self.quarantine.clear()
+
+    @staticmethod
+    def lose(memory: LocalMemory) -> None:
+        """Its worker died: the mapping, its registration and every read through it are gone."""
+        memory.state = MemoryState.LOST
+        memory.tables.close()
+        memory.nixl_registrations.clear()
 
     # --- pins -------------------------------------------------------------------------------
 
@@ -160,7 +193,7 @@ class Memories:
     def can_remap(self, memory: LocalMemory) -> bool:
         """Host memory from a shared mapping can be mapped again at new addresses."""
         return memory.host and all(
-            r.request.kind is MemoryKind.SHM and r.address % vm.PAGE == 0 for r in memory.regions
+            r.request.kind is MemoryKind.SHM and r.address % mmap.PAGESIZE == 0 for r in memory.regions
         )
 
     async def remap(self, memory: LocalMemory, registration_id: int) -> LocalMemory:
@@ -169,31 +202,27 @@ class Memories:
         The old mapping can then be retired without the engine losing its memory: this is how a
         pull whose READ NIXL will not finish is failed safely (see Puller._fence).
         """
-        mappings: list[vm.HostMapping] = []
+        plane = memory.plane
         regions: list[OpenedRegion] = []
         try:
             for region in memory.regions:
-                mapping = vm.duplicate_mapping(region.address, region.size_bytes)
-                mappings.append(mapping)
-                buffer = (ctypes.c_uint8 * region.size_bytes).from_address(mapping.address)
-                regions.append(OpenedRegion(region.request, torch.frombuffer(buffer, dtype=torch.uint8)))
-            fresh = await self.register(regions, registration_id)
+                regions.append(OpenedRegion(region.request, await plane.duplicate_region(region.region_id)))
+            return await self.register(regions, registration_id)
         except BaseException:
-            regions.clear()
-            for mapping in mappings:
-                mapping.close()
+            await plane.close_regions([region.region_id for region in regions])
             raise
-        fresh.owned_mappings = mappings
-        return fresh
 
     # --- release ------------------------------------------------------------------------------
 
     async def retire(self, memory: LocalMemory) -> None:
         """Cut the mapping off the engine's pages now (host memory); a no-op for VRAM."""
-        if memory.retired or not memory.host:
+        if memory.retired or not memory.host or memory.state is MemoryState.LOST:
+            return
+        if not memory.plane.alive:  # its worker is gone, and its pages with it
+            memory.state = MemoryState.LOST
             return
         for region in memory.regions:
-            vm.retire_range(region.address, region.size_bytes)
+            await memory.plane.retire_region(region.region_id)
         memory.retired = True
         logger.warning(
             "retired a mapping of %d bytes (registration %d): a read into it could not be proven over",
@@ -202,7 +231,14 @@ class Memories:
         )
 
     async def _release(self, memory: LocalMemory) -> None:
-        if memory in self._releasing or memory.state in (MemoryState.RELEASED, MemoryState.QUARANTINED):
+        if memory in self._releasing or memory.state in (
+            MemoryState.RELEASED,
+            MemoryState.QUARANTINED,
+            MemoryState.LOST,
+        ):
+            return
+        if not memory.plane.alive:  # its worker is gone: nothing of it is left to release
+            memory.state = MemoryState.LOST
             return
         self._releasing.add(memory)
         try:
@@ -221,16 +257,13 @@ class Memories:
 
     async def _free(self, memory: LocalMemory) -> None:
         memory.state = MemoryState.RELEASED
+        plane = memory.plane
         await memory.tables.release()
         for registration in memory.nixl_registrations:
-            await self._dataplane.deregister(registration)
+            await plane.deregister(registration)
         memory.nixl_registrations.clear()
-        for region in memory.regions:
-            region.close()  # the daemon's mapping of an engine's shm file
-        memory.regions.clear()  # drops the tensors (a CUDA IPC one closes its handle)
-        for mapping in memory.owned_mappings:
-            mapping.close()
-        memory.owned_mappings.clear()
+        await plane.close_regions([region.region_id for region in memory.regions])  # the worker's mapping
+        memory.regions.clear()
 
     async def sweep_quarantine(self) -> None:
         """Free quarantined mappings whose stale reads have all finished.

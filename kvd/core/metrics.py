@@ -55,6 +55,12 @@ class Metrics:
         )
         self.handshakes = Counter("kvd_handshakes", "Peer handshakes by outcome", ["peer", "outcome"], registry=r)
         self.peer_drops = Counter("kvd_peer_drops", "Cached peer handshakes dropped", ["peer", "reason"], registry=r)
+        self.dataplane_restarts = Counter(
+            "kvd_dataplane_restarts",
+            "Data-plane workers lost and replaced, by how the lost one ended (SIGSEGV, SIGKILL, hung, exit N)",
+            ["reason"],
+            registry=r,
+        )
         self.agent_reloads = Counter(
             "kvd_agent_reloads",
             "Peer NIXL agents removed and loaded afresh because the peer replaced memory they named",

@@ -325,6 +325,8 @@ class Peers:
             raise
         if loaded != info.agent_name:
             raise PeerUnavailable(f"peer {address} sent metadata of agent {loaded!r}, not of {info.agent_name!r}")
+        if agent.removed:  # our data-plane worker was replaced while the metadata loaded (rebind)
+            raise Unavailable(f"this daemon's data plane restarted during the handshake with {address}: retry")
         agent.loaded_metadata(named, fresh)
         agent.live = True
         engines = {(e.engine_id, e.view.spec.tp_rank): e for e in info.engines}
@@ -426,6 +428,22 @@ class Peers:
         for session in list(self._sessions.values()):
             if session.last_used < cutoff and session.agent.pins == 0:
                 await self.drop(session.address, "idle")
+
+    def rebind(self, dataplane: Any) -> None:
+        """A new data-plane worker replaced a lost one: every agent loaded into the old one went
+        with it (and every list over it). Sessions are forgotten too: the next pull to a peer
+        handshakes again and loads its agent into the new worker. No NIXL call: the old one is dead."""
+        self._dataplane = dataplane
+        for agent in self._agents.values():
+            agent.removed = True
+            agent.live = False
+            agent.tables.close()
+        for session in self._sessions.values():
+            session.agent.removed = True
+            session.agent.live = False
+        self._agents.clear()
+        self._sessions.clear()
+        self._gauges()
 
     async def drop_all(self) -> None:
         for address in list(self._sessions):

@@ -134,7 +134,6 @@ class Puller:
         self._costs = CostModel(config.read_descriptor_cost_s, config.convert_bytes_per_s, config.staging_pool_bytes)
         self._staging: dict[str, StagingPool] = {}
         self._staging_lock = asyncio.Lock()
-        self._cuda_streams: dict[int, Any] = {}  # device index -> the daemon's conversion stream
         # Pull resources whose reads were given up before NIXL finished them: handed back by
         # sweep() once final (a staging chunk or a one-off list must not be reused before).
         self._stale: list[_PullResources] = []
@@ -571,47 +570,41 @@ class Puller:
             await self.peers.drop_if(session, "disconnected")
             raise
         if plan.postprocess is not None:
-            assert held.staging is not None
+            staging = held.staging
+            assert staging is not None
             transfer.advance(TransferState.POSTPROCESSING)
-            engine_regions = [region.tensor for region in memory.regions]
-            held.conversion = asyncio.get_running_loop().run_in_executor(
-                self._executor, self._postprocess, plan, held.staging, engine_regions
+            # The conversion runs in the data-plane worker, over its mappings.
+            held.conversion = asyncio.ensure_future(
+                dataplane.convert(
+                    plan.postprocess,
+                    staging.region_id,
+                    staging.offset,
+                    staging.size,
+                    [region.region_id for region in memory.regions],
+                )
             )
-            # A cancel must not stop the wait while the thread still writes the engine's blocks:
+            # A cancel must not stop the wait while the worker still writes the engine's blocks:
             # _finish waits for it before anything is reported or handed back.
             await asyncio.shield(held.conversion)
             transfer.mark("converted")
 
-    def _postprocess(self, plan: PullPlan, staging: StagingChunk, engine_regions: list[Any]) -> None:
-        """Run the plan's conversion (worker thread). On a GPU: on a daemon-owned stream, waited for
-        before the blocks are reported loaded, so the engine's own streams are never blocked."""
-        import torch  # noqa: PLC0415
-
-        assert plan.postprocess is not None
-        device = staging.tensor.device
-        if device.type != "cuda":
-            plan.postprocess.run(staging.tensor, engine_regions)
-            return
-        stream = self._cuda_streams.get(device.index or 0)
-        if stream is None:
-            stream = self._cuda_streams.setdefault(device.index or 0, torch.cuda.Stream(device=device))
-        with torch.cuda.stream(stream):
-            plan.postprocess.run(staging.tensor, engine_regions)
-        stream.synchronize()
-
     async def _staging_pool(self, memory: LocalMemory) -> StagingPool:
-        import torch  # noqa: PLC0415
-
-        device = memory.regions[0].tensor.device
-        key = str(device)
+        device = memory.regions[0].device
         async with self._staging_lock:
-            pool = self._staging.get(key)
-            if pool is None:
+            pool = self._staging.get(device)
+            if pool is None or pool.lost:
                 if self.config.staging_pool_bytes <= 0:
                     raise FailedPrecondition("this pull needs a layout conversion but staging_pool_bytes is 0")
-                pool = await StagingPool.open(self._dataplane, self.config.staging_pool_bytes, torch.device(device))
-                self._staging[key] = pool
+                pool = await StagingPool.open(self._dataplane, self.config.staging_pool_bytes, device)
+                self._staging[device] = pool
         return pool
+
+    def rebind(self, dataplane: DataPlane) -> None:
+        """A new worker replaced a lost one: its staging buffers are gone with it."""
+        self._dataplane = dataplane
+        for pool in self._staging.values():
+            pool.lost = True
+        self._staging.clear()
 
 
 class _StaleHandshake(Exception):

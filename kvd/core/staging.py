@@ -1,6 +1,7 @@
 """A bounded, reused, NIXL-registered staging pool for pulls that need a layout conversion.
 
-Registered once per device at first use; a pull takes one contiguous chunk and gives it back.
+Allocated in the data-plane worker and registered once per device at first use; a pull takes
+one contiguous chunk (an offset into the worker's buffer) and gives it back.
 A pull that cannot get a chunk waits (bounded) and then fails with RESOURCE_EXHAUSTED: the
 pool never grows.
 """
@@ -12,9 +13,8 @@ import bisect
 import dataclasses
 import logging
 
-import torch
-
 from kvd.core.dataplane import DataPlane
+from kvd.dataplane_protocol import MappedRegion
 from kvd_client.errors import ResourceExhausted
 
 logger = logging.getLogger(__name__)
@@ -29,8 +29,9 @@ class StagingChunk:
     size: int
 
     @property
-    def tensor(self) -> torch.Tensor:
-        return self.pool.buffer[self.offset : self.offset + self.size]
+    def region_id(self) -> int:
+        """The worker's staging buffer this chunk is part of."""
+        return self.pool.region_id
 
     @property
     def address(self) -> int:
@@ -51,23 +52,29 @@ class StagingChunk:
 class StagingPool:
     """First-fit allocator over one registered buffer. Event-loop only."""
 
-    def __init__(self, dataplane: DataPlane, size: int, device: torch.device) -> None:
-        """Allocate the buffer; :meth:`open` registers it with NIXL."""
-        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        self.address = int(self.buffer.data_ptr())
-        self.device_index = int(device.index or 0) if device.type == "cuda" else 0
-        self.mem_type = "VRAM" if device.type == "cuda" else "DRAM"
-        self.size = size
+    def __init__(self, dataplane: DataPlane, region: MappedRegion) -> None:
+        """Over a buffer the worker allocated; :meth:`open` allocates and registers it."""
+        self.region_id = region.region_id
+        self.address = region.address
+        self.device_index = region.device_index
+        self.mem_type = region.mem_type
+        self.size = region.size_bytes
         self._registration: object = None
         self._dataplane = dataplane
-        self._free: list[tuple[int, int]] = [(0, size)]  # sorted (offset, size)
+        self._free: list[tuple[int, int]] = [(0, self.size)]  # sorted (offset, size)
         self._changed = asyncio.Condition()
         self.in_use = 0
+        self.lost = False  # its worker died: a new pool replaces it
 
     @classmethod
-    async def open(cls, dataplane: DataPlane, size: int, device: torch.device) -> StagingPool:
-        pool = cls(dataplane, size, device)
-        pool._registration = await dataplane.register(pool.address, size, pool.device_index, pool.mem_type)
+    async def open(cls, dataplane: DataPlane, size: int, device: str) -> StagingPool:
+        region = await dataplane.open_staging(size, device)
+        pool = cls(dataplane, region)
+        try:
+            pool._registration = await dataplane.register(pool.address, size, pool.device_index, pool.mem_type)
+        except BaseException:
+            await dataplane.close_regions([region.region_id])
+            raise
         return pool
 
     def _take(self, size: int) -> StagingChunk | None:
@@ -123,3 +130,4 @@ class StagingPool:
         if self._registration is not None:
             await self._dataplane.deregister(self._registration)
             self._registration = None
+            await self._dataplane.close_regions([self.region_id])

@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
@@ -295,6 +296,7 @@ def _write_ready_file(path: str, running: Running) -> None:
         "unix": running.unix_socket,
         "metrics": running.metrics_address,
         "health": running.health_address,
+        "dataplane_pid": getattr(running.daemon.dataplane, "pid", 0),  # the worker at start (it may be replaced)
     }
     tmp = Path(path + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
@@ -313,6 +315,9 @@ async def stop(running: Running, grace_s: float) -> None:
     if running.metrics_server is not None:
         _stop_metrics_server(running.metrics_server)
     startup.remove_socket(running.unix_socket)
+
+
+EXIT_DATAPLANE_CRASH_LOOP = 70  # EX_SOFTWARE: the data-plane worker kept dying (kvd.core.daemon)
 
 
 async def serve(config: KvdConfig) -> int:
@@ -336,16 +341,28 @@ async def serve(config: KvdConfig) -> int:
         )
     elif notifier.enabled:
         pinger = loop.create_task(_status_updates(notifier, running), name="kvd-status")
-    await stop_event.wait()
-    logger.info("signal received: shutting down (grace %.1fs)", config.shutdown_grace_s)
-    notifier.stopping(f"stopping: {running.daemon.status().transfers_in_flight} transfers finishing")
-    await stop(running, config.shutdown_grace_s)
+    fatal = running.daemon.fatal
+    assert fatal is not None
+    stop_wait: asyncio.Future[Any] = loop.create_task(stop_event.wait())
+    await asyncio.wait([stop_wait, fatal], return_when=asyncio.FIRST_COMPLETED)
+    stop_wait.cancel()
+    exit_code = 0
+    if fatal.done():
+        # A crash loop of the data-plane worker: NOT_SERVING, everything released, a non-zero exit
+        # so that systemd (Restart=on-failure) or Kubernetes restarts the whole daemon with back-off.
+        logger.critical("exiting with status %d: %s", EXIT_DATAPLANE_CRASH_LOOP, fatal.result())
+        notifier.stopping(f"exiting: {fatal.result()}")
+        exit_code = EXIT_DATAPLANE_CRASH_LOOP
+    else:
+        logger.info("signal received: shutting down (grace %.1fs)", config.shutdown_grace_s)
+        notifier.stopping(f"stopping: {running.daemon.status().transfers_in_flight} transfers finishing")
+    await stop(running, config.shutdown_grace_s if not exit_code else 0.0)
     if pinger is not None:
         pinger.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pinger
     notifier.close()
-    return 0
+    return exit_code
 
 
 async def _status_updates(notifier: Notifier, running: Running, every_s: float = 10.0) -> None:

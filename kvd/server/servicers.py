@@ -405,6 +405,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             quarantined_bytes=s.quarantined_bytes,
             remote_agents=s.remote_agents,
             holds_ended=s.holds_ended,
+            dataplane_pid=s.dataplane_pid,
+            dataplane_restarts=s.dataplane_restarts,
+            dataplane_last_restart=s.dataplane_last_restart,
         )
 
     @rpc

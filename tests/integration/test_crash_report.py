@@ -22,9 +22,9 @@ def test_a_crashed_daemon_leaves_every_threads_stack_and_is_named(tmp_path: Path
         daemon.process.wait(30)
         report = daemon.crash()
         assert f"died of {sig.name}" in report and "crashy" in report
-        # faulthandler: the fatal signal and the Python stack of each thread (the event loop's, kvd-nixl's).
+        # faulthandler: the fatal signal and the Python stack of each thread (the event loop's).
         assert "Fatal Python error" in report, report
-        assert "kvd/core/dataplane.py" in report and "asyncio" in report, report
+        assert "asyncio" in report, report
     finally:
         daemon.terminate()
 

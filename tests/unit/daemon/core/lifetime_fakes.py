@@ -34,7 +34,9 @@ from kvd.core.memory import MemoryKind, RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.peers import HandshakeInfo, PrepareResult
 from kvd.core.registry import EngineRank
+from kvd.dataplane_protocol import MappedRegion
 from kvd.layout.spec import LayoutSpec, contiguous_placements
+from kvd.worker.regions import RegionTable
 from kvd_client.errors import InvalidArgument, KvdError, PeerUnavailable, Unavailable
 from kvd_client.shm import create_shm_tensor, unlink_shm
 
@@ -135,8 +137,14 @@ class FakeDataPlane:
         agent_name: str,
         fabric: Fabric,
         on_reads_in_flight: Callable[[int], None] = lambda _: None,
+        on_lost: Callable[[Any, str], None] = lambda _plane, _reason: None,
     ) -> None:
         self.name = agent_name
+        self._on_lost = on_lost
+        self.lost_reason = ""
+        # The worker's mappings, in this process (the real worker's RegionTable).
+        self.region_table = RegionTable()
+        self.converts = 0
         self.fabric = fabric
         self._on_reads_in_flight = on_reads_in_flight
         self._on_notifications: Callable[[dict[str, list[bytes]]], None] = lambda _: None
@@ -169,10 +177,66 @@ class FakeDataPlane:
 
     async def stop(self) -> None:
         self.stopped = True
+        self.region_table.close_all()
+
+    @property
+    def alive(self) -> bool:
+        return self.started and not self.stopped and not self.lost_reason
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+    def lose(self, reason: str = "SIGKILL") -> None:
+        """The worker dies: every READ it posted is final (its death is the fence), calls fail."""
+        self.lost_reason = reason
+        for xfer in self.posted:
+            if not xfer.final:
+                xfer.state = XferState.ERROR
+                xfer.error = Unavailable(f"the data-plane worker died ({reason})")
+                if not xfer.settled.done():
+                    xfer.settled.set_result(None)
+        self._on_reads_in_flight(0)
+        self.log.append(("lost", reason))
+        self._on_lost(self, reason)
 
     def _require_started(self) -> None:
+        if self.lost_reason:
+            raise Unavailable(f"the data-plane worker is gone ({self.lost_reason}): retry")
         if not self.started or self.stopped:
             raise Unavailable("the NIXL data plane is stopped")
+
+    # --- the worker's mappings ------------------------------------------------------------------
+
+    async def open_regions(self, requests: Sequence[RegionRequest]) -> list[MappedRegion]:
+        self._require_started()
+        return self.region_table.open_all(requests)
+
+    async def close_regions(self, region_ids: Sequence[int]) -> None:
+        if self.alive:
+            for region_id in region_ids:
+                self.region_table.close(region_id)
+
+    async def duplicate_region(self, region_id: int) -> MappedRegion:
+        self._require_started()
+        return self.region_table.duplicate(region_id)
+
+    async def retire_region(self, region_id: int) -> None:
+        self._require_started()
+        self.region_table.retire(region_id)
+
+    async def open_staging(self, size: int, device: str) -> MappedRegion:
+        self._require_started()
+        return self.region_table.staging(size, device)
+
+    async def convert(
+        self, postprocess: Any, staging_region: int, offset: int, size: int, engine_regions: Sequence[int]
+    ) -> None:
+        self._require_started()
+        self.converts += 1
+        staging = self.region_table.get(staging_region)[offset : offset + size]
+        tensors = [self.region_table.get(region_id) for region_id in engine_regions]
+        await asyncio.to_thread(self.region_table.convert, postprocess, staging, tensors)
 
     def metadata(self) -> bytes:
         """Names the agent and its live registrations, as NIXL's metadata does."""
@@ -202,6 +266,8 @@ class FakeDataPlane:
         return registration
 
     async def deregister(self, registration: FakeRegistration) -> None:
+        if self.lost_reason:  # the worker is gone, and all of it with it
+            return
         self._require_started()
         if not registration.live:
             self._violation(f"registration {registration.reg_id} deregistered twice")
@@ -247,6 +313,8 @@ class FakeDataPlane:
         return name
 
     async def remove_remote(self, agent_name: str, tables: Sequence[FakeTable]) -> None:
+        if self.lost_reason:  # the worker is gone, and all of it with it
+            return
         self._require_started()
         for read in self._live_reads():
             if read.remote.agent == agent_name:
@@ -293,6 +361,8 @@ class FakeDataPlane:
             raise RuntimeError("NIXL_ERR_NOT_FOUND (fake): no loaded region covers the list")
 
     async def release_tables(self, tables: Sequence[FakeTable]) -> None:
+        if self.lost_reason:  # the worker is gone, and all of it with it
+            return
         if tables:
             self._require_started()
             self._release(tables)
@@ -524,9 +594,12 @@ class Fabric:
         backends: Sequence[str] = ("UCX",),
         progress_thread: bool = False,
         on_reads_in_flight: Callable[[int], None] = lambda _: None,
+        *,
+        on_lost: Callable[[Any, str], None] = lambda _plane, _reason: None,
+        **_worker: Any,
     ) -> FakeDataPlane:
         """Stands in for the DataPlane class in kvd.core.daemon."""
-        dataplane = FakeDataPlane(agent_name, self, on_reads_in_flight)
+        dataplane = FakeDataPlane(agent_name, self, on_reads_in_flight, on_lost)
         self.dataplanes[agent_name] = dataplane
         return dataplane
 

@@ -22,12 +22,12 @@ from kvtest import small_spec
 from lifetime_fakes import SAFETY_TIMEOUT_S, Fabric, Gate, Node
 
 import kvd.core.daemon as daemon_module
-from kvd.core import vm
 from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.local_memory import LocalMemory, MemoryState
 from kvd.core.registry import EngineRank
 from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.spec import KvLayout, LayoutSpec
+from kvd.worker import vm
 from kvd_client.errors import Internal
 
 PLANNED, READING, POSTPROCESSING, FENCING = (
@@ -372,15 +372,15 @@ def test_unregister_reader_rank_while_fencing_reports_once_and_releases_after_re
 
 
 class GatedConversion:
-    """Wraps Puller._postprocess: the conversion thread waits for the test before writing."""
+    """Wraps the worker's conversion (RegionTable.convert): its thread waits for the test before writing."""
 
-    def __init__(self, puller: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self._convert = puller._postprocess
+    def __init__(self, regions: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._convert = regions.convert
         self._loop = loop
         self.entered: asyncio.Future[None] = loop.create_future()
         self.exited: asyncio.Future[None] = loop.create_future()
         self.release = threading.Event()
-        puller._postprocess = self
+        regions.convert = self
 
     def __call__(self, *args: Any) -> None:
         self._loop.call_soon_threadsafe(self.entered.set_result, None)
@@ -396,7 +396,7 @@ def test_unregister_reader_rank_while_postprocessing_reports_load_failed_once(fa
 
     async def scenario() -> None:
         p = await make_pair(fabric, small_spec(8, layout=KvLayout.HND), staging_pool_bytes=1 << 20)
-        conversion = GatedConversion(p.reader.daemon._puller, asyncio.get_running_loop())
+        conversion = GatedConversion(p.reader.dataplane.region_table, asyncio.get_running_loop())
         transfer, _ = p.pull()
         for xfer in await p.reading(transfer):
             p.reader.dataplane.finish(xfer)
@@ -423,7 +423,7 @@ def test_load_failed_is_not_reported_while_the_conversion_still_writes_the_engin
 
     async def scenario() -> None:
         p = await make_pair(fabric, small_spec(8, layout=KvLayout.HND), staging_pool_bytes=1 << 20)
-        conversion = GatedConversion(p.reader.daemon._puller, asyncio.get_running_loop())
+        conversion = GatedConversion(p.reader.dataplane.region_table, asyncio.get_running_loop())
         transfer, _ = p.pull()
         for xfer in await p.reading(transfer):
             p.reader.dataplane.finish(xfer)

@@ -9,15 +9,27 @@ import pytest
 import torch
 
 from kvd.core.staging import ALIGN, StagingPool
+from kvd.dataplane_protocol import MappedRegion
 from kvd_client.errors import ResourceExhausted
 
 
 class FakeDataPlane:
-    """Records register / deregister calls: all StagingPool asks of a DataPlane."""
+    """Records the worker calls StagingPool makes: allocate, register, deregister, close."""
 
     def __init__(self) -> None:
         self.registered: list[tuple[int, int, int, str]] = []
         self.deregistered: list[Any] = []
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.closed: list[int] = []
+
+    async def open_staging(self, size: int, device: str) -> MappedRegion:
+        buffer = torch.empty(size, dtype=torch.uint8, device=torch.device(device))
+        region_id = len(self.buffers) + 1
+        self.buffers[region_id] = buffer
+        return MappedRegion(region_id, int(buffer.data_ptr()), size, 0, False)
+
+    async def close_regions(self, region_ids: list[int]) -> None:
+        self.closed.extend(region_ids)
 
     async def register(self, address: int, size: int, device_index: int, mem_type: str) -> object:
         self.registered.append((address, size, device_index, mem_type))
@@ -29,7 +41,9 @@ class FakeDataPlane:
 
 def _pool(size: int = 8 * ALIGN) -> tuple[StagingPool, FakeDataPlane]:
     dp = FakeDataPlane()
-    return StagingPool(dp, size, torch.device("cpu")), dp  # type: ignore[arg-type]
+    buffer = torch.empty(size, dtype=torch.uint8)
+    dp.buffers[1] = buffer
+    return StagingPool(dp, MappedRegion(1, int(buffer.data_ptr()), size, 0, False)), dp  # type: ignore[arg-type]
 
 
 def test_pool_registers_its_buffer_once_and_deregisters_on_close() -> None:
@@ -37,11 +51,12 @@ def test_pool_registers_its_buffer_once_and_deregisters_on_close() -> None:
 
     async def main() -> None:
         dp = FakeDataPlane()
-        pool = await StagingPool.open(dp, 4096, torch.device("cpu"))  # type: ignore[arg-type]
+        pool = await StagingPool.open(dp, 4096, "cpu")  # type: ignore[arg-type]
         assert dp.registered == [(pool.address, 4096, 0, "DRAM")]
-        assert pool.buffer.numel() == 4096 and pool.buffer.dtype == torch.uint8
+        buffer = dp.buffers[pool.region_id]
+        assert buffer.numel() == 4096 and buffer.data_ptr() == pool.address
         await pool.close()
-        assert dp.deregistered == [("registration", pool.address)]
+        assert dp.deregistered == [("registration", pool.address)] and dp.closed == [pool.region_id]
         await pool.close()
         assert len(dp.deregistered) == 1, "a second close deregistered again"
 
@@ -49,7 +64,7 @@ def test_pool_registers_its_buffer_once_and_deregisters_on_close() -> None:
 
 
 def test_chunks_are_aligned_views_of_the_buffer() -> None:
-    """A request is rounded up to ALIGN; the chunk's tensor and address point into the pool."""
+    """A request is rounded up to ALIGN; the chunk's offset and address point into the pool."""
 
     async def main() -> None:
         pool, _ = _pool()
@@ -58,7 +73,7 @@ def test_chunks_are_aligned_views_of_the_buffer() -> None:
         assert (a.offset, a.size) == (0, ALIGN)
         assert (b.offset, b.size) == (ALIGN, 2 * ALIGN)
         assert b.address == pool.address + ALIGN
-        assert b.tensor.numel() == 2 * ALIGN and b.tensor.data_ptr() == b.address
+        assert b.region_id == pool.region_id
         assert (b.mem_type, b.device_index) == ("DRAM", 0)
         assert pool.in_use == 3 * ALIGN
 

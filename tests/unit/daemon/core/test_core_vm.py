@@ -1,4 +1,4 @@
-"""kvd.core.vm: engine mappings at addresses never reused, re-maps of the same pages, retiring."""
+"""kvd.worker.vm: engine mappings at addresses never reused, re-maps of the same pages, retiring."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvd.core import vm
+from kvd.worker import vm
 from kvd_client.shm import create_shm_tensor, unlink_shm
 
 SIZE = 1 << 20

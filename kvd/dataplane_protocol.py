@@ -1,0 +1,187 @@
+"""The channel between kvd's control process and its data-plane worker: the one module both share.
+
+``kvd serve`` is two processes (docs/architecture.md, "Processes"). The control process (gRPC,
+registry, leases, peers, plans) never loads NIXL or UCX; the worker (``python -m kvd.worker``)
+holds the NIXL agent, the engines' mapped memory, the prepared descriptor lists, staging and the
+conversions. They talk over one private ``socketpair`` created by the control process and
+inherited by the worker: never a listening socket, so nothing else can reach it.
+
+**Frames.** A message is a frame: an 8-byte header (body length, number of raw buffers), the
+body (pickle protocol 5), then each raw buffer (8-byte length, bytes). Numpy index arrays and
+descriptor rows travel *out of band* as raw buffers (pickle's ``buffer_callback``): their bytes
+are never pickled or copied into the body. Pickle is safe here because both ends are the same
+daemon's processes on a private socketpair.
+
+**Messages** (each is a tuple whose first item names its kind):
+
+* control -> worker: ``(CALL, call_id, op, args)``: run ``op``; every call is answered exactly
+  once by a ``REPLY`` unless the worker dies first.
+* worker -> control: ``(REPLY, call_id, value, error)``; ``(SETTLED, xfer_id, state, error)``
+  once a posted READ is final (NIXL said DONE or ERR); ``(NOTIFS, {agent: [bytes]})``;
+  ``(HELLO, pid)`` once the worker has imported NIXL and waits for ``start``.
+
+Errors cross as ``(class name, message)`` and come back as the exact :class:`KvdError` class; any
+other exception becomes :class:`Internal` naming its type.
+
+**When the worker dies** every call in flight fails ``Unavailable`` naming the restart, and every
+READ it had posted is reported final with that error: the worker's death is the fence (its UCX
+endpoints and mappings die with it; see docs/lifetimes.md for the exception).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import pickle
+import struct
+from typing import Any
+
+from kvd_client.errors import Internal, KvdError, error_class_named
+
+HEADER = struct.Struct("<IQ")  # body length, number of out-of-band buffers
+BUFFER = struct.Struct("<Q")
+MAX_BODY = 1 << 30
+
+CALL = "call"
+REPLY = "reply"
+SETTLED = "settled"
+NOTIFS = "notifs"
+HELLO = "hello"
+
+LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for the agent's own memory in prepared lists
+
+WireError = tuple[str, str]  # (KvdError class name, message)
+
+
+class XferState(enum.Enum):
+    IN_PROGRESS = "PROC"
+    DONE = "DONE"
+    ERROR = "ERR"
+
+
+@dataclasses.dataclass(frozen=True)
+class NixlRegion:
+    """One memory registration as an agent's metadata names it.
+
+    ``serial`` tells registrations of the same addresses apart: NIXL keys a peer's regions by
+    address and length, so a region deregistered and registered again is a *different* region
+    that a reader must not confuse with the one it loaded before (see kvd.core.peers).
+    """
+
+    address: int
+    size: int
+    device_index: int
+    vram: bool
+    serial: int
+
+    def overlaps(self, other: NixlRegion) -> bool:
+        return (
+            self.vram == other.vram
+            and self.device_index == other.device_index
+            and self.address < other.address + other.size
+            and other.address < self.address + self.size
+        )
+
+    def covers(self, address: int, size: int, device_index: int, vram: bool) -> bool:
+        return (
+            self.vram == vram
+            and self.device_index == device_index
+            and self.address <= address
+            and address + size <= self.address + self.size
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentIdentity:
+    """The agent's metadata and the exact regions it names, taken together (one snapshot)."""
+
+    metadata: bytes
+    regions: tuple[NixlRegion, ...]
+
+
+class MemoryKind(enum.Enum):
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaIpcSpec:
+    """The fields of ``torch.UntypedStorage._share_cuda_()``, as sent by the engine."""
+
+    device_index: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionRequest:
+    """One memory region an engine asks the daemon to open (the worker maps it)."""
+
+    kind: MemoryKind
+    size_bytes: int
+    shm_name: str = ""
+    cuda_ipc: CudaIpcSpec | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MappedRegion:
+    """An engine region (or a staging buffer) as the worker mapped it: what the control side knows.
+
+    ``region_id`` names the worker's mapping in later calls (close, duplicate, retire, convert);
+    ``address`` is in the *worker's* address space, the one its NIXL registrations use.
+    """
+
+    region_id: int
+    address: int
+    size_bytes: int
+    device_index: int
+    vram: bool
+
+    @property
+    def mem_type(self) -> str:
+        return "VRAM" if self.vram else "DRAM"
+
+
+def encode_error(exc: BaseException) -> WireError:
+    if isinstance(exc, KvdError):
+        return (type(exc).__name__, exc.message)
+    return ("Internal", f"the data-plane worker failed: {type(exc).__name__}: {exc}")
+
+
+def decode_error(error: WireError) -> KvdError:
+    name, message = error
+    cls = error_class_named(name) or Internal
+    return cls(message)
+
+
+def frame(message: tuple[Any, ...]) -> list[bytes | memoryview]:
+    """The bytes of one message: header, body, out-of-band buffers."""
+    buffers: list[pickle.PickleBuffer] = []
+    body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    parts: list[bytes | memoryview] = [HEADER.pack(len(body), len(buffers)), body]
+    for buffer in buffers:
+        raw = buffer.raw()
+        parts.append(BUFFER.pack(raw.nbytes))
+        parts.append(raw)
+    return parts
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[Any, ...]:
+    """One message; raises ``asyncio.IncompleteReadError`` at end of stream."""
+    size, count = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if size > MAX_BODY:
+        raise ValueError(f"data-plane frame of {size} bytes: the channel is corrupt")
+    body = await reader.readexactly(size)
+    buffers = []
+    for _ in range(count):
+        (length,) = BUFFER.unpack(await reader.readexactly(BUFFER.size))
+        buffers.append(bytearray(await reader.readexactly(length)))  # writable: numpy views stay usable
+    message = pickle.loads(body, buffers=buffers)
+    assert isinstance(message, tuple)
+    return message

@@ -1,0 +1,67 @@
+"""``python -m kvd.worker``: the data-plane worker process ``kvd serve`` starts (kvd.core.workers).
+
+Not a command for people: it serves one channel fd it inherited from the control process and
+exits when that channel ends. It configures its own log handler (its stderr is the daemon's, so
+systemd's journal gets both), turns on faulthandler (a crash in NIXL or UCX leaves a Python
+stack in the log) and asks the kernel to kill it if the control process dies first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import ctypes.util
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+async def _serve(fd: int) -> None:
+    from kvd.worker.service import WorkerService  # noqa: PLC0415 - after logging is set up
+
+    sock = socket.socket(fileno=fd)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 24)
+    await WorkerService(reader, writer).serve()
+    writer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvd.worker", description=__doc__)
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--switch-interval", type=float, default=0.0002)
+    parser.add_argument("--parent-pid", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.parent_pid:
+        _die_with_parent(args.parent_pid)
+    faulthandler.enable()
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s %(levelname)s kvd-worker[{os.getpid()}] %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the control side decides
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # systemd's stop: the control side closes the channel
+    sys.setswitchinterval(args.switch_interval)
+    import torch  # noqa: F401, PLC0415 - imported before hello: a spare worker is ready to start at once
+    from nixl import _api  # noqa: F401, PLC0415
+
+    asyncio.run(_serve(args.channel_fd))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

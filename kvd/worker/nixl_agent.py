@@ -1,0 +1,403 @@
+"""The worker's NIXL agent: one per worker incarnation, driven by one thread that owns it.
+
+This is the only module that talks to NIXL (it runs in the data-plane worker process, never in
+the control process: see kvd.dataplane_protocol). It turns NIXL's string states and exceptions into
+:class:`XferState` and kvd errors.
+
+**Threads.** Every call on the agent runs on the data plane's own thread (``kvd-nixl``), fed
+by a queue, except ``prep_xfer_dlist``: preparing a large table takes long, touches no UCX
+worker and runs under NIXL's agent lock, so it runs in the caller's thread pool. The owner
+thread also polls every posted transfer and NIXL's notifications, so UCX makes progress (it
+copies inside those polls) and no two threads ever drive the UCX worker at once.
+
+**Transfers.** A posted READ is an :class:`Xfer`. NIXL 1.5 cannot cancel a READ in flight
+(``release`` leaves the UCX request running and its bytes still land), so the data plane
+never releases a handle that is not final: it polls it until NIXL reports DONE or ERR, then
+releases it. ``Xfer.final`` is therefore the proof that no byte of the read can land any
+more; callers that give up on a read keep its destination pinned until then (see
+docs/lifetimes.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvd.dataplane_protocol import LOCAL_AGENT, AgentIdentity, NixlRegion, XferState
+from kvd_client.errors import Internal, InvalidArgument, KvdError, PeerUnavailable, Unavailable
+
+logger = logging.getLogger(__name__)
+
+LOCAL = LOCAL_AGENT
+T = TypeVar("T")
+
+# The owner thread polls posted reads without sleeping (sleep(0): it still yields the GIL) for
+# SPIN_S plus the bytes' time at SPIN_BYTES_PER_S, then every POLL_SLOW_S; with no read in flight
+# it polls notifications every POLL_IDLE_S, or POLL_FAST_S while a reader may be reading from us
+# (a READ that carries a notification completes only once the holder has made progress).
+SPIN_S = 0.002
+SPIN_BYTES_PER_S = 2e9
+POLL_SLOW_S = 0.001
+POLL_IDLE_S = 0.001
+POLL_FAST_S = 0.0002
+# With nothing to do for DORMANT_AFTER_S (no call, no read, no notification, no admitted reader),
+# notifications are polled every POLL_DORMANT_S only: an idle daemon then costs well under 1 % of
+# a core instead of ~5 %. Any call or a reader's admission wakes the thread at once.
+DORMANT_AFTER_S = 1.0
+POLL_DORMANT_S = 0.05
+
+
+def _nixl() -> Any:
+    """Import NIXL lazily: the layout and registry code is usable (and testable) without it."""
+    from nixl import _api  # noqa: PLC0415
+
+    return _api
+
+
+@dataclasses.dataclass(eq=False)
+class Xfer:
+    """One posted READ. Owned by the data plane's thread until final; see the module docstring."""
+
+    handle: Any
+    peer: str
+    nbytes: int
+    spin_until: float
+    settled: asyncio.Future[None]
+    state: XferState = XferState.IN_PROGRESS
+    error: KvdError | None = None
+
+    @property
+    def final(self) -> bool:
+        """True once NIXL said DONE or ERR: no byte of this read can land any more."""
+        return self.state is not XferState.IN_PROGRESS
+
+
+class NixlAgent:
+    """A NIXL agent and the one thread that calls it (in the data-plane worker process)."""
+
+    def __init__(
+        self,
+        agent_name: str,
+        backends: Sequence[str] = ("UCX",),
+        progress_thread: bool = False,
+        on_reads_in_flight: Callable[[int], None] = lambda _: None,
+    ) -> None:
+        self.name = agent_name
+        self._on_reads_in_flight = on_reads_in_flight  # called on the owner thread when the count changes
+        self._backends = list(backends)
+        self._nixl_progress_thread = progress_thread
+        self.agent: Any = None
+        # Replaced whole (never mutated) on the owner thread after each (de)registration.
+        self._identity = AgentIdentity(b"", ())
+        self._regions: dict[int, NixlRegion] = {}  # id(registration) -> region; owner thread only
+        self._serials = 0
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            collections.deque()
+        )
+        self._wake = threading.Event()
+        self._stopping = False
+        self._xfers: list[Xfer] = []  # owner thread only
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_notifications: Callable[[dict[str, list[bytes]]], None] = lambda _: None
+        self._fast_poll_until = 0.0  # written on the event loop, read by the owner thread
+        self._active_at = time.monotonic()  # the owner thread's last call, read or notification
+
+    # --- the owner thread ---------------------------------------------------------------------
+
+    async def start(self, on_notifications: Callable[[dict[str, list[bytes]]], None]) -> None:
+        """Create the agent on the owner thread; ``on_notifications`` runs on the event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._on_notifications = on_notifications
+        self._thread = threading.Thread(target=self._run, name="kvd-nixl", daemon=True)
+        self._thread.start()
+        await self.call(self._create_agent)
+
+    def _create_agent(self) -> None:
+        api = _nixl()
+        config = api.nixl_agent_config(
+            enable_prog_thread=self._nixl_progress_thread,
+            backends=self._backends,
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self.agent = api.nixl_agent(self.name, config)
+        missing = [b for b in self._backends if b not in self.agent.backends]
+        if missing:
+            raise Internal(
+                f"NIXL backends {missing} could not be created (available plugins: {self.agent.plugin_list})"
+            )
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Take the agent's metadata and its regions together (owner thread)."""
+        self._identity = AgentIdentity(bytes(self.agent.get_agent_metadata()), tuple(self._regions.values()))
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the owner thread (any thread may call this)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self._stopping or self._thread is None:
+            future.set_exception(Unavailable("the NIXL data plane is stopped"))
+            return future
+        self._commands.append((fn, future))
+        self._wake.set()
+        return future
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the owner thread and wait for it (the call itself is not cancelled)."""
+        return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
+
+    @property
+    def fast_poll_until(self) -> float:
+        return self._fast_poll_until
+
+    @fast_poll_until.setter
+    def fast_poll_until(self, deadline: float) -> None:
+        """Poll fast until ``deadline`` (a reader is admitted): wakes a dormant thread at once."""
+        self._fast_poll_until = deadline
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            if self._commands:
+                self._active_at = time.monotonic()
+            while self._commands:
+                fn, future = self._commands.popleft()
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:
+                        future.set_exception(exc)
+            if self._stopping and not self._commands:
+                return
+            if self.agent is not None:
+                try:
+                    self._poll()
+                except Exception:  # the owner thread must survive a NIXL hiccup: log and go on
+                    logger.exception("polling NIXL failed")
+            self._wake.wait(self._poll_interval())
+            self._wake.clear()
+
+    def _poll_interval(self) -> float:
+        now = time.monotonic()
+        if self._xfers:
+            self._active_at = now
+            return 0.0 if any(now < x.spin_until for x in self._xfers) else POLL_SLOW_S
+        if now < self._fast_poll_until:
+            self._active_at = now
+            return POLL_FAST_S
+        return POLL_IDLE_S if now - self._active_at < DORMANT_AFTER_S else POLL_DORMANT_S
+
+    def _poll(self) -> None:
+        if self._xfers:
+            still = []
+            for xfer in self._xfers:
+                self._check(xfer)
+                if xfer.final:
+                    self._settle(xfer)
+                else:
+                    still.append(xfer)
+            if len(still) != len(self._xfers):
+                self._on_reads_in_flight(len(still))
+            self._xfers = still
+            if still:
+                time.sleep(0)  # let the event loop run between spins
+        notifications = self.agent.get_new_notifs()
+        if notifications:
+            self._active_at = time.monotonic()
+        if notifications and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_notifications, dict(notifications))
+
+    def _check(self, xfer: Xfer) -> None:
+        try:
+            state = XferState(self.agent.check_xfer_state(xfer.handle))
+        except Exception as exc:  # NIXL reports a failed request by raising: it is final
+            xfer.state, xfer.error = XferState.ERROR, self._map(exc, xfer.peer)
+            return
+        if state is XferState.ERROR:
+            xfer.error = PeerUnavailable(f"NIXL read from peer {xfer.peer} failed: peer gone?")
+        xfer.state = state
+
+    def _settle(self, xfer: Xfer) -> None:
+        """A final transfer: release its handle here (safe now) and wake its waiter."""
+        try:
+            self.agent.release_xfer_handle(xfer.handle)
+        except Exception as exc:  # a final handle that NIXL will not release: it holds no bytes
+            logger.warning("NIXL could not release a finished transfer from %s: %s", xfer.peer, exc)
+        xfer.handle = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(_resolve, xfer.settled)
+
+    async def stop(self) -> None:
+        """Stop the owner thread after the queued calls (reads still in flight stay unreleased)."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
+        if self._xfers:
+            logger.warning("%d NIXL reads were still in flight at shutdown", len(self._xfers))
+
+    # --- identity -----------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """The agent's metadata as of the last (de)registration (no NIXL call: loop-safe)."""
+        return self._identity.metadata
+
+    def identity(self) -> AgentIdentity:
+        """The agent's metadata and exactly the regions it names (no NIXL call: loop-safe)."""
+        return self._identity
+
+    # --- memory -------------------------------------------------------------------------------
+
+    async def register(self, address: int, size: int, device_index: int, mem_type: str) -> Any:
+        """Register one region with every backend that takes its memory type."""
+
+        def register() -> Any:
+            registration = self.agent.register_memory([(address, size, device_index, "")], mem_type)
+            self._serials += 1
+            self._regions[id(registration)] = NixlRegion(address, size, device_index, mem_type == "VRAM", self._serials)
+            self._snapshot()
+            return registration
+
+        return await self.call(register)
+
+    async def deregister(self, registration: Any) -> None:
+        def deregister() -> None:
+            self.agent.deregister_memory(registration)
+            self._regions.pop(id(registration), None)
+            self._snapshot()
+
+        await self.call(deregister)
+
+    # --- peers --------------------------------------------------------------------------------
+
+    async def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata. Loading a known agent again adds its new memory (NIXL merges
+        the sections: prepared lists stay valid), so a re-handshake never removes the agent."""
+
+        def add() -> str:
+            try:
+                name = self.agent.add_remote_agent(metadata)
+            except Exception as exc:  # NIXL raises its own exception types here
+                raise InvalidArgument(f"peer agent metadata rejected by NIXL: {exc}") from exc
+            return name.decode() if isinstance(name, bytes) else str(name)
+
+        return await self.call(add)
+
+    async def remove_remote(self, agent_name: str, tables: Sequence[Any]) -> None:
+        """Release a peer's prepared lists, then forget its agent (only once nothing uses them)."""
+
+        def remove() -> None:
+            for table in tables:
+                _release_table(self.agent, table)
+            try:
+                self.agent.remove_remote_agent(agent_name)
+            except Exception as exc:  # already gone: nothing to release
+                logger.debug("remove_remote_agent(%s): %s", agent_name, exc)
+
+        await self.call(remove)
+
+    # --- tables -------------------------------------------------------------------------------
+
+    def prepare_table(self, agent_name: str, rows: np.ndarray, mem_type: str) -> Any:
+        """Prepare a descriptor list (blocking; run in a worker thread, see the module docstring)."""
+        if self.agent is None:
+            raise Unavailable("the NIXL data plane is not started")
+        return self.agent.prep_xfer_dlist(agent_name, rows, mem_type)
+
+    async def release_tables(self, tables: Sequence[Any]) -> None:
+        if tables:
+
+            def release() -> None:
+                for table in tables:
+                    _release_table(self.agent, table)
+
+            await self.call(release)
+
+    # --- transfers ----------------------------------------------------------------------------
+
+    async def read(
+        self,
+        local_table: Any,
+        local_indices: np.ndarray,
+        remote_table: Any,
+        remote_indices: np.ndarray,
+        notif: bytes,
+        peer: str,
+        nbytes: int,
+    ) -> Xfer:
+        """Post a READ. Raises if NIXL refused to build it (then nothing was posted).
+
+        A READ that NIXL built but failed to post (wholly or in part) is returned with ``error``
+        set: part of it may be on its way, so it is polled to a final state like any other, and
+        its destination must stay pinned until then.
+        """
+        assert self._loop is not None
+        settled: asyncio.Future[None] = self._loop.create_future()
+        local_indices = np.ascontiguousarray(local_indices, dtype=np.int32)
+        remote_indices = np.ascontiguousarray(remote_indices, dtype=np.int32)
+
+        def post() -> Xfer:
+            try:
+                handle = self.agent.make_prepped_xfer(
+                    "READ", local_table, local_indices, remote_table, remote_indices, notif
+                )
+            except Exception as exc:
+                raise self._map(exc, peer) from exc
+            xfer = Xfer(handle, peer, nbytes, time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S, settled)
+            try:
+                state = self.agent.transfer(handle)
+            except Exception as exc:
+                # Some of the read may be posted already: poll it to a final state like any other.
+                xfer.error = self._map(exc, peer)
+                state = "PROC"
+            self._xfers.append(xfer)
+            self._on_reads_in_flight(len(self._xfers))
+            if state == "ERR" and xfer.error is None:
+                xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
+            return xfer
+
+        return await self.call(post)
+
+    async def wait(self, xfers: Sequence[Xfer]) -> None:
+        """Wait until every read is final; raise the first error. Cancelling the wait leaves the
+        reads running: check ``Xfer.final`` before letting anything reuse their destination."""
+        for xfer in xfers:
+            await asyncio.shield(xfer.settled)
+            if xfer.error is not None:
+                raise xfer.error
+
+    def in_flight(self) -> int:
+        """Reads posted and not yet final (approximate: read from another thread)."""
+        return len(self._xfers)
+
+    def _map(self, exc: Exception, peer: str) -> KvdError:
+        bindings = _nixl().nixlBind
+        if isinstance(exc, (bindings.nixlRemoteDisconnectError, bindings.nixlBackendError)):
+            return PeerUnavailable(f"peer {peer} disconnected: {exc}")
+        if isinstance(exc, bindings.nixlNotFoundError):
+            return PeerUnavailable(f"peer {peer} is not known to NIXL (restarted?): {exc}")
+        if isinstance(exc, bindings.nixlInvalidParamError):
+            return Internal(f"NIXL rejected a transfer built by kvd: {exc}")
+        return Internal(f"NIXL error reading from {peer}: {type(exc).__name__}: {exc}")
+
+
+def _release_table(agent: Any, table: Any) -> None:
+    try:
+        agent.release_dlist_handle(table)
+    except Exception as exc:  # releasing a dead peer's list may fail; nothing else to do
+        logger.debug("releasing a prepared list: %s", exc)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
