@@ -131,11 +131,9 @@ class Daemon:
 
     # --- life cycle ------------------------------------------------------------------------
 
-    def _new_dataplane(self, agent_name: str) -> DataPlane:
+    def _new_dataplane(self) -> DataPlane:
+        assert self._launcher is not None
         return DataPlane(
-            agent_name,
-            self.config.nixl_backends,
-            self.config.nixl_progress_thread,
             on_reads_in_flight=self.metrics.nixl_reads_in_flight.set,
             launcher=self._launcher,
             heartbeat_timeout_s=self.config.dataplane_heartbeat_timeout_s,
@@ -145,14 +143,21 @@ class Daemon:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.fatal = loop.create_future()
-        self._launcher = WorkerLauncher(self.config.log_level, self.config.gil_switch_interval_s)
-        dataplane = self._new_dataplane(self.agent_name)
+        self._launcher = WorkerLauncher(
+            self._agent_base,
+            tuple(self.config.nixl_backends),
+            self.config.nixl_progress_thread,
+            self.config.log_level,
+            self.config.gil_switch_interval_s,
+        )
+        dataplane = self._new_dataplane()
         try:
             await dataplane.start(self._on_notifications)
         except BaseException:
             await self._launcher.close()
             raise
         self.dataplane = dataplane
+        self.agent_name = dataplane.name
         self.memories = Memories(dataplane, self.metrics)
         self.peers = Peers(
             self._transport,
@@ -272,14 +277,11 @@ class Daemon:
         try:
             for rank in self.registry:
                 Memories.lose(rank.memory)
-            self.agent_name = f"{self._agent_base}-r{self.dataplane_restarts}"
-            plane = self._new_dataplane(self.agent_name)
-            try:
-                await plane.start(self._on_notifications)
-            except KvdError as exc:
-                self._give_up(f"a new data-plane worker did not start after the last was lost ({reason}): {exc}")
+            plane = await self._start_replacement(reason)
+            if plane is None:
                 return
             self.dataplane = plane
+            self.agent_name = plane.name
             self._mem.rebind(plane)
             if self.peers is not None:
                 self.peers.rebind(plane)
@@ -301,6 +303,20 @@ class Daemon:
             plane.pid,
             len(self.registry),
         )
+
+    async def _start_replacement(self, reason: str) -> DataPlane | None:
+        """A new worker (the spare, else a fresh one); None once the daemon gave up."""
+        for attempt in (1, 2):
+            plane = self._new_dataplane()
+            try:
+                await plane.start(self._on_notifications)
+                return plane
+            except KvdError as exc:
+                if attempt == 2:
+                    self._give_up(f"no new data-plane worker started after the last was lost ({reason}): {exc.message}")
+                else:
+                    logger.error("a new data-plane worker did not start (%s): trying another", exc.message)
+        return None
 
     async def _remap_rank(self, rank: EngineRank) -> None:
         """Map a registered rank's memory in the new worker (the engine does nothing)."""

@@ -79,18 +79,13 @@ class DataPlane:
 
     def __init__(
         self,
-        agent_name: str,
-        backends: Sequence[str] = ("UCX",),
-        progress_thread: bool = False,
-        on_reads_in_flight: Callable[[int], None] = lambda _: None,
         *,
-        launcher: WorkerLauncher | None = None,
+        launcher: WorkerLauncher,
+        on_reads_in_flight: Callable[[int], None] = lambda _: None,
         heartbeat_timeout_s: float = 5.0,
         on_lost: Callable[[DataPlane, str], None] = lambda _plane, _reason: None,
     ) -> None:
-        self.name = agent_name
-        self._backends = tuple(backends)
-        self._progress_thread = progress_thread
+        self.name = ""  # the worker's NIXL agent, once started
         self._on_reads_in_flight = on_reads_in_flight
         self._launcher = launcher
         self._heartbeat_timeout_s = heartbeat_timeout_s
@@ -120,21 +115,16 @@ class DataPlane:
         return self._worker is not None and not self.lost_reason
 
     async def start(self, on_notifications: Callable[[dict[str, list[bytes]]], None]) -> None:
-        """Take a worker from the launcher and create its NIXL agent."""
-        if self._launcher is None:
-            raise Unavailable("no data-plane worker launcher")
+        """Take a worker (its NIXL agent already created) from the launcher and serve through it."""
         self._loop = asyncio.get_running_loop()
         self._on_notifications = on_notifications
         self._worker = await self._launcher.take()
+        self.name = self._worker.agent_name  # the launcher names each incarnation (kvd.core.workers)
+        self._identity = self._worker.identity
         self._tasks = [
             self._loop.create_task(self._read_loop(), name="kvd-dataplane-reader"),
             self._loop.create_task(self._heartbeat_loop(), name="kvd-dataplane-heartbeat"),
         ]
-        try:
-            self._identity = await self._call("start", self.name, self._backends, self._progress_thread)
-        except BaseException:
-            await self.stop()
-            raise
         logger.info("data-plane worker %d serves NIXL agent %s", self._worker.pid, self.name)
 
     async def stop(self) -> None:

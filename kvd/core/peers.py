@@ -214,6 +214,9 @@ class PeerSession:
     engines: dict[tuple[str, int], RemoteEngine]
     handshaken_at: float = dataclasses.field(default_factory=time.monotonic)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+    # Forgotten because this daemon's data-plane worker was lost: its reads are final (the
+    # worker's death fenced them), so the holder may still be told they are over.
+    plane_lost: bool = False
 
     @property
     def agent_name(self) -> str:
@@ -333,6 +336,7 @@ class Peers:
         for other in self._sessions.values():  # a reload replaced the agent every session of it uses
             if other.agent.name == agent.name:
                 other.agent = agent
+        replaced = current.agent if current is not None and current.agent is not agent else None
         if current is not None:
             current.engines = engines
             current.agent = agent
@@ -341,6 +345,11 @@ class Peers:
         else:
             session = PeerSession(address=address, incarnation=info.incarnation, agent=agent, engines=engines)
             self._sessions[address] = session
+        if replaced is not None and not any(s.agent is replaced for s in self._sessions.values()):
+            # The peer's data plane restarted under a new agent name (same daemon incarnation):
+            # the old agent goes once no pull reads through it.
+            replaced.live = False
+            await self._maybe_remove(replaced)
         if agent.pins == 0:  # lists of registrations the peer no longer serves
             await agent.tables.release(keep={e.registration_id for e in info.engines})
         self._metrics.handshakes.labels(address, "ok").inc()
@@ -441,6 +450,7 @@ class Peers:
         for session in self._sessions.values():
             session.agent.removed = True
             session.agent.live = False
+            session.plane_lost = True
         self._agents.clear()
         self._sessions.clear()
         self._gauges()

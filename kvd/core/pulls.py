@@ -223,7 +223,7 @@ class Puller:
         self._report(transfer, rank, remote, error)
         await self._hand_back(held)
         session = held.session
-        if error is not None and session is not None and self.peers.cached(session.address) is session:
+        if error is not None and session is not None and self._still_told(session):
             # The holder may stop counting this read once nothing of it can touch its blocks: at
             # once when the reads are final, else when they become final (a pull cut off from
             # its memory still has reads in flight; the holder would otherwise wait them out to
@@ -379,8 +379,13 @@ class Puller:
         """AbandonPull once the pull's reads are final, to the holder it read from if still known."""
         if not held.reads_final:
             await held.reads_over()
-        if self.peers.cached(session.address) is session:
+        if self._still_told(session):
             await self._abandon(remote, reader_rank, transfer_id, reason)
+
+    def _still_told(self, session: PeerSession) -> bool:
+        """Is the holder of ``session`` told of an abandoned read: the session is current, or was
+        forgotten only because this daemon's worker was lost (the read is final: its death fenced it)."""
+        return self.peers.cached(session.address) is session or session.plane_lost
 
     async def _abandon(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
         try:

@@ -1,9 +1,10 @@
 """Data-plane worker processes: started, kept one spare, connected, and ended.
 
-A worker (``python -m kvd.worker``) takes about 1.5 s to import torch and NIXL; a restart after
-a crash must serve again well under a second. So the launcher keeps one **spare** worker that
-has finished importing and waits, on its channel, for ``start``: a restart promotes the spare
-(creating its NIXL agent takes tens of milliseconds) and a new spare starts in the background.
+A worker (``python -m kvd.worker``) takes about 1.5 s to import torch and NIXL, and half a second
+more to create its NIXL agent (UCX's initialisation); a restart after a crash must serve again
+well under a second. So the launcher keeps one **spare** worker that has imported everything and
+already created its agent, under the name the next incarnation will have (``<base>-r<N>``): a
+restart promotes the spare in milliseconds, and a new spare starts in the background.
 
 Each worker gets one end of a private ``socketpair`` (its fd passed at exec); the other end
 stays here. The worker also asks the kernel to kill it if the control process dies
@@ -21,8 +22,8 @@ import signal
 import socket
 import sys
 
-from kvd.dataplane_protocol import HELLO, read_frame
-from kvd_client.errors import Unavailable
+from kvd.dataplane_protocol import CALL, HELLO, REPLY, AgentIdentity, decode_error, frame, read_frame
+from kvd_client.errors import KvdError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,12 @@ class WorkerProcess:
     process: asyncio.subprocess.Process
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    agent_name: str = ""
+    identity: AgentIdentity = AgentIdentity(b"", ())
+
+    @property
+    def exited(self) -> bool:
+        return self.process.returncode is not None
 
     @property
     def pid(self) -> int:
@@ -68,7 +75,18 @@ def exit_reason(returncode: int | None) -> str:
 class WorkerLauncher:
     """Starts workers and keeps one spare ready (see the module docstring)."""
 
-    def __init__(self, log_level: str, switch_interval_s: float, spare: bool = True) -> None:
+    def __init__(
+        self,
+        agent_base: str,
+        backends: tuple[str, ...],
+        progress_thread: bool,
+        log_level: str,
+        switch_interval_s: float,
+        spare: bool = True,
+    ) -> None:
+        self._agent_base = agent_base
+        self._backends = backends
+        self._progress_thread = progress_thread
         self._log_level = log_level
         self._switch_interval_s = switch_interval_s
         self._spare_wanted = spare
@@ -82,21 +100,32 @@ class WorkerLauncher:
             raise Unavailable("the daemon is shutting down: no data-plane worker is started")
         task = self._spare if self._spare is not None else self._launch()
         self._spare = None
+        if self._spare_wanted:  # the next spare imports while this one starts (two cores: in parallel)
+            self._spare = self._launch()
+        if task.done() and not task.cancelled() and task.exception() is None and task.result().exited:
+            logger.warning(
+                "the spare data-plane worker %d had died (%s)", task.result().pid, task.result().process.returncode
+            )
+            task = self._launch()
         try:
             worker = await asyncio.shield(task)
         except BaseException:
             if not task.done():
                 task.add_done_callback(_kill_when_ready)
             raise
-        finally:
-            if self._spare_wanted and not self._closed:
-                self._spare = self._launch()
         return worker
 
-    def _launch(self) -> asyncio.Task[WorkerProcess]:
-        return asyncio.get_running_loop().create_task(self._spawn(), name="kvd-worker-spawn")
+    def reserve_name(self) -> str:
+        """The NIXL agent name of the next worker: ``<base>``, then ``<base>-r1``, ``<base>-r2``…
+        (never reused: a peer that loaded one agent must never mistake another for it)."""
+        name = self._agent_base if self.started == 0 else f"{self._agent_base}-r{self.started}"
+        self.started += 1
+        return name
 
-    async def _spawn(self) -> WorkerProcess:
+    def _launch(self) -> asyncio.Task[WorkerProcess]:
+        return asyncio.get_running_loop().create_task(self._spawn(self.reserve_name()), name="kvd-worker-spawn")
+
+    async def _spawn(self, agent_name: str) -> WorkerProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             process = await asyncio.create_subprocess_exec(
@@ -116,25 +145,32 @@ class WorkerLauncher:
             )
         finally:
             theirs.close()
-        self.started += 1
         reader, writer = await asyncio.open_connection(sock=ours, limit=1 << 24)
         worker = WorkerProcess(process, reader, writer)
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 message = await read_frame(reader)
+                if message[0] != HELLO:
+                    raise Unavailable(f"the data-plane worker said {message[0]!r} instead of hello")
+                # Create the agent now, under the name its incarnation will have.
+                writer.writelines(frame((CALL, 0, "start", (agent_name, self._backends, self._progress_thread))))
+                reply = await read_frame(reader)
+                if reply[0] != REPLY or reply[1] != 0:
+                    raise Unavailable(f"the data-plane worker answered {reply[0]!r} to start")
+                if reply[3] is not None:
+                    raise decode_error(reply[3])
         except BaseException as exc:
             worker.kill()
             worker.close_channel()
             returncode = await worker.reap()
             if isinstance(exc, asyncio.CancelledError):
                 raise
+            detail = exc.message if isinstance(exc, KvdError) else exit_reason(returncode)
             raise Unavailable(
-                f"the data-plane worker (pid {process.pid}) did not start: {exit_reason(returncode)}; see its log"
+                f"the data-plane worker (pid {process.pid}) did not start: {detail}; see its log"
             ) from exc
-        if message[0] != HELLO:
-            worker.kill()
-            raise Unavailable(f"the data-plane worker said {message[0]!r} instead of hello")
-        logger.debug("data-plane worker %d ready", process.pid)
+        worker.agent_name, worker.identity = agent_name, reply[2]
+        logger.debug("data-plane worker %d ready (agent %s)", process.pid, agent_name)
         return worker
 
     async def close(self) -> None:

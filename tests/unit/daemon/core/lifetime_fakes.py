@@ -590,15 +590,14 @@ class Fabric:
 
     def make_dataplane(
         self,
-        agent_name: str,
-        backends: Sequence[str] = ("UCX",),
-        progress_thread: bool = False,
-        on_reads_in_flight: Callable[[int], None] = lambda _: None,
         *,
+        launcher: Any,
+        on_reads_in_flight: Callable[[int], None] = lambda _: None,
         on_lost: Callable[[Any, str], None] = lambda _plane, _reason: None,
         **_worker: Any,
     ) -> FakeDataPlane:
-        """Stands in for the DataPlane class in kvd.core.daemon."""
+        """Stands in for the DataPlane class in kvd.core.daemon (the launcher only names it)."""
+        agent_name = launcher.reserve_name()
         dataplane = FakeDataPlane(agent_name, self, on_reads_in_flight, on_lost)
         self.dataplanes[agent_name] = dataplane
         return dataplane
