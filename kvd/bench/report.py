@@ -99,10 +99,10 @@ def overhead_table(result: dict[str, Any]) -> list[str]:
 def concurrency_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
         "2 MiB pulls with N in flight (StartPull -> FinishedRecving on the engine stream); "
-        "CPU ms per pull of each process over the level's window (reader, holder: daemon process trees; "
-        "client: the bench process; all: their sum)",
+        "CPU ms per pull of each process over the level's window (reader, holder: the daemons' control "
+        "processes; r-wkr, h-wkr: their data-plane workers; client: the bench process; all: their sum)",
         f"{'N':>4} {'pulls':>6} {'pulls/s':>8} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'reader':>7} {'holder':>7} {'client':>7} {'all':>7}",
+        f"{'reader':>7} {'r-wkr':>7} {'holder':>7} {'h-wkr':>7} {'client':>7} {'all':>7}",
     ]
     for row in rows:
         lat, pulls, wall = row["latency_s"], row["pulls"], row["wall_s"]
@@ -110,7 +110,8 @@ def concurrency_table(rows: list[dict[str, Any]]) -> list[str]:
         out.append(
             f"{row['in_flight']:4d} {pulls:6d} {pulls / wall:8.0f} {pulls * (2 << 20) / wall / GB:6.2f} "
             f"{_ms(median(lat)):>8} {_ms(percentile(lat, 99)):>8} "
-            f"{cpu['reader']} {cpu['holder']} {cpu['client']} {cpu['all']}"
+            f"{cpu['reader']} {cpu.get('reader worker', '      -')} {cpu['holder']} "
+            f"{cpu.get('holder worker', '      -')} {cpu['client']} {cpu['all']}"
         )
     return out
 

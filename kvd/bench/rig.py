@@ -55,6 +55,13 @@ def cpu_seconds(pid: int) -> float:
     return own + reaped + sum(cpu_seconds(child) for child in _children(pid))
 
 
+def split_cpu_seconds(pid: int) -> tuple[float, float]:
+    """(the process itself, its live children's trees): a daemon's control process and its
+    data-plane workers (the worker and its spare), apart."""
+    children = sum(cpu_seconds(child) for child in _children(pid))
+    return cpu_seconds(pid) - children, children
+
+
 def _process_cpu_clock(pid: int) -> int:
     """The clock id of a process's CPU time, all its threads (Linux's ``clock_getcpuclockid``:
     ``MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)``)."""
@@ -89,13 +96,18 @@ class Daemons:
     fresh: list[DaemonProcess]
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds so far of the reader's and the holder's process trees."""
-        return {"reader": cpu_seconds(self.local.process.pid), "holder": cpu_seconds(self.peer.process.pid)}
+        """CPU seconds so far of the reader's and the holder's control processes and of their
+        data-plane workers (each daemon's child processes)."""
+        reader, reader_workers = split_cpu_seconds(self.local.process.pid)
+        holder, holder_workers = split_cpu_seconds(self.peer.process.pid)
+        return {"reader": reader, "reader worker": reader_workers, "holder": holder, "holder worker": holder_workers}
 
     def every_cpu(self) -> dict[str, float]:
-        """CPU seconds so far of every daemon's process tree: reader, holder, fresh holders."""
+        """CPU seconds so far of every daemon's process tree (control process, worker, spare):
+        reader, holder, fresh holders."""
         return {
-            **self.cpu(),
+            "reader": cpu_seconds(self.local.process.pid),
+            "holder": cpu_seconds(self.peer.process.pid),
             **{f"fresh holder {i}": cpu_seconds(d.process.pid) for i, d in enumerate(self.fresh)},
         }
 

@@ -142,6 +142,10 @@ class WorkerLauncher:
                 str(os.getpid()),
                 pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
+                # The binary this process runs, whatever path led to it: a daemon started as a
+                # service user may not traverse the directories sys.executable names (argv[0]
+                # stays sys.executable, so the worker finds the same virtual environment).
+                executable="/proc/self/exe",
             )
         finally:
             theirs.close()

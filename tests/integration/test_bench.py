@@ -63,12 +63,15 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     for n, row in levels.items():
         assert len(row["latency_s"]) == row["pulls"] >= max(8, 4 * n)
         cpu = row["cpu_s"]
-        assert cpu["reader"] > 0 and cpu["holder"] > 0  # read from /proc of the daemons
+        # read from /proc: the daemons' control processes and their data-plane workers, apart
+        assert cpu["reader"] > 0 and cpu["holder"] > 0 and cpu["reader worker"] > 0 and cpu["holder worker"] > 0
         assert cpu["client"] > 0  # this process's own CPU over the same window
-        assert cpu["all"] == pytest.approx(cpu["reader"] + cpu["holder"] + cpu["client"])
+        assert cpu["all"] == pytest.approx(
+            cpu["reader"] + cpu["reader worker"] + cpu["holder"] + cpu["holder worker"] + cpu["client"]
+        )
         assert all(math.isfinite(v) for v in cpu.values())
     header = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("N "))
-    assert header.split()[-4:] == ["reader", "holder", "client", "all"], header
+    assert header.split()[-6:] == ["reader", "r-wkr", "holder", "h-wkr", "client", "all"], header
     first = data["first_contact"]
     assert len(first["first_s"]) == 1 and len(first["later_s"]) == data["config"]["later_pulls"]
     idle = data["idle"]  # the daemons with no engine pulling, after every other daemon section
