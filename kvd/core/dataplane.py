@@ -53,7 +53,7 @@ __all__ = ["LOCAL", "AgentIdentity", "DataPlane", "NixlRegion", "Xfer", "XferSta
 logger = logging.getLogger(__name__)
 
 LOCAL = LOCAL_AGENT
-HEARTBEAT_S = 0.5  # how often the worker's NIXL thread is asked to answer
+HEARTBEAT_S = 1.0  # how often the worker's NIXL thread is asked to answer (an idle daemon pays for each)
 
 
 @dataclasses.dataclass(eq=False)

@@ -100,7 +100,8 @@ class NixlAgent:
         self._identity = AgentIdentity(b"", ())
         self._regions: dict[int, NixlRegion] = {}  # id(registration) -> region; owner thread only
         self._serials = 0
-        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+        # (call, its future, whether it counts as activity: a heartbeat does not wake a dormant poll)
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any], bool]] = (
             collections.deque()
         )
         self._wake = threading.Event()
@@ -141,19 +142,20 @@ class NixlAgent:
         """Take the agent's metadata and its regions together (owner thread)."""
         self._identity = AgentIdentity(bytes(self.agent.get_agent_metadata()), tuple(self._regions.values()))
 
-    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        """Run ``fn`` on the owner thread (any thread may call this)."""
+    def submit(self, fn: Callable[[], T], activity: bool = True) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the owner thread (any thread may call this). ``activity=False``: a
+        heartbeat, which must not keep the thread polling fast (see DORMANT_AFTER_S)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         if self._stopping or self._thread is None:
             future.set_exception(Unavailable("the NIXL data plane is stopped"))
             return future
-        self._commands.append((fn, future))
+        self._commands.append((fn, future, activity))
         self._wake.set()
         return future
 
-    async def call(self, fn: Callable[[], T]) -> T:
+    async def call(self, fn: Callable[[], T], activity: bool = True) -> T:
         """Run ``fn`` on the owner thread and wait for it (the call itself is not cancelled)."""
-        return await asyncio.shield(asyncio.wrap_future(self.submit(fn)))
+        return await asyncio.shield(asyncio.wrap_future(self.submit(fn, activity)))
 
     @property
     def fast_poll_until(self) -> float:
@@ -167,10 +169,10 @@ class NixlAgent:
 
     def _run(self) -> None:
         while True:
-            if self._commands:
+            if any(active for _, _, active in self._commands):
                 self._active_at = time.monotonic()
             while self._commands:
-                fn, future = self._commands.popleft()
+                fn, future, _ = self._commands.popleft()
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn())

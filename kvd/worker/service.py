@@ -147,7 +147,7 @@ class WorkerService:
 
     async def ping(self) -> None:
         """Answered by the NIXL thread itself: a worker whose NIXL thread is stuck does not answer."""
-        await self.agent.call(lambda: None)
+        await self.agent.call(lambda: None, activity=False)
 
     async def fast_poll(self, deadline: float) -> None:
         self.agent.fast_poll_until = deadline
