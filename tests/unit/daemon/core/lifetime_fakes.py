@@ -145,6 +145,7 @@ class FakeDataPlane:
         # The worker's mappings, in this process (the real worker's RegionTable).
         self.region_table = RegionTable()
         self.converts = 0
+        self.converting = 0
         self.fabric = fabric
         self._on_reads_in_flight = on_reads_in_flight
         self._on_notifications: Callable[[dict[str, list[bytes]]], None] = lambda _: None
@@ -173,6 +174,10 @@ class FakeDataPlane:
     async def start(self, on_notifications: Callable[[dict[str, list[bytes]]], None]) -> None:
         self._loop = asyncio.get_running_loop()
         self._on_notifications = on_notifications
+        if self.fabric.start_gate is not None:  # a replacement worker still starting
+            await self.fabric.start_gate.passage()
+        if self.fabric.start_errors:
+            raise self.fabric.start_errors.pop(0)
         self.started = True
 
     async def stop(self) -> None:
@@ -188,8 +193,12 @@ class FakeDataPlane:
         return os.getpid()
 
     def lose(self, reason: str = "SIGKILL") -> None:
-        """The worker dies: every READ it posted is final (its death is the fence), calls fail."""
+        """The worker dies: every READ it posted is final (its death is the fence), calls fail,
+        and its mappings go with it."""
+        assert self.alive, "only a live worker can die"
         self.lost_reason = reason
+        if not self.converting:  # (a conversion thread still uses the tensors: left to the GC)
+            self.region_table.close_all()
         for xfer in self.posted:
             if not xfer.final:
                 xfer.state = XferState.ERROR
@@ -236,7 +245,11 @@ class FakeDataPlane:
         self.converts += 1
         staging = self.region_table.get(staging_region)[offset : offset + size]
         tensors = [self.region_table.get(region_id) for region_id in engine_regions]
-        await asyncio.to_thread(self.region_table.convert, postprocess, staging, tensors)
+        self.converting += 1
+        try:
+            await asyncio.to_thread(self.region_table.convert, postprocess, staging, tensors)
+        finally:
+            self.converting -= 1
 
     def metadata(self) -> bytes:
         """Names the agent and its live registrations, as NIXL's metadata does."""
@@ -258,6 +271,7 @@ class FakeDataPlane:
         self._require_started()
         if self.register_gate is not None:
             await self.register_gate.passage()
+            self._require_started()  # a call in flight when the worker dies fails
         if self.register_errors:
             raise self.register_errors.pop(0)
         registration = FakeRegistration(next(self._ids), address, size, mem_type)
@@ -330,8 +344,8 @@ class FakeDataPlane:
     # --- tables ---------------------------------------------------------------------------------
 
     def prepare_table(self, agent_name: str, rows: np.ndarray, mem_type: str) -> FakeTable:
-        if not self.started or self.stopped:
-            raise Unavailable("the NIXL data plane is not started")
+        if not self.alive:
+            raise Unavailable("the NIXL data plane is not started (or its worker is gone)")
         lo = int(rows[:, 0].min()) if len(rows) else 0
         hi = int((rows[:, 0] + rows[:, 1]).max()) if len(rows) else 0
         if agent_name != LOCAL:
@@ -369,6 +383,8 @@ class FakeDataPlane:
 
     def _release(self, tables: Sequence[FakeTable]) -> None:
         for table in tables:
+            if table not in self.tables:  # list ids are the worker's own: another's id names another list
+                self._violation(f"list {table.table_id} ({table.agent[-8:]}) released in a worker that did not make it")
             if table.released:
                 self._violation(f"list {table.table_id} released twice")
             for read in self._live_reads():
@@ -449,7 +465,7 @@ class FakeDataPlane:
         """Hand the READ's notification to the holder daemon's notification callback."""
         read = self.reads[xfer]
         holder = self.fabric.dataplanes.get(read.remote.agent)
-        if holder is not None and not holder.stopped:
+        if holder is not None and holder.alive:  # a dead worker hears nothing
             holder._on_notifications({self.name: [read.message]})
 
     def _end(self, xfer: Xfer, state: XferState, error: KvdError | None) -> None:
@@ -586,6 +602,8 @@ class Fabric:
         self.nodes: dict[str, Node] = {}
         self.violations: list[str] = []
         self.table_violations: list[str] = []
+        self.start_gate: Gate | None = None  # holds FakeDataPlane.start (a replacement worker starting)
+        self.start_errors: list[BaseException] = []  # raised, one per start, by the next workers started
         self.shm_names: list[str] = []
 
     def make_dataplane(

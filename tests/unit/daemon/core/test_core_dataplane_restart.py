@@ -1,0 +1,530 @@
+"""A data-plane worker lost under a daemon, every interleaving driven by hand (docs/lifetimes.md).
+
+When a daemon's worker dies, its READs are final (its death is the fence), its mappings, agents,
+lists and staging buffers are gone, and the daemon starts a new worker, maps every registered
+engine again under a new registration id (the engines do nothing) and serves on. These scenarios
+run two real :class:`kvd.core.daemon.Daemon` objects over the fakes of lifetime_fakes.py: a test
+kills a worker with ``FakeDataPlane.lose`` at a chosen moment, and checks what each side's
+engines, leases, peers and pins look like afterwards. The fakes carry no bytes: outcomes are
+checked through states, events, pins and the fakes' records of NIXL calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from kvtest import small_spec
+from lifetime_fakes import SAFETY_TIMEOUT_S, Fabric, FakeDataPlane, Gate, Node
+from test_core_lifetimes import (
+    DONE,
+    FAILED,
+    HOLD_BLOCKS,
+    LOCAL_BLOCKS,
+    NUM_TOKENS,
+    READER,
+    Pair,
+    assert_settled,
+    ended,
+    engine_events,
+    make_pair,
+    run,
+    settle,
+)
+
+import kvd.core.daemon as daemon_module
+from kvd.core.dataplane import LOCAL
+from kvd.core.events import FinishedRecving, LoadFailed
+from kvd.core.local_memory import LocalMemory, MemoryState
+from kvd.core.transfers import Transfer
+from kvd.layout.spec import KvLayout
+from kvd_client.errors import ErrorCode, Unavailable
+
+LOST, ACTIVE, RELEASED = MemoryState.LOST, MemoryState.ACTIVE, MemoryState.RELEASED
+
+
+@pytest.fixture
+def fabric(monkeypatch: pytest.MonkeyPatch) -> Fabric:
+    """As test_core_lifetimes' fixture: fake data planes, and no sweeper running on its own."""
+    fabric = Fabric()
+    monkeypatch.setattr(daemon_module, "DataPlane", fabric.make_dataplane)
+    monkeypatch.setattr(daemon_module, "SWEEP_S", 3600.0)
+    monkeypatch.setattr(daemon_module, "LIVENESS_S", 3600.0)
+    return fabric
+
+
+async def restarted(node: Node) -> None:
+    """Wait for the node's data-plane restart under way, if any, to end (it must not raise)."""
+    task = node.daemon._restarting
+    if task is not None:
+        async with asyncio.timeout(SAFETY_TIMEOUT_S):
+            await task
+    assert node.daemon._restarting is None
+
+
+def assert_mapped(memory: LocalMemory, dp: FakeDataPlane) -> None:
+    """The mapping is the worker's: its regions open there, its registrations live there."""
+    assert memory.plane is dp and memory.state is ACTIVE
+    assert memory.nixl_registrations and all(r in dp.live_registrations() for r in memory.nixl_registrations)
+    for region in memory.regions:
+        dp.region_table.get(region.region_id)  # raises for a region the worker does not map
+
+
+async def pull_done(p: Pair, request_id: str, transfer: Transfer | None = None) -> Transfer:
+    """Pull (or finish ``transfer``) with every READ ending DONE; the pull must report DONE."""
+    if transfer is None:
+        transfer, _ = p.pull(request_id)
+    dp = p.reader.dataplane
+    posted = len(dp.posted)
+    reading = asyncio.ensure_future(dp.posts.reach(posted + 2))
+    assert transfer.task is not None
+    async with asyncio.timeout(SAFETY_TIMEOUT_S):
+        await asyncio.wait([reading, transfer.task], return_when=asyncio.FIRST_COMPLETED)
+    reading.cancel()
+    assert not transfer.state.final, f"the pull ended {transfer.state} before reading: {transfer.error}"
+    for xfer in dp.posted[posted:]:
+        dp.finish(xfer)
+    await ended(transfer)
+    assert transfer.state is DONE, transfer.error
+    await settle(p.holder, p.reader)
+    return transfer
+
+
+def only_pool(node: Node) -> Any:
+    pools = list(node.daemon._puller._staging.values())
+    assert len(pools) == 1, pools
+    return pools[0]
+
+
+# --- 1. the reader's worker dies while its pull reads ----------------------------------------------
+
+
+def test_reader_worker_lost_mid_read_fails_the_pull_once_and_maps_the_engine_again(fabric: Fabric) -> None:
+    """The lost worker's READs are final: the pull ends UNAVAILABLE at once (one LoadFailed), the
+    holder hears AbandonPull (its admission ends clean), the engine stays registered under a new
+    mapping in the new worker, and the next pull reads through it without a new registration."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        reader = p.reader.daemon
+        old_dp, old_memory = p.reader.dataplane, p.rrank.memory
+        transfer, lease_id = p.pull()
+        xfers = await p.reading(transfer)
+
+        old_dp.lose("SIGKILL")
+        assert all(x.final for x in xfers)
+        with pytest.raises(Unavailable, match="restarting"):
+            reader.require_dataplane()
+        await restarted(p.reader)
+        await ended(transfer)
+        await p.reader.transport.abandoned.reach(1)
+        await settle(p.holder, p.reader)
+
+        assert transfer.state is FAILED and transfer.error is not None
+        assert transfer.error.code is ErrorCode.UNAVAILABLE
+        assert len(engine_events(p.rrank, LoadFailed)) == 1 and not engine_events(p.rrank, FinishedRecving)
+        # The engine is still registered, under a new mapping in the new worker.
+        new_dp = p.reader.dataplane
+        assert new_dp is not old_dp and new_dp.alive and new_dp.name != old_dp.name
+        assert reader.registry.get("eng-r", 0) is p.rrank
+        new_memory = p.rrank.memory
+        assert new_memory is not old_memory and new_memory.registration_id != old_memory.registration_id
+        assert old_memory.state is LOST and not old_memory.nixl_registrations
+        assert_mapped(new_memory, new_dp)
+        # The holder was told: its admission ended as abandoned, its memory is clean.
+        (abandon,) = p.reader.transport.abandons
+        assert abandon["transfer_id"] == transfer.transfer_id and abandon["lease_id"] == lease_id
+        assert p.holder.metric("kvd_admissions_ended_total", reason="abandoned") == 1
+        assert p.holder.daemon.leases.open_admissions == 0 and p.hrank.memory.holder_pins == 0
+        assert not p.hrank.memory.tainted and p.hrank.memory.state is ACTIVE
+        # Counted and shown.
+        assert p.reader.metric("kvd_dataplane_restarts_total", reason="SIGKILL") == 1
+        status = reader.status()
+        assert status.dataplane_restarts == 1 and status.dataplane_last_restart == "SIGKILL"
+        assert status.agent_name == new_dp.name and status.serving and status.remote_agents == 0
+        assert reader.fatal is not None and not reader.fatal.done()
+        assert_settled(p.reader, p.holder, memories=(old_memory,))
+
+        # The next pull handshakes again (its agents went with the worker) and reads through
+        # the new mapping; the engine registered nothing.
+        handshakes = len(p.reader.transport.handshakes)
+        await pull_done(p, "req-2")
+        assert len(engine_events(p.rrank, FinishedRecving)) == 1
+        assert p.rrank.memory is new_memory and len(reader.registry) == 1
+        assert len(p.reader.transport.handshakes) == handshakes + 1
+        assert [x for x in new_dp.posted if new_dp.reads[x].local.agent != LOCAL] == []
+        assert all(new_dp.reads[x].remote.agent == p.holder.dataplane.name for x in new_dp.posted)
+        assert old_dp.log[-1] == ("lost", "SIGKILL") and len(old_dp.posted) == 2  # nothing touched it since
+        assert_settled(p.reader, p.holder, memories=(old_memory,))
+
+    run(fabric, scenario)
+
+
+# --- 2. the holder's worker dies while a reader reads out of it ------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the holder's admission of the read its lost worker served stays open until its deadline "
+    "(kvd/core/daemon.py Daemon._restart ends no admission; kvd/core/pulls.py Puller._still_told sends no "
+    "AbandonPull for a session dropped as 'disconnected'): the retry gets FAILED_PRECONDITION "
+    "'being read by another reader of rank 0'",
+)
+def test_holder_worker_lost_mid_read_fails_the_read_and_the_retry_reads_the_new_worker(fabric: Fabric) -> None:
+    """NIXL fails the reader's READs (the holder's endpoints are gone); the lease survives; the
+    retry handshakes again (new agent, new registration ids) and succeeds; the reader's view of
+    the holder's lost agent is removed."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder, reader = p.holder.daemon, p.reader.daemon
+        transfer, lease_id = p.pull()
+        xfers = await p.reading(transfer)
+        old_agent, old_hmemory = p.holder.dataplane.name, p.hrank.memory
+        old_registration = p.hrank.registration_id
+
+        p.holder.dataplane.lose("SIGSEGV")
+        await restarted(p.holder)
+        for xfer in xfers:
+            p.reader.dataplane.fail(xfer)  # the peer's endpoints went with its worker
+        await ended(transfer)
+        await settle(p.holder, p.reader)
+
+        assert transfer.state is FAILED and len(engine_events(p.rrank, LoadFailed)) == 1
+        lease = holder.leases.find(lease_id)
+        assert lease is not None and not lease.draining  # the hold survives its worker
+        assert old_hmemory.state is LOST and p.hrank.registration_id != old_registration
+        assert_mapped(p.hrank.memory, p.holder.dataplane)
+        assert [a.name for a in reader.peers.agents()] == []  # the failed read dropped the peer
+        assert p.reader.dataplane.removals(old_agent) == 1
+
+        retry = reader.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, holder.params_of(lease))
+        await pull_done(p, "req-1", retry)
+
+        session = reader.peers.cached(p.holder.address)
+        assert session is not None and session.agent_name == p.holder.dataplane.name != old_agent
+        assert session.engines[("eng-h", 0)].registration_id == p.hrank.registration_id
+        assert [a.name for a in reader.peers.agents()] == [p.holder.dataplane.name]  # no leaked RemoteAgent
+        assert old_agent not in p.reader.dataplane.remotes
+        assert holder.leases.find(lease_id) is None  # read: the lease ended
+        assert_settled(p.reader, p.holder, memories=(old_hmemory,))
+
+    run(fabric, scenario)
+
+
+def test_holder_worker_lost_mid_read_the_retry_succeeds_once_the_old_admission_ended(fabric: Fabric) -> None:
+    """What the retry above meets today: the holder's admission of the failed read stays open
+    (nobody ends it); once it ends at its deadline, the retry of the same lease reads the new worker."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder, reader = p.holder.daemon, p.reader.daemon
+        transfer, lease_id = p.pull()
+        xfers = await p.reading(transfer)
+        ttl = transfer.deadline_s + holder.config.read_admission_margin_s + 10
+        holder.renew_lease(lease_id, ttl)  # outlives the admission's deadline
+
+        p.holder.dataplane.lose("SIGSEGV")
+        await restarted(p.holder)
+        for xfer in xfers:
+            p.reader.dataplane.fail(xfer)
+        await ended(transfer)
+        await settle(p.holder, p.reader)
+        lease = holder.leases.find(lease_id)
+        assert lease is not None and holder.leases.open_admissions == 1
+
+        fabric.clock.advance(transfer.deadline_s + holder.config.read_admission_margin_s + 1)
+        holder.leases.sweep()
+        await settle(p.holder)
+        assert holder.leases.open_admissions == 0
+        retry = reader.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, holder.params_of(lease))
+        await pull_done(p, "req-1", retry)
+        assert not p.hrank.memory.tainted  # the timed-out admission pinned the lost mapping only
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_holder_worker_lost_while_idle_the_next_pull_handshakes_again_and_removes_the_old_agent(
+    fabric: Fabric,
+) -> None:
+    """The reader's cached view names the holder's lost agent and registrations: the holder's
+    answer (new registration ids) makes it handshake again; the old agent is removed."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        await pull_done(p, "req-1")
+        old_agent = p.holder.dataplane.name
+        p.holder.dataplane.lose("exit 3")
+        await restarted(p.holder)
+
+        handshakes = len(p.reader.transport.handshakes)
+        await pull_done(p, "req-2")
+        assert len(p.reader.transport.handshakes) == handshakes + 1
+        assert [a.name for a in p.reader.daemon.peers.agents()] == [p.holder.dataplane.name]
+        assert p.reader.dataplane.removals(old_agent) == 1 and old_agent not in p.reader.dataplane.remotes
+        assert p.holder.metric("kvd_dataplane_restarts_total", reason="exit 3") == 1
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+# --- 3. staging buffers go with their worker -------------------------------------------------------
+
+
+def test_worker_lost_while_idle_the_next_converting_pull_gets_a_staging_pool_in_the_new_worker(
+    fabric: Fabric,
+) -> None:
+    """The staging pool was the lost worker's buffer: the next converting pull opens a new one in
+    the new worker, registered there, and converts there."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, small_spec(8, layout=KvLayout.HND), staging_pool_bytes=1 << 20)
+        await pull_done(p, "req-1")
+        old_dp, old_pool = p.reader.dataplane, only_pool(p.reader)
+        assert old_dp.converts == 1
+
+        old_dp.lose("SIGKILL")
+        await restarted(p.reader)
+        assert old_pool.lost and p.reader.daemon._puller._staging == {}
+        await pull_done(p, "req-2")
+
+        new_dp, new_pool = p.reader.dataplane, only_pool(p.reader)
+        assert new_pool is not old_pool and not new_pool.lost and new_pool._dataplane is new_dp
+        new_dp.region_table.get(new_pool.region_id)
+        assert any(r.address == new_pool.address and r.size == new_pool.size for r in new_dp.live_registrations())
+        assert new_dp.converts == 1 and old_dp.converts == 1
+        assert p.reader.metric("kvd_staging_bytes_in_use") == 0 and new_pool.in_use == 0
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="kvd/core/pulls.py Puller._release_buffers releases a pull's one-off (staging) lists through "
+    "self._dataplane, which rebind() already points at the NEW worker: list ids are per worker, so the "
+    "new worker releases its own lists of the same ids",
+)
+def test_reader_worker_lost_mid_converting_read_releases_no_list_in_the_new_worker(fabric: Fabric) -> None:
+    """A converting pull's one-off lists over the staging chunk are the lost worker's: handing
+    them back must not reach the new worker (whose list ids are its own, counted from 1 again)."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, small_spec(8, layout=KvLayout.HND), staging_pool_bytes=1 << 20)
+        transfer, _ = p.pull()
+        await p.reading(transfer)
+        p.reader.dataplane.lose("SIGKILL")
+        await restarted(p.reader)
+        await ended(transfer)
+        await settle(p.reader, p.holder)
+        assert transfer.state is FAILED and len(engine_events(p.rrank, LoadFailed)) == 1
+        assert fabric.violations == []
+        await pull_done(p, "req-2")
+
+    run(fabric, scenario)
+
+
+# --- 4. registrations, handshakes and PreparePull while the worker is replaced ----------------------
+
+
+def test_a_registration_in_flight_when_the_worker_dies_fails_and_leaves_no_rank_on_the_dead_worker(
+    fabric: Fabric,
+) -> None:
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        reader, dp = p.reader.daemon, p.reader.dataplane
+        gate = dp.register_gate = Gate()
+        registering = asyncio.get_running_loop().create_task(fabric.register(p.reader, "eng-x", small_spec(8)))
+        await gate.arrived.reach(1)
+
+        dp.lose("SIGKILL")
+        gate.open()
+        with pytest.raises(Unavailable):
+            await registering
+        await restarted(p.reader)
+
+        assert reader.registry.ranks_of("eng-x") == {}
+        assert [rank.engine_id for rank in reader.registry] == ["eng-r"]
+        for rank in reader.registry:
+            assert_mapped(rank.memory, p.reader.dataplane)
+        # Registering again now works, in the new worker.
+        rank = await fabric.register(p.reader, "eng-x", small_spec(8))
+        assert_mapped(rank.memory, p.reader.dataplane)
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_while_the_holder_restarts_registrations_handshakes_and_prepare_pull_are_unavailable(
+    fabric: Fabric,
+) -> None:
+    """The replacement worker is still starting: everything that needs it is refused as
+    retryable; a pull meeting that fails UNAVAILABLE once; all of it works once it serves."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder = p.holder.daemon
+        lease, params = holder.hold("eng-h", "req-1", HOLD_BLOCKS, NUM_TOKENS)
+        start = fabric.start_gate = Gate()
+        p.holder.dataplane.lose("SIGKILL")
+        await start.arrived.reach(1)
+
+        with pytest.raises(Unavailable):
+            await fabric.register(p.holder, "eng-x", small_spec(8))
+        with pytest.raises(Unavailable):
+            holder.handshake_info()
+        with pytest.raises(Unavailable):
+            await holder.prepare_pull(
+                lease_id=lease.lease_id,
+                engine_id="eng-h",
+                block_ids=HOLD_BLOCKS,
+                num_tokens=NUM_TOKENS,
+                reader_tp_rank=0,
+                reader_tp_size=1,
+                remote_tp_ranks=[0],
+            )
+        transfer = p.reader.daemon.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, params)
+        await ended(transfer)
+        assert transfer.state is FAILED and transfer.error is not None
+        assert transfer.error.code is ErrorCode.UNAVAILABLE
+        assert len(engine_events(p.rrank, LoadFailed)) == 1
+        assert holder.registry.ranks_of("eng-x") == {} and holder.leases.open_admissions == 0
+
+        start.open()
+        await restarted(p.holder)
+        assert holder.handshake_info().agent_name == p.holder.dataplane.name
+        rank = await fabric.register(p.holder, "eng-x", small_spec(8))
+        assert_mapped(rank.memory, p.holder.dataplane)
+        retry = p.reader.daemon.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, params)
+        await pull_done(p, "req-1", retry)
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+# --- 5. a crash loop ends the daemon ------------------------------------------------------------------
+
+
+def test_a_crash_loop_gives_up_after_dataplane_max_restarts(fabric: Fabric) -> None:
+    """dataplane_max_restarts=2: two losses are restarted; the third within the window sets
+    ``fatal`` with the reason and stops serving; no further worker is started."""
+
+    async def scenario() -> None:
+        node = await fabric.start_node(READER, dataplane_max_restarts=2)
+        daemon = node.daemon
+        rank = await fabric.register(node, "eng-r", small_spec(8))
+        for _ in range(2):
+            node.dataplane.lose("SIGKILL")
+            await restarted(node)
+            assert daemon.serving and daemon.fatal is not None and not daemon.fatal.done()
+            assert_mapped(rank.memory, node.dataplane)
+        last = node.dataplane
+        planes = len(fabric.dataplanes)
+
+        last.lose("SIGSEGV")
+        assert daemon._restarting is None and len(fabric.dataplanes) == planes
+        assert daemon.fatal is not None and daemon.fatal.done()
+        why = daemon.fatal.result()
+        assert "3 times" in why and "SIGSEGV" in why
+        assert not daemon.serving and not daemon.status().serving
+        assert daemon.dataplane is last and daemon.status().dataplane_last_restart == "SIGSEGV"
+        with pytest.raises(Unavailable):
+            await fabric.register(node, "eng-x", small_spec(8))
+        await asyncio.sleep(0)
+        assert len(fabric.dataplanes) == planes  # nothing restarts later either
+
+    run(fabric, scenario)
+
+
+def test_losses_further_apart_than_the_window_are_restarted_every_time(fabric: Fabric) -> None:
+    async def scenario() -> None:
+        node = await fabric.start_node(READER, dataplane_max_restarts=1, dataplane_restart_window_s=0.02)
+        rank = await fabric.register(node, "eng-r", small_spec(8))
+        for _ in range(3):
+            node.dataplane.lose("SIGKILL")
+            await restarted(node)
+            await asyncio.sleep(0.03)  # past the window: the loss before does not count
+        assert node.daemon.serving and not node.daemon.fatal.done()
+        assert node.daemon.status().dataplane_restarts == 3
+        assert_mapped(rank.memory, node.dataplane)
+
+    run(fabric, scenario)
+
+
+def test_a_replacement_worker_that_does_not_start_twice_ends_the_daemon(fabric: Fabric) -> None:
+    async def scenario() -> None:
+        node = await fabric.start_node(READER)
+        await fabric.register(node, "eng-r", small_spec(8))
+        fabric.start_errors = [Unavailable("no NIXL"), Unavailable("no NIXL again")]
+        node.dataplane.lose("SIGKILL")
+        await restarted(node)
+        assert node.daemon.fatal is not None and node.daemon.fatal.done()
+        assert "no NIXL again" in node.daemon.fatal.result() and not node.daemon.serving
+        assert not any(dp.started for dp in fabric.dataplanes.values() if dp is not node.dataplane)
+
+    run(fabric, scenario)
+
+
+# --- 6. shutdown during and after a restart -------------------------------------------------------------
+
+
+async def shut_down(fabric: Fabric, node: Node) -> None:
+    await node.daemon.shutdown(0.0)
+    fabric.nodes.pop(node.address)  # Fabric.close shuts the others down
+
+
+def assert_emptied(dp: FakeDataPlane) -> None:
+    """Stopped, nothing registered, nothing mapped."""
+    assert dp.stopped and dp.live_registrations() == [] and dp.region_table._regions == {}
+
+
+def test_shutdown_after_a_restart_releases_everything_in_the_new_worker_and_stops_it(fabric: Fabric) -> None:
+    async def scenario() -> None:
+        p = await make_pair(fabric, small_spec(8, layout=KvLayout.HND), staging_pool_bytes=1 << 20)
+        old_dp, old_memory = p.reader.dataplane, p.rrank.memory
+        old_dp.lose("SIGKILL")
+        await restarted(p.reader)
+        await pull_done(p, "req-1")  # a staging pool in the new worker too
+        new_memory, new_dp = p.rrank.memory, p.reader.dataplane
+        assert_settled(p.reader, p.holder, memories=(old_memory,))
+
+        await shut_down(fabric, p.reader)
+        assert new_memory.state is RELEASED and old_memory.state is LOST
+        assert_emptied(new_dp)
+        assert not old_dp.stopped or old_dp.log[-1] == ("lost", "SIGKILL")
+
+    run(fabric, scenario)
+
+
+@pytest.mark.parametrize("held_at", ["start", "remap"])
+def test_shutdown_during_a_restart_leaves_nothing_pinned_or_mapped(fabric: Fabric, held_at: str) -> None:
+    """The replacement is still starting ("start"), or already serves and maps the engines
+    again ("remap"): shutdown ends the restart, and no worker keeps anything."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        old_dp, old_memory = p.reader.dataplane, p.rrank.memory
+        start = fabric.start_gate = Gate()
+        old_dp.lose("SIGKILL")
+        await start.arrived.reach(1)
+        replacement = list(fabric.dataplanes.values())[-1]
+        assert replacement is not old_dp and not replacement.started
+        if held_at == "remap":
+            remap = replacement.register_gate = Gate()
+            start.open()
+            await remap.arrived.reach(1)
+            assert p.reader.daemon.dataplane is replacement and p.rrank.memory is old_memory
+
+        await shut_down(fabric, p.reader)
+        assert p.reader.daemon._restarting is None and len(p.reader.daemon.registry) == 0
+        assert old_memory.state is LOST and old_memory.pins == 0
+        if held_at == "remap":
+            assert_emptied(replacement)
+        else:
+            assert not replacement.started and replacement.region_table._regions == {}
+        assert p.reader.daemon.fatal is not None and not p.reader.daemon.fatal.done()
+        assert_settled(p.holder)
+
+    run(fabric, scenario)
