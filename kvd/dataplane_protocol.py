@@ -6,7 +6,7 @@ holds the NIXL agent, the engines' mapped memory, the prepared descriptor lists,
 conversions. They talk over one private ``socketpair`` created by the control process and
 inherited by the worker: never a listening socket, so nothing else can reach it.
 
-**Frames.** A message is a frame: an 8-byte header (body length, number of raw buffers), the
+**Frames.** A message is a frame: a 12-byte header (body length, number of raw buffers), the
 body (pickle protocol 5), then each raw buffer (8-byte length, bytes). Numpy index arrays and
 descriptor rows travel *out of band* as raw buffers (pickle's ``buffer_callback``): their bytes
 are never pickled or copied into the body. Pickle is safe here because both ends are the same

@@ -1,0 +1,265 @@
+"""The real data-plane worker (``python -m kvd.worker``) behind its control-side handle (kvd.core.dataplane).
+
+Two DataPlanes, each on a worker from its own WorkerLauncher, move bytes between two shm regions
+through real NIXL over UCX (tcp, so a stopped holder really holds a read back), and the holder
+gets the READ's notification. Then the reader's worker is SIGKILLed with a READ posted and calls
+in flight: the DataPlane is lost once ("SIGKILL"), every call fails Unavailable, the READ is final
+with an Unavailable error (the worker's death is the fence). A healthy worker stopped through its
+DataPlane exits 0 and is reaped; a worker that stops answering (SIGSTOP) is found hung by the
+heartbeat, killed and reaped. No daemon runs here: this is the channel and the worker themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvd.core.dataplane import LOCAL, DataPlane, XferState
+from kvd.core.workers import WorkerLauncher
+from kvd.dataplane_protocol import MappedRegion, MemoryKind, RegionRequest
+from kvd_client.errors import Unavailable
+from kvd_client.shm import create_shm_tensor, new_shm_name, unlink_shm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+BLOCK = 64 << 10
+BLOCKS = 64  # 4 MiB per region
+SIZE = BLOCK * BLOCKS
+STEP_S = 20.0  # no single step of these tests may take longer (a worker starts in ~2 s)
+
+
+@pytest.fixture(autouse=True)
+def _tcp_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers inherit the environment: over tcp a READ needs the holder's process to run."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+
+
+@pytest.fixture
+def shm_regions() -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Engine-side shm regions (``/dev/shm`` files): the test maps them, the workers map them too."""
+    made: list[tuple[str, torch.Tensor]] = []
+
+    def make() -> None:
+        name = new_shm_name("kvdtest-dataplane")
+        made.append((name, create_shm_tensor(name, SIZE)))
+
+    for _ in range(2):
+        make()
+    yield made
+    for name, _ in made:
+        unlink_shm(name)
+
+
+class Plane:
+    """A DataPlane with what the test watches: its notifications and its on_lost calls."""
+
+    def __init__(self, base: str, heartbeat_timeout_s: float = 10.0) -> None:
+        self.launcher = WorkerLauncher(base, ("UCX",), False, "WARNING", 0.0002, spare=False)
+        self.lost: list[tuple[DataPlane, str]] = []
+        self.lost_event = asyncio.Event()
+        self.notifications: list[dict[str, list[bytes]]] = []
+        self.notified = asyncio.Event()
+        self.plane = DataPlane(launcher=self.launcher, heartbeat_timeout_s=heartbeat_timeout_s, on_lost=self._on_lost)
+
+    def _on_lost(self, plane: DataPlane, reason: str) -> None:
+        self.lost.append((plane, reason))
+        self.lost_event.set()
+
+    def _on_notifications(self, notifications: dict[str, list[bytes]]) -> None:
+        self.notifications.append(notifications)
+        self.notified.set()
+
+    async def start(self) -> None:
+        await self.plane.start(self._on_notifications)
+
+    def process(self) -> asyncio.subprocess.Process:
+        worker = self.plane._worker  # the process itself: the test checks its exit status
+        assert worker is not None
+        return worker.process
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.plane.stop()
+        await self.launcher.close()
+
+
+@contextlib.asynccontextmanager
+async def planes(*planes: Plane) -> AsyncIterator[None]:
+    try:
+        async with asyncio.timeout(STEP_S):
+            await asyncio.gather(*(p.start() for p in planes))
+        yield
+    finally:
+        for plane in planes:
+            await plane.close()
+
+
+async def step(awaitable: Any) -> Any:
+    async with asyncio.timeout(STEP_S):
+        return await awaitable
+
+
+def rows(region: MappedRegion) -> np.ndarray:
+    """The region's blocks as NIXL descriptor rows: (address in the worker, length, device)."""
+    addresses = region.address + BLOCK * np.arange(BLOCKS, dtype=np.int64)
+    return np.stack([addresses, np.full(BLOCKS, BLOCK, np.int64), np.zeros(BLOCKS, np.int64)], axis=1)
+
+
+async def expose(plane: DataPlane, shm_name: str) -> MappedRegion:
+    """Map an engine's shm region in the worker and register it with NIXL."""
+    (region,) = await step(plane.open_regions([RegionRequest(MemoryKind.SHM, SIZE, shm_name=shm_name)]))
+    assert region.size_bytes == SIZE and not region.vram
+    await step(plane.register(region.address, SIZE, 0, "DRAM"))
+    assert any(r.covers(region.address, SIZE, 0, False) for r in plane.identity().regions)
+    return region
+
+
+def children_running(pids: set[int]) -> set[int]:
+    """Which of ``pids`` are still this process's children (zombies included: not reaped)."""
+    children: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            children.update(int(p) for p in (task / "children").read_text().split())
+    return children & pids
+
+
+def test_a_read_between_two_workers_then_the_reader_killed_mid_read(
+    shm_regions: list[tuple[str, torch.Tensor]],
+) -> None:
+    (holder_shm, holder_memory), (reader_shm, reader_memory) = shm_regions
+    holder_memory.copy_(torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+
+    async def main() -> None:
+        holder, reader = Plane("dptest-holder"), Plane("dptest-reader")
+        async with planes(holder, reader):
+            assert holder.plane.name == "dptest-holder" and reader.plane.name == "dptest-reader"
+            assert holder.plane.pid != reader.plane.pid and holder.plane.alive and reader.plane.alive
+            held = await expose(holder.plane, holder_shm)
+            landed = await expose(reader.plane, reader_shm)
+            assert await step(reader.plane.add_remote(holder.plane.identity().metadata)) == holder.plane.name
+            remote = await step(asyncio.to_thread(reader.plane.prepare_table, holder.plane.name, rows(held), "DRAM"))
+            local = await step(asyncio.to_thread(reader.plane.prepare_table, LOCAL, rows(landed), "DRAM"))
+
+            # Some blocks, into other places: the index arrays cross the channel out of band.
+            src, dst = np.array([5, 0, 63, 17], np.int32), np.array([1, 62, 7, 30], np.int32)
+            xfer = await step(reader.plane.read(local, dst, remote, src, b"first-read", holder.plane.name, 4 * BLOCK))
+            await step(reader.plane.wait([xfer]))
+            assert xfer.final and xfer.state is XferState.DONE and xfer.error is None
+            assert reader.plane.in_flight() == 0
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(
+                    reader_memory[d * BLOCK : (d + 1) * BLOCK], holder_memory[s * BLOCK : (s + 1) * BLOCK]
+                )
+            untouched = sorted(set(range(BLOCKS)) - set(dst.tolist()))
+            assert not reader_memory.view(BLOCKS, BLOCK)[untouched].any()
+            await step(holder.notified.wait())
+            assert holder.notifications == [{reader.plane.name: [b"first-read"]}]
+
+            # A READ posted while the holder's worker is stopped (over tcp nothing moves without
+            # it), the reader's worker stopped with calls sent to it, the holder resumed (the READ
+            # still cannot finish: the reader does not run), and the reader's worker killed.
+            # (The holder resumes before the reader dies: a holder that resumes only after a dead
+            # reader's pending READ is aborted by UCX, "Endpoint timeout": not this test's subject.)
+            os.kill(holder.plane.pid, signal.SIGSTOP)
+            try:
+                everything = np.arange(BLOCKS, dtype=np.int32)
+                posted = await step(
+                    reader.plane.read(local, everything, remote, everything, b"never", holder.plane.name, SIZE)
+                )
+                assert not posted.final and reader.plane.in_flight() == 1
+                reader_process = reader.process()
+                os.kill(reader.plane.pid, signal.SIGSTOP)
+            finally:
+                os.kill(holder.plane.pid, signal.SIGCONT)
+            in_flight = [
+                asyncio.ensure_future(reader.plane.ping()),
+                asyncio.ensure_future(reader.plane.add_remote(holder.plane.identity().metadata)),
+                asyncio.ensure_future(reader.plane.open_regions([RegionRequest(MemoryKind.SHM, SIZE, reader_shm)])),
+                asyncio.ensure_future(asyncio.to_thread(reader.plane.prepare_table, LOCAL, rows(landed), "DRAM")),
+            ]
+            await asyncio.sleep(0.2)  # sent, never answered
+            assert not any(call.done() for call in in_flight) and not posted.final
+            os.kill(reader.plane.pid, signal.SIGKILL)
+            await step(reader.lost_event.wait())
+
+            assert reader.lost == [(reader.plane, "SIGKILL")]
+            assert reader.plane.lost_reason == "SIGKILL" and not reader.plane.alive
+            assert reader_process.returncode == -signal.SIGKILL  # reaped before it was reported lost
+            assert not children_running({reader_process.pid})
+            for call in in_flight:
+                with pytest.raises(Unavailable, match="SIGKILL"):
+                    await step(call)
+            assert posted.final and posted.state is XferState.ERROR
+            assert isinstance(posted.error, Unavailable) and "SIGKILL" in posted.error.message
+            assert reader.plane.in_flight() == 0
+            with pytest.raises(Unavailable):
+                await step(reader.plane.wait([posted]))
+
+            # Every later call fails Unavailable at once; the releases have nothing left to release.
+            later = [
+                reader.plane.ping(),
+                reader.plane.add_remote(holder.plane.identity().metadata),
+                reader.plane.open_regions([RegionRequest(MemoryKind.SHM, SIZE, reader_shm)]),
+                reader.plane.register(landed.address, SIZE, 0, "DRAM"),
+                reader.plane.read(local, everything, remote, everything, b"late", holder.plane.name, SIZE),
+                reader.plane.duplicate_region(landed.region_id),
+                asyncio.to_thread(reader.plane.prepare_table, LOCAL, rows(landed), "DRAM"),
+            ]
+            for call in later:
+                with pytest.raises(Unavailable, match="gone \\(SIGKILL\\)"):
+                    await step(call)
+            await step(reader.plane.close_regions([landed.region_id]))
+            await step(reader.plane.release_tables([local, remote]))
+            await step(reader.plane.deregister(1))
+            await step(reader.plane.remove_remote(holder.plane.name, []))
+            await step(reader.plane.stop())
+            await asyncio.sleep(HEARTBEAT_WAIT_S)
+            assert len(reader.lost) == 1  # once, whatever came after
+
+            # The holder lived through its stop and the reader's death; stopped, it exits 0.
+            assert holder.plane.alive and holder.lost == []
+            assert await step(holder.plane.ping()) < STEP_S
+            holder_process = holder.process()
+            await step(holder.plane.stop())
+            assert holder_process.returncode == 0
+            assert not children_running({holder_process.pid, reader_process.pid})
+            assert holder.lost == []  # a stop is not a loss
+            with pytest.raises(Unavailable):
+                await step(holder.plane.ping())
+
+    asyncio.run(main())
+
+
+HEARTBEAT_WAIT_S = 1.5  # three heartbeats
+
+
+def test_a_worker_that_stops_answering_is_found_hung_killed_and_reaped() -> None:
+    async def main() -> None:
+        hung = Plane("dptest-hung", heartbeat_timeout_s=1.0)
+        async with planes(hung):
+            process = hung.process()
+            await step(hung.plane.ping())
+            os.kill(process.pid, signal.SIGSTOP)
+            pending = asyncio.ensure_future(hung.plane.ping())
+            async with asyncio.timeout(10.0):  # a heartbeat every 0.5 s, each given 1 s
+                await hung.lost_event.wait()
+            assert hung.lost == [(hung.plane, "hung")]
+            assert process.returncode == -signal.SIGKILL  # killed (stopped or not) and reaped
+            assert not children_running({process.pid})
+            with pytest.raises(Unavailable, match="hung"):
+                await step(pending)
+            with pytest.raises(Unavailable, match="hung"):
+                await step(hung.plane.ping())
+            await asyncio.sleep(HEARTBEAT_WAIT_S)
+            assert len(hung.lost) == 1
+
+    asyncio.run(main())
