@@ -214,9 +214,6 @@ class PeerSession:
     engines: dict[tuple[str, int], RemoteEngine]
     handshaken_at: float = dataclasses.field(default_factory=time.monotonic)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
-    # Forgotten because this daemon's data-plane worker was lost: its reads are final (the
-    # worker's death fenced them), so the holder may still be told they are over.
-    plane_lost: bool = False
 
     @property
     def agent_name(self) -> str:
@@ -450,7 +447,6 @@ class Peers:
         for session in self._sessions.values():
             session.agent.removed = True
             session.agent.live = False
-            session.plane_lost = True
         self._agents.clear()
         self._sessions.clear()
         self._gauges()

@@ -37,7 +37,7 @@ from kvd.config import KvdConfig
 from kvd.core import notif
 from kvd.core.dataplane import DataPlane, Xfer
 from kvd.core.events import FinishedRecving, LoadFailed
-from kvd.core.local_memory import LocalMemory, Memories
+from kvd.core.local_memory import LocalMemory, Memories, MemoryState
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
 from kvd.core.peers import (
@@ -63,6 +63,7 @@ from kvd_client.errors import (
     Internal,
     KvdError,
     PeerUnavailable,
+    Unavailable,
     UnknownEngine,
 )
 from kvd_client.group_blocks import split_groups
@@ -79,6 +80,7 @@ class _PullResources:
     """What one pull holds and must hand back, at the latest, when its reads are final."""
 
     memory: LocalMemory
+    plane: DataPlane  # the worker the pull runs through: its lists and READs are that worker's
     agent: RemoteAgent | None = None
     session: PeerSession | None = None
     # Every READ the pull asked the data plane to post, from the moment it asked: a post runs on
@@ -166,12 +168,18 @@ class Puller:
         """The pull task: never raises; ends the transfer and tells the engine exactly once."""
         memory = rank.memory
         if not memory.usable:
+            lost = memory.state is MemoryState.LOST
             self._report(
-                transfer, rank, remote, Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} is unregistering")
+                transfer,
+                rank,
+                remote,
+                Unavailable("this daemon's data plane is restarting (its worker was lost): retry")
+                if lost
+                else Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} is unregistering"),
             )
             return
         self._memories.pin(memory)
-        held = _PullResources(memory)
+        held = _PullResources(memory, plane=self._dataplane)
         fence_s = min(self.config.fence_timeout_s, transfer.deadline_s / 4)
         error: KvdError | None = None
         try:
@@ -347,7 +355,8 @@ class Puller:
     async def _release_buffers(self, held: _PullResources) -> None:
         lists = await asyncio.gather(*(asyncio.shield(f) for f in held.one_off_tables), return_exceptions=True)
         held.one_off_tables.clear()
-        await self._dataplane.release_tables([t for t in lists if not isinstance(t, BaseException)])
+        # Through the worker that prepared them: after a restart, ids mean nothing to the new one.
+        await held.plane.release_tables([t for t in lists if not isinstance(t, BaseException)])
         if held.staging is not None:
             self.metrics.staging_bytes_in_use.dec(held.staging.size)
             held.staging.release()
@@ -383,9 +392,12 @@ class Puller:
             await self._abandon(remote, reader_rank, transfer_id, reason)
 
     def _still_told(self, session: PeerSession) -> bool:
-        """Is the holder of ``session`` told of an abandoned read: the session is current, or was
-        forgotten only because this daemon's worker was lost (the read is final: its death fenced it)."""
-        return self.peers.cached(session.address) is session or session.plane_lost
+        """Is the holder of ``session`` told of an abandoned read (whose READs are final)? Yes,
+        also when the session was dropped meanwhile (the holder may have lost only its data-plane
+        worker, or this daemon its own), unless another incarnation now answers at that address
+        (its leases are not the ones read)."""
+        cached = self.peers.cached(session.address)
+        return cached is None or cached.incarnation == session.incarnation
 
     async def _abandon(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
         try:
@@ -519,7 +531,7 @@ class Puller:
         transfer.direct = plan.direct
         self.metrics.descriptors.observe(plan.num_descriptors)
         transfer.advance(TransferState.READING)
-        dataplane = self._dataplane
+        dataplane = held.plane
         memory = held.memory
         label = f"{session.address} (agent {session.agent_name})"
         if plan.staging_bytes:

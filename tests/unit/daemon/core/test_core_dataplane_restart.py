@@ -164,13 +164,6 @@ def test_reader_worker_lost_mid_read_fails_the_pull_once_and_maps_the_engine_aga
 # --- 2. the holder's worker dies while a reader reads out of it ------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the holder's admission of the read its lost worker served stays open until its deadline "
-    "(kvd/core/daemon.py Daemon._restart ends no admission; kvd/core/pulls.py Puller._still_told sends no "
-    "AbandonPull for a session dropped as 'disconnected'): the retry gets FAILED_PRECONDITION "
-    "'being read by another reader of rank 0'",
-)
 def test_holder_worker_lost_mid_read_fails_the_read_and_the_retry_reads_the_new_worker(fabric: Fabric) -> None:
     """NIXL fails the reader's READs (the holder's endpoints are gone); the lease survives; the
     retry handshakes again (new agent, new registration ids) and succeeds; the reader's view of
@@ -209,39 +202,6 @@ def test_holder_worker_lost_mid_read_fails_the_read_and_the_retry_reads_the_new_
         assert old_agent not in p.reader.dataplane.remotes
         assert holder.leases.find(lease_id) is None  # read: the lease ended
         assert_settled(p.reader, p.holder, memories=(old_hmemory,))
-
-    run(fabric, scenario)
-
-
-def test_holder_worker_lost_mid_read_the_retry_succeeds_once_the_old_admission_ended(fabric: Fabric) -> None:
-    """What the retry above meets today: the holder's admission of the failed read stays open
-    (nobody ends it); once it ends at its deadline, the retry of the same lease reads the new worker."""
-
-    async def scenario() -> None:
-        p = await make_pair(fabric)
-        holder, reader = p.holder.daemon, p.reader.daemon
-        transfer, lease_id = p.pull()
-        xfers = await p.reading(transfer)
-        ttl = transfer.deadline_s + holder.config.read_admission_margin_s + 10
-        holder.renew_lease(lease_id, ttl)  # outlives the admission's deadline
-
-        p.holder.dataplane.lose("SIGSEGV")
-        await restarted(p.holder)
-        for xfer in xfers:
-            p.reader.dataplane.fail(xfer)
-        await ended(transfer)
-        await settle(p.holder, p.reader)
-        lease = holder.leases.find(lease_id)
-        assert lease is not None and holder.leases.open_admissions == 1
-
-        fabric.clock.advance(transfer.deadline_s + holder.config.read_admission_margin_s + 1)
-        holder.leases.sweep()
-        await settle(p.holder)
-        assert holder.leases.open_admissions == 0
-        retry = reader.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, holder.params_of(lease))
-        await pull_done(p, "req-1", retry)
-        assert not p.hrank.memory.tainted  # the timed-out admission pinned the lost mapping only
-        assert_settled(p.reader, p.holder)
 
     run(fabric, scenario)
 
@@ -301,12 +261,6 @@ def test_worker_lost_while_idle_the_next_converting_pull_gets_a_staging_pool_in_
     run(fabric, scenario)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvd/core/pulls.py Puller._release_buffers releases a pull's one-off (staging) lists through "
-    "self._dataplane, which rebind() already points at the NEW worker: list ids are per worker, so the "
-    "new worker releases its own lists of the same ids",
-)
 def test_reader_worker_lost_mid_converting_read_releases_no_list_in_the_new_worker(fabric: Fabric) -> None:
     """A converting pull's one-off lists over the staging chunk are the lost worker's: handing
     them back must not reach the new worker (whose list ids are its own, counted from 1 again)."""
