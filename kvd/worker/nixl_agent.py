@@ -188,8 +188,12 @@ class NixlAgent:
             self._wake.wait(self._poll_interval())
             self._wake.clear()
 
-    def _poll_interval(self) -> float:
+    def _poll_interval(self) -> float | None:
+        """Seconds until the next poll; None: nothing to poll until a call comes (no memory is
+        registered, so no peer can read from this agent and nothing notifies it: a spare worker)."""
         now = time.monotonic()
+        if not self._regions and not self._xfers and now >= self._fast_poll_until:
+            return None
         if self._xfers:
             self._active_at = now
             return 0.0 if any(now < x.spin_until for x in self._xfers) else POLL_SLOW_S
