@@ -32,6 +32,7 @@ from kvd.core.params import TransferParams
 from kvd.core.peers import HandshakeInfo, Peers, PeerSession, PeerTransport, PrepareResult, RemoteEngine
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
+from kvd.core.restarts import DataPlaneRestarts
 from kvd.core.transfers import Transfer, TransferTable
 from kvd.core.workers import WorkerLauncher
 from kvd.layout import groups as kv_groups
@@ -83,7 +84,7 @@ class DaemonStatus:
     dataplane_last_restart: str = ""  # why the last worker was replaced ("" if never)
 
 
-class Daemon:
+class Daemon(DataPlaneRestarts):
     """Registry, memory, data plane, peers, commits, leases and transfers of one daemon."""
 
     def __init__(self, config: KvdConfig, transport: PeerTransport, metrics: Metrics) -> None:
@@ -236,108 +237,6 @@ class Daemon:
     def require_serving(self) -> None:
         if not self.serving:
             raise Unavailable("the daemon is shutting down: retry against its replacement")
-
-    def require_dataplane(self) -> None:
-        """Refuse work that needs the data plane while a lost worker is being replaced."""
-        if self.dataplane is None:
-            raise Unavailable("the daemon is still starting")
-        if self._restarting is not None or not getattr(self.dataplane, "alive", True):
-            raise Unavailable("the daemon's data plane is restarting (its worker was lost): retry in a moment")
-
-    # --- data-plane restarts -------------------------------------------------------------------
-
-    def _dataplane_lost(self, plane: DataPlane, reason: str) -> None:
-        """DataPlane callback: its worker is gone (reaped). Replace it, unless shutting down."""
-        if plane is not self.dataplane or not self.serving or self._restarting is not None:
-            return
-        self.metrics.dataplane_restarts.labels(reason).inc()
-        self.dataplane_restarts += 1
-        self.dataplane_last_restart = reason
-        now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < self.config.dataplane_restart_window_s]
-        self._restart_times.append(now)
-        if len(self._restart_times) > self.config.dataplane_max_restarts:
-            self._give_up(
-                f"the data-plane worker was lost {len(self._restart_times)} times within "
-                f"{self.config.dataplane_restart_window_s:.0f}s (last: {reason})"
-            )
-            return
-        self._restarting = asyncio.get_running_loop().create_task(self._restart(reason), name="kvd-dataplane-restart")
-
-    def _give_up(self, why: str) -> None:
-        logger.critical("%s: the daemon exits so that its supervisor restarts it with back-off", why)
-        self.serving = False
-        if self.fatal is not None and not self.fatal.done():
-            self.fatal.set_result(why)
-
-    async def _restart(self, reason: str) -> None:
-        """Start a new worker, map every registered engine again, serve again (docs/lifetimes.md)."""
-        started = time.monotonic()
-        lost = self.dataplane
-        try:
-            for rank in self.registry:
-                Memories.lose(rank.memory)
-            plane = await self._start_replacement(reason)
-            if plane is None:
-                return
-            self.dataplane = plane
-            self.agent_name = plane.name
-            self._mem.rebind(plane)
-            if self.peers is not None:
-                self.peers.rebind(plane)
-            if self._puller is not None:
-                self._puller.rebind(plane)
-            if self.dataplane_restarts and plane.alive:
-                plane.fast_poll_until = self.leases.latest_admission_deadline()
-            for rank in list(self.registry):
-                await self._remap_rank(rank)
-        finally:
-            self._restarting = None
-        logger.warning(
-            "data plane restarted in %.0f ms after its worker (agent %s) was lost (%s): agent %s, pid %d, "
-            "%d engine ranks mapped again",
-            (time.monotonic() - started) * 1000,
-            lost.name if lost is not None else "?",
-            reason,
-            self.agent_name,
-            plane.pid,
-            len(self.registry),
-        )
-
-    async def _start_replacement(self, reason: str) -> DataPlane | None:
-        """A new worker (the spare, else a fresh one); None once the daemon gave up."""
-        for attempt in (1, 2):
-            plane = self._new_dataplane()
-            try:
-                await plane.start(self._on_notifications)
-                return plane
-            except KvdError as exc:
-                if attempt == 2:
-                    self._give_up(f"no new data-plane worker started after the last was lost ({reason}): {exc.message}")
-                else:
-                    logger.error("a new data-plane worker did not start (%s): trying another", exc.message)
-        return None
-
-    async def _remap_rank(self, rank: EngineRank) -> None:
-        """Map a registered rank's memory in the new worker (the engine does nothing)."""
-        requests = [region.request for region in rank.memory.regions]
-        try:
-            memory = await self._mem.open(requests, next_registration_id())
-        except KvdError as exc:
-            logger.error(
-                "engine %s rank %d: its memory cannot be mapped again after the data-plane restart: %s",
-                rank.engine_id,
-                rank.tp_rank,
-                exc.message,
-            )
-            await self._unregister(rank, f"memory lost in a data-plane restart: {exc.message}")
-            return
-        if self.registry.current(rank) is not rank:  # unregistered meanwhile
-            await self._mem.fence(memory)
-            return
-        rank.memory = memory
-        self.metrics.registered_bytes.labels(rank.engine_id, str(rank.tp_rank)).set(rank.registered_bytes)
-        await self._prepare_tables(rank)
 
     @property
     def _mem(self) -> Memories:

@@ -1,0 +1,165 @@
+"""Replacing a lost data-plane worker: the daemon's side of docs/lifetimes.md, "A lost data-plane worker".
+
+A mixin of :class:`kvd.core.daemon.Daemon` (kept apart so that the daemon's facade stays small):
+the DataPlane reports its worker lost (reaped) through :meth:`_dataplane_lost`; the daemon then
+starts a new worker (the launcher's spare), rebinds memory, peers and the puller to it, and maps
+every registered rank again, or gives up (a crash loop: ``fatal`` is set, ``kvd serve`` exits 70).
+Event-loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kvd.core.local_memory import Memories
+from kvd.core.registry import EngineRank, Registry, next_registration_id
+from kvd_client.errors import KvdError, Unavailable
+
+if TYPE_CHECKING:
+    from kvd.config import KvdConfig
+    from kvd.core.dataplane import DataPlane
+    from kvd.core.leases import LeaseTable
+    from kvd.core.metrics import Metrics
+    from kvd.core.peers import Peers
+    from kvd.core.pulls import Puller
+
+logger = logging.getLogger(__name__)
+
+
+class DataPlaneRestarts:
+    """What the daemon does when its data-plane worker is lost (module docstring)."""
+
+    config: KvdConfig
+    metrics: Metrics
+    registry: Registry
+    leases: LeaseTable
+    dataplane: DataPlane | None
+    peers: Peers | None
+    _puller: Puller | None
+    agent_name: str
+    serving: bool
+    fatal: asyncio.Future[str] | None
+    dataplane_restarts: int
+    dataplane_last_restart: str
+    _restart_times: list[float]
+    _restarting: asyncio.Task[None] | None
+
+    # Provided by the daemon.
+    @property
+    def _mem(self) -> Memories:
+        raise NotImplementedError
+
+    def _new_dataplane(self) -> DataPlane:
+        raise NotImplementedError
+
+    def _on_notifications(self, notifications: dict[str, list[bytes]]) -> None:
+        raise NotImplementedError
+
+    async def _prepare_tables(self, rank: EngineRank) -> None:
+        raise NotImplementedError
+
+    async def _unregister(self, rank: EngineRank, reason: str) -> None:
+        raise NotImplementedError
+
+    def require_dataplane(self) -> None:
+        """Refuse work that needs the data plane while a lost worker is being replaced."""
+        if self.dataplane is None:
+            raise Unavailable("the daemon is still starting")
+        if self._restarting is not None or not getattr(self.dataplane, "alive", True):
+            raise Unavailable("the daemon's data plane is restarting (its worker was lost): retry in a moment")
+
+    def _dataplane_lost(self, plane: DataPlane, reason: str) -> None:
+        """DataPlane callback: its worker is gone (reaped). Replace it, unless shutting down."""
+        if plane is not self.dataplane or not self.serving or self._restarting is not None:
+            return
+        self.metrics.dataplane_restarts.labels(reason).inc()
+        self.dataplane_restarts += 1
+        self.dataplane_last_restart = reason
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < self.config.dataplane_restart_window_s]
+        self._restart_times.append(now)
+        if len(self._restart_times) > self.config.dataplane_max_restarts:
+            self._give_up(
+                f"the data-plane worker was lost {len(self._restart_times)} times within "
+                f"{self.config.dataplane_restart_window_s:.0f}s (last: {reason})"
+            )
+            return
+        self._restarting = asyncio.get_running_loop().create_task(self._restart(reason), name="kvd-dataplane-restart")
+
+    def _give_up(self, why: str) -> None:
+        logger.critical("%s: the daemon exits so that its supervisor restarts it with back-off", why)
+        self.serving = False
+        if self.fatal is not None and not self.fatal.done():
+            self.fatal.set_result(why)
+
+    async def _restart(self, reason: str) -> None:
+        """Start a new worker, map every registered engine again, serve again (docs/lifetimes.md)."""
+        started = time.monotonic()
+        lost = self.dataplane
+        try:
+            for rank in self.registry:
+                Memories.lose(rank.memory)
+            plane = await self._start_replacement(reason)
+            if plane is None:
+                return
+            self.dataplane = plane
+            self.agent_name = plane.name
+            self._mem.rebind(plane)
+            if self.peers is not None:
+                self.peers.rebind(plane)
+            if self._puller is not None:
+                self._puller.rebind(plane)
+            if self.dataplane_restarts and plane.alive:
+                plane.fast_poll_until = self.leases.latest_admission_deadline()
+            for rank in list(self.registry):
+                await self._remap_rank(rank)
+        finally:
+            self._restarting = None
+        logger.warning(
+            "data plane restarted in %.0f ms after its worker (agent %s) was lost (%s): agent %s, pid %d, "
+            "%d engine ranks mapped again",
+            (time.monotonic() - started) * 1000,
+            lost.name if lost is not None else "?",
+            reason,
+            self.agent_name,
+            plane.pid,
+            len(self.registry),
+        )
+
+    async def _start_replacement(self, reason: str) -> DataPlane | None:
+        """A new worker (the spare, else a fresh one); None once the daemon gave up."""
+        for attempt in (1, 2):
+            plane = self._new_dataplane()
+            try:
+                await plane.start(self._on_notifications)
+                return plane
+            except KvdError as exc:
+                if attempt == 2:
+                    self._give_up(f"no new data-plane worker started after the last was lost ({reason}): {exc.message}")
+                else:
+                    logger.error("a new data-plane worker did not start (%s): trying another", exc.message)
+        return None
+
+    async def _remap_rank(self, rank: EngineRank) -> None:
+        """Map a registered rank's memory in the new worker (the engine does nothing)."""
+        requests = [region.request for region in rank.memory.regions]
+        try:
+            memory = await self._mem.open(requests, next_registration_id())
+        except KvdError as exc:
+            logger.error(
+                "engine %s rank %d: its memory cannot be mapped again after the data-plane restart: %s",
+                rank.engine_id,
+                rank.tp_rank,
+                exc.message,
+            )
+            await self._unregister(rank, f"memory lost in a data-plane restart: {exc.message}")
+            return
+        if self.registry.current(rank) is not rank:  # unregistered meanwhile
+            await self._mem.fence(memory)
+            return
+        rank.memory = memory
+        self.metrics.registered_bytes.labels(rank.engine_id, str(rank.tp_rank)).set(rank.registered_bytes)
+        await self._prepare_tables(rank)
