@@ -42,6 +42,8 @@ from kvd_client.errors import Internal, KvdError, error_class_named
 HEADER = struct.Struct("<IQ")  # body length, number of out-of-band buffers
 BUFFER = struct.Struct("<Q")
 MAX_BODY = 1 << 30
+MAX_BUFFERS = 1024  # out-of-band buffers of one message (a READ has two index arrays)
+MAX_BUFFER = 1 << 34  # one buffer (the rows of a very large descriptor list stay far below)
 
 CALL = "call"
 REPLY = "reply"
@@ -164,6 +166,8 @@ def frame(message: tuple[Any, ...]) -> list[bytes | memoryview]:
     """The bytes of one message: header, body, out-of-band buffers."""
     buffers: list[pickle.PickleBuffer] = []
     body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    if len(body) > MAX_BODY or len(buffers) > MAX_BUFFERS:
+        raise Internal(f"a data-plane message of {len(body)} bytes and {len(buffers)} buffers is too large to send")
     parts: list[bytes | memoryview] = [HEADER.pack(len(body), len(buffers)), body]
     for buffer in buffers:
         raw = buffer.raw()
@@ -177,10 +181,14 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[Any, ...]:
     size, count = HEADER.unpack(await reader.readexactly(HEADER.size))
     if size > MAX_BODY:
         raise ValueError(f"data-plane frame of {size} bytes: the channel is corrupt")
+    if count > MAX_BUFFERS:
+        raise ValueError(f"data-plane frame with {count} buffers: the channel is corrupt")
     body = await reader.readexactly(size)
     buffers = []
     for _ in range(count):
         (length,) = BUFFER.unpack(await reader.readexactly(BUFFER.size))
+        if length > MAX_BUFFER:
+            raise ValueError(f"data-plane buffer of {length} bytes: the channel is corrupt")
         buffers.append(bytearray(await reader.readexactly(length)))  # writable: numpy views stay usable
     message = pickle.loads(body, buffers=buffers)
     assert isinstance(message, tuple)
