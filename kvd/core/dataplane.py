@@ -173,8 +173,8 @@ class DataPlane:
             future.set_exception(self._gone())
             return future
         call_id = next(self._call_ids)
-        self._calls[call_id] = future
-        self._send(CALL, call_id, op, args)
+        self._send(CALL, call_id, op, args)  # raises (nothing sent) if the message cannot be framed
+        self._calls[call_id] = future  # its reply is read on this loop, after this returns
         return future
 
     async def _call(self, op: str, *args: Any) -> Any:
