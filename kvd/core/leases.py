@@ -45,6 +45,7 @@ class AdmissionEnd(enum.Enum):
     ABANDONED = "abandoned"  # the reader fenced its READs and gave up
     REPLACED = "replaced"  # the same reader asked again before posting anything
     TIMED_OUT = "timed_out"  # past its deadline plus the margin: not proven over
+    WORKER_LOST = "worker_lost"  # the holder's data-plane worker died: nothing is read out of it any more
 
     @property
     def clean(self) -> bool:
@@ -314,6 +315,16 @@ class LeaseTable:
         for lease in list(self._leases.values()):
             if not lease.draining and (engine_id is None or lease.engine_id == engine_id):
                 self._request_end(lease, how)
+
+    def end_admissions_if(self, predicate: Callable[[Admission], bool], how: AdmissionEnd) -> int:
+        """End every open admission ``predicate`` accepts; how many ended."""
+        ended = 0
+        for lease in list(self._leases.values()):
+            for admission in list(lease.admissions.values()):
+                if predicate(admission):
+                    self._end_admission(lease, admission, how)
+                    ended += 1
+        return ended
 
     def force_end_admissions(self) -> None:
         """Shutdown: end every open admission as not proven over (their memory is retired)."""

@@ -214,6 +214,9 @@ class PeerSession:
     engines: dict[tuple[str, int], RemoteEngine]
     handshaken_at: float = dataclasses.field(default_factory=time.monotonic)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+    # Forgotten because this daemon's data-plane worker was lost (the peer is fine): its pulls'
+    # READs are final (the worker's death fenced them), so the holder is still told they are over.
+    plane_lost: bool = False
 
     @property
     def agent_name(self) -> str:
@@ -447,6 +450,7 @@ class Peers:
         for session in self._sessions.values():
             session.agent.removed = True
             session.agent.live = False
+            session.plane_lost = True
         self._agents.clear()
         self._sessions.clear()
         self._gauges()

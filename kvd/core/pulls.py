@@ -392,12 +392,11 @@ class Puller:
             await self._abandon(remote, reader_rank, transfer_id, reason)
 
     def _still_told(self, session: PeerSession) -> bool:
-        """Is the holder of ``session`` told of an abandoned read (whose READs are final)? Yes,
-        also when the session was dropped meanwhile (the holder may have lost only its data-plane
-        worker, or this daemon its own), unless another incarnation now answers at that address
-        (its leases are not the ones read)."""
-        cached = self.peers.cached(session.address)
-        return cached is None or cached.incarnation == session.incarnation
+        """Is the holder of ``session`` told of an abandoned read (whose READs are final)? When
+        the session is current, or was forgotten only because this daemon's worker was lost. Not
+        when the peer was dropped (unreachable: the holder ends the admission at its deadline, or
+        at once if it lost its own worker) — a call would only open a channel to a dead address."""
+        return self.peers.cached(session.address) is session or session.plane_lost
 
     async def _abandon(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
         try:

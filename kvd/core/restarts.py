@@ -14,7 +14,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from kvd.core.local_memory import Memories
+from kvd.core.leases import Admission, AdmissionEnd
+from kvd.core.local_memory import LocalMemory, Memories, MemoryState
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd_client.errors import KvdError, Unavailable
 
@@ -102,6 +103,7 @@ class DataPlaneRestarts:
         try:
             for rank in self.registry:
                 Memories.lose(rank.memory)
+            self._end_reads_of_lost_memory()
             plane = await self._start_replacement(reason)
             if plane is None:
                 return
@@ -128,6 +130,22 @@ class DataPlaneRestarts:
             plane.pid,
             len(self.registry),
         )
+
+    def _end_reads_of_lost_memory(self) -> None:
+        """Reads admitted out of host memory the lost worker mapped are over: nothing can be read
+        out of a dead process (its endpoints, registrations and mappings are gone). VRAM is the
+        exception (a reader's CUDA IPC copy reads the engine's memory itself): those admissions
+        end by the usual rules (docs/lifetimes.md, "A lost data-plane worker")."""
+
+        def lost_host_memory(admission: Admission) -> bool:
+            return bool(admission.pinned) and all(
+                isinstance(memory, LocalMemory) and memory.state is MemoryState.LOST and memory.host
+                for memory in admission.pinned
+            )
+
+        ended = self.leases.end_admissions_if(lost_host_memory, AdmissionEnd.WORKER_LOST)
+        if ended:
+            logger.info("%d reads admitted out of the lost worker's host memory ended", ended)
 
     async def _start_replacement(self, reason: str) -> DataPlane | None:
         """A new worker (the spare, else a fresh one); None once the daemon gave up."""
