@@ -11,11 +11,11 @@ quarantined memory). A worker that keeps dying ends the daemon (exit 70); a cont
 that dies takes its workers with it.
 
 **Cost.** A daemon pair takes seconds to start (three processes import torch and NIXL each), and
-every chaos test runs ``--chaos-repeat`` times. The mid-read tests therefore share one daemon
-pair per UCX transport across their rounds (``--dataplane-max-restarts`` high): each round kills
-both sides' workers once more, which also checks that nothing accumulates over many restarts
-(fds, children, admissions). The signals rotate with the round, so three rounds cover every
-signal on both sides over both transports.
+every chaos test runs ``--chaos-repeat`` times. The mid-read test therefore shares one daemon
+pair per UCX transport across its rounds (``--dataplane-max-restarts`` high): each round kills
+one more worker, which also checks that nothing accumulates over many restarts (fds, children,
+admissions). The side and the signal rotate with the round: three rounds cover every signal,
+six every signal on both sides, per transport (10 rounds in CI).
 """
 
 from __future__ import annotations
