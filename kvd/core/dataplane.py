@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -179,7 +180,9 @@ class DataPlane:
 
     async def _call(self, op: str, *args: Any) -> Any:
         """Run ``op`` in the worker and wait for its answer (a cancel does not retract the call)."""
-        return await asyncio.shield(self._submit(op, *args))
+        future = self._submit(op, *args)
+        future.add_done_callback(_ignore)  # a cancelled waiter's call may still fail: not an unretrieved error
+        return await asyncio.shield(future)
 
     async def _read_loop(self) -> None:
         assert self._worker is not None
@@ -236,6 +239,11 @@ class DataPlane:
                 async with asyncio.timeout(self._heartbeat_timeout_s):
                     await self._call("ping")
             except TimeoutError:
+                if self._worker.exiting():
+                    # Not hung but dying (a crash or a kill whose exit outlasts the timeout: a
+                    # big address space takes a while to tear down): the reader reports it, with
+                    # its real cause, once it is reaped.
+                    return
                 logger.error(
                     "data-plane worker %d (agent %s) did not answer within %.1fs: hung, killing it",
                     self._worker.pid,
@@ -244,8 +252,10 @@ class DataPlane:
                 )
                 self.lost_reason = "hung"
                 self._worker.kill()
-                await self._worker.reap()
-                self._lose("hung")
+                returncode = await self._worker.reap()
+                if returncode != -signal.SIGKILL:  # it died of its own cause meanwhile
+                    self.lost_reason = exit_reason(returncode)
+                self._lose(self.lost_reason)
                 return
             except KvdError:
                 return  # lost: the reader reports it

@@ -117,6 +117,8 @@ class DataPlaneRestarts:
             if self.dataplane_restarts and plane.alive:
                 plane.fast_poll_until = self.leases.latest_admission_deadline()
             for rank in list(self.registry):
+                if not plane.alive:
+                    break  # the new worker died too: the restart below maps every rank
                 await self._remap_rank(rank)
         finally:
             self._restarting = None
@@ -130,6 +132,10 @@ class DataPlaneRestarts:
             plane.pid,
             len(self.registry),
         )
+        if not plane.alive and plane.lost_reason:
+            # Lost while it was being set up, when its loss was not acted on: replace it too
+            # (else the daemon would keep a dead data plane and refuse every pull for good).
+            self._dataplane_lost(plane, plane.lost_reason)
 
     def _end_reads_of_lost_memory(self) -> None:
         """Reads admitted out of host memory the lost worker mapped are over: nothing can be read
@@ -167,6 +173,8 @@ class DataPlaneRestarts:
         try:
             memory = await self._mem.open(requests, next_registration_id())
         except KvdError as exc:
+            if self.dataplane is not None and not self.dataplane.alive:
+                return  # its worker died too: the rank stays registered for the next restart to map
             logger.error(
                 "engine %s rank %d: its memory cannot be mapped again after the data-plane restart: %s",
                 rank.engine_id,
@@ -180,4 +188,8 @@ class DataPlaneRestarts:
             return
         rank.memory = memory
         self.metrics.registered_bytes.labels(rank.engine_id, str(rank.tp_rank)).set(rank.registered_bytes)
-        await self._prepare_tables(rank)
+        try:
+            await self._prepare_tables(rank)
+        except KvdError:
+            if self.dataplane is None or self.dataplane.alive:
+                raise  # else its worker died meanwhile: the next restart maps the rank again

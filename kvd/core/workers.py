@@ -21,12 +21,14 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from kvd.dataplane_protocol import CALL, HELLO, REPLY, AgentIdentity, decode_error, frame, read_frame
 from kvd_client.errors import KvdError, Unavailable
 
 logger = logging.getLogger(__name__)
 
+PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting
 HELLO_TIMEOUT_S = 60.0  # a worker that has not imported NIXL by then is not coming
 
 
@@ -51,6 +53,14 @@ class WorkerProcess:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
+
+    def exiting(self) -> bool:
+        """Whether the process is already on its way out (the kernel's PF_EXITING, or gone)."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return self.exited
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
     async def reap(self) -> int:
         """Wait for the process to be gone (its mappings and endpoints with it); its exit status."""

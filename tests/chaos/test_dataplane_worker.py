@@ -1,42 +1,247 @@
 """The data-plane worker dies; the daemon does not.
 
 ``kvd serve`` is a control process and a data-plane worker (docs/architecture.md, "Processes").
-These tests kill the worker from outside, as an abort or a segfault in UCX would, on the holder's
-side and on the reader's, between pulls and mid-read, and check what the issue promises: the
-control process lives, engines keep their registrations and streams, failed pulls end UNAVAILABLE
-within their deadline, and the next pull is byte-exact without the engine doing anything.
+These tests kill the worker from outside, as an abort or a segfault in UCX would (SIGKILL,
+SIGSEGV) or as a hang would look (SIGSTOP: the heartbeat finds it and kills it), on the holder's
+side and on the reader's, mid-read under concurrent pulls, and check what the issue promises:
+the control process lives, engines keep their registrations and streams, failed pulls end
+UNAVAILABLE within their deadline, no byte of a failed pull lands afterwards, the next pull is
+byte-exact without the engine doing anything, and nothing leaks (fds, workers, /dev/shm, leases,
+quarantined memory). A worker that keeps dying ends the daemon (exit 70); a control process
+that dies takes its workers with it.
+
+**Cost.** A daemon pair takes seconds to start (three processes import torch and NIXL each), and
+every chaos test runs ``--chaos-repeat`` times. The mid-read test therefore shares one daemon
+pair per UCX transport across its rounds (``--dataplane-max-restarts`` high): each round kills
+one more worker, which also checks that nothing accumulates over many restarts (fds, children,
+admissions). The side and the signal rotate with the round: three rounds cover every signal,
+six every signal on both sides, per transport (10 rounds in CI).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
-from kvtest import ShmEngine, llama_spec, metric_value, scrape
+import torch
+from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 
+from kvd.cli.spawn import DaemonProcess, child_env, launch_daemon, wait_ready
 from kvd_client import KvdClient, errors
 from kvd_client.v1 import common_pb2
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
 RESTART_TIMEOUT_S = 20.0
+SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGSTOP)
+NUM_BLOCKS = 256  # llama-shaped: 2 MiB a block, 512 MiB an engine
+CONCURRENT = 4  # pulls in flight when the worker dies, 64 blocks (128 MiB) each
+DEADLINE_MS = 6000  # a hung worker is found within 2 s (heartbeat every 1 s, 1 s to answer)
+HEARTBEAT_TIMEOUT_S = 1.0  # a SIGSTOPped worker is found hung within ~1.5 s
+FD_SLACK = 4
+PATTERN = 0x5A
+PATTERN64 = int.from_bytes(bytes([PATTERN] * 8), "little", signed=True)  # the pattern as torch.int64
+LATE_S = {"tcp": 1.5, "default": 1.0}  # a whole 512 MiB pull takes under a second on loopback
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (every thread's children)."""
+    found: set[int] = set()
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found.update(int(x) for x in path.read_text().split())
+    return found
+
+
+def proc_state(pid: int) -> str:
+    """The process's state letter ("Z" for a zombie), "" once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def shm_names(pids: set[int]) -> set[str]:
+    """Names of the /dev/shm files the processes map (deleted ones included)."""
+    names: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    names.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)").strip())
+    return names
+
+
+def running(pid: int) -> bool:
+    """Whether any thread of ``pid`` still runs (a zombie leader may wait for its other threads,
+    which still hold the process's memory)."""
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                return True
+    return False
+
+
+def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    """The processes still running after waiting up to ``timeout_s`` (a zombie has let go of
+    everything; an orphan's is reaped by whatever init the machine has)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {pid for pid in pids if running(pid)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
+
+
+def sysv_left(pids: set[int], timeout_s: float = 5.0) -> list[str]:
+    """System V shared memory segments the processes created (UCX's sysv transport) that are still
+    there after ``timeout_s``: one marked for removal goes with its last detach."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+        left = [row for row in rows if int(row.split()[4]) in pids]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def restart_reason(sig: signal.Signals) -> str:
+    return "hung" if sig == signal.SIGSTOP else sig.name
+
+
+# --- daemons ---------------------------------------------------------------------------------
 
 
 def worker_pid(client: KvdClient) -> int:
     return int(client.get_status().dataplane_pid)
 
 
-def wait_restarted(client: KvdClient, old_pid: int, timeout_s: float = RESTART_TIMEOUT_S) -> float:
-    """Seconds until the daemon reports a new worker (and serves pulls again)."""
+def wait_restarted(client: KvdClient, old_pid: int, restarts: int, timeout_s: float = RESTART_TIMEOUT_S) -> float:
+    """Seconds until the daemon reports a new worker after its ``restarts``-th restart."""
     started = time.monotonic()
     while True:
         status = client.get_status()
-        if status.dataplane_pid not in (0, old_pid) and status.dataplane_restarts:
+        if status.dataplane_pid not in (0, old_pid) and status.dataplane_restarts >= restarts:
             return time.monotonic() - started
         assert time.monotonic() - started < timeout_s, "the data plane was not restarted"
         time.sleep(0.01)
+
+
+def wait_worker_and_spare(daemon: DaemonProcess, worker: int, timeout_s: float = 30.0) -> set[int]:
+    """The daemon's children once they are exactly its worker and one spare, none a zombie."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        kids = children(daemon.process.pid)
+        if len(kids) == 2 and worker in kids and all(proc_state(k) not in ("", "Z") for k in kids):
+            return kids
+        assert time.monotonic() < deadline, f"the daemon's children are {kids} ({worker} serves)"
+        time.sleep(0.05)
+
+
+@dataclass
+class Pair:
+    """A holder and a reader daemon, an engine on each with its stream open, for a whole module."""
+
+    transport: str
+    holder_daemon: DaemonProcess
+    reader_daemon: DaemonProcess
+    holder: ShmEngine
+    reader: ShmEngine
+    holder_stream: Any = None
+    reader_stream: Any = None
+    fds: dict[str, int] = field(default_factory=dict)  # control process fds once serving
+    restarts: dict[str, int] = field(default_factory=lambda: {"holder": 0, "reader": 0})
+    shm: set[str] = field(default_factory=set)  # /dev/shm files the workers mapped
+    workers: set[int] = field(default_factory=set)  # every worker pid seen
+
+    def side(self, name: str) -> tuple[DaemonProcess, ShmEngine]:
+        return (self.holder_daemon, self.holder) if name == "holder" else (self.reader_daemon, self.reader)
+
+    def note_workers(self) -> None:
+        for daemon in (self.holder_daemon, self.reader_daemon):
+            kids = children(daemon.process.pid)
+            self.workers |= kids
+            self.shm |= shm_names(kids)
+
+
+@pytest.fixture(scope="module", params=["tcp", "default"], ids=["ucx-tcp", "ucx-default"])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    transport = str(request.param)
+    env = child_env(UCX_TLS="tcp") if transport == "tcp" else child_env()
+    workdir = tmp_path_factory.mktemp(f"pair-{transport}")
+    flags = [
+        "--dataplane-heartbeat-timeout-s",
+        str(HEARTBEAT_TIMEOUT_S),
+        "--dataplane-max-restarts",
+        "1000",
+        "--read-admission-margin-s",
+        "1",
+    ]
+    launches = [launch_daemon(workdir, name, flags, env=env) for name in ("holder", "reader")]
+    daemons: list[DaemonProcess] = []
+    engines: list[ShmEngine] = []
+    the_pair: Pair | None = None
+    try:
+        daemons = [wait_ready(launch) for launch in launches]
+        holder = ShmEngine(daemons[0].unix_target, "p", llama_spec(num_blocks=NUM_BLOCKS))
+        engines.append(holder)
+        reader = ShmEngine(daemons[1].unix_target, "d", llama_spec(num_blocks=NUM_BLOCKS))
+        engines.append(reader)
+        holder.register()
+        reader.register()
+        the_pair = Pair(transport, daemons[0], daemons[1], holder, reader)
+        the_pair.holder_stream = holder.client.open_engine_stream("p", 0)
+        the_pair.reader_stream = reader.client.open_engine_stream("d", 0)
+        holder.fill_random(5)
+        assert pull_until_done(reader, holder, list(range(8))) == 1
+        for name in ("holder", "reader"):
+            daemon, engine = the_pair.side(name)
+            wait_worker_and_spare(daemon, worker_pid(engine.client))
+            the_pair.fds[name] = fd_count(daemon.process.pid)
+        the_pair.note_workers()
+        yield the_pair
+        for stream in (the_pair.holder_stream, the_pair.reader_stream):
+            stream.close()
+    finally:
+        for engine in engines:
+            engine.close()
+        crashes = []
+        for launch in launches:
+            daemon = next((d for d in daemons if d.process is launch.process), None)
+            if daemon is None:
+                launch.process.kill()
+                launch.process.wait()
+                continue
+            daemon.terminate()
+            if daemon.crash():
+                crashes.append(daemon.crash())
+    if crashes:
+        pytest.fail("a daemon crashed:\n" + "\n\n".join(crashes), pytrace=False)
+    if the_pair is None:
+        return
+    # Every worker the pair ever had is gone with it, and so is every /dev/shm file they mapped.
+    assert not wait_gone(the_pair.workers, 10), "a worker outlived its daemon"
+    engine_files = {engine.shm_name for engine in engines}
+    assert not (the_pair.shm - engine_files) & set(os.listdir("/dev/shm")), "the workers left files in /dev/shm"
+    assert not sysv_left(the_pair.workers), "the workers left System V segments"
+
+
+# --- pulls -----------------------------------------------------------------------------------
 
 
 def pull(reader: ShmEngine, holder: ShmEngine, request_id: str, blocks: list[int], deadline_ms: int = 20000):
@@ -68,36 +273,192 @@ def pull_until_done(reader: ShmEngine, holder: ShmEngine, blocks: list[int], att
     raise AssertionError(f"no pull succeeded in {attempts} attempts after the restart")
 
 
-@pytest.mark.parametrize("side", ["holder", "reader"])
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
-def test_worker_killed_between_pulls_is_replaced_and_engines_keep_working(
-    spawn_daemon, side: str, sig: signal.Signals
-) -> None:
-    holder_daemon = spawn_daemon(name="holder")
-    reader_daemon = spawn_daemon(name="reader")
-    holder = ShmEngine(holder_daemon.unix_target, "p", llama_spec(num_blocks=32))
-    reader = ShmEngine(reader_daemon.unix_target, "d", llama_spec(num_blocks=32))
+def wait_reading(client: KvdClient, transfer_ids: list[str], timeout_s: float = 10.0) -> None:
+    """Until every pull is reading (NIXL READs posted), or one already ended."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(transfer_ids)
+    while pending:
+        for transfer_id in list(pending):
+            if client.get_transfer(transfer_id).state != common_pb2.TRANSFER_STATE_PLANNED:
+                pending.discard(transfer_id)
+        assert time.monotonic() < deadline, "the pulls never started reading"
+        time.sleep(0.002)
+
+
+def drain(stream, timeout_s: float, until=lambda got: False) -> list:
+    got: list = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not until(got):
+        got.extend(stream.poll(timeout_s=0.05))
+    return got
+
+
+def gauge_settles(daemon: DaemonProcess, name: str, timeout_s: float) -> float:
+    """The gauge once 0, or its value after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = metric_value(scrape(daemon.metrics), name)
+        if not value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+# --- tests -----------------------------------------------------------------------------------
+
+# Round r kills MID_READ[r % 6]: three rounds cover every signal, six every signal on both sides.
+MID_READ = [
+    ("reader", signal.SIGKILL),
+    ("holder", signal.SIGSEGV),
+    ("reader", signal.SIGSTOP),
+    ("holder", signal.SIGKILL),
+    ("reader", signal.SIGSEGV),
+    ("holder", signal.SIGSTOP),
+]
+
+
+def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
+    """A worker dies with CONCURRENT pulls reading (the side and signal rotate with the round)."""
+    side, sig = MID_READ[chaos_round % len(MID_READ)]
+    holder, reader = pair.holder, pair.reader
+    victim_daemon, victim = pair.side(side)
+    tcp = pair.transport == "tcp"
+    tag = f"{chaos_round}-{side}-{time.monotonic_ns()}"
+    old = worker_pid(victim.client)
+    assert old and old in children(victim_daemon.process.pid)
+    chunk = NUM_BLOCKS // CONCURRENT
+    pulls = []
+    started_at = time.monotonic()
+    for i in range(CONCURRENT):
+        blocks = list(range(i * chunk, (i + 1) * chunk))
+        params, started = pull(reader, holder, f"mid-{tag}-{i}", blocks, deadline_ms=DEADLINE_MS)
+        pulls.append((params, started, f"mid-{tag}-{i}"))
+    wait_reading(reader.client, [started.transfer_id for _, started, _ in pulls])
+    os.kill(old, sig)
+    # Every pull ends within its deadline: UNAVAILABLE (its reads died with a worker), or DONE
+    # where UCX's shared-memory transports finished the read before the kill.
+    failed, done = [], []
+    for params, started, request_id in pulls:
+        try:
+            status = reader.client.wait_transfer(started.transfer_id, timeout_s=DEADLINE_MS / 1000 + 10)
+        except errors.Unavailable:
+            failed.append((params, request_id))
+        else:
+            assert status.state == common_pb2.TRANSFER_STATE_DONE, status
+            done.append((params, request_id))
+    ended_s = time.monotonic() - started_at
+    assert ended_s < DEADLINE_MS / 1000 + 1, f"the pulls ended after {ended_s:.1f}s, past their deadline"
+    if tcp:
+        assert not done, "over TCP 512 MiB cannot have been read before the worker died"
+    took = wait_restarted(victim.client, old, pair.restarts[side] + 1)
+    pair.restarts[side] += 1
+    # No byte lands late: the destination gets a pattern and, well past when the stale reads
+    # would have ended (a whole 512 MiB pull takes under a second here), is intact.
+    reader.fill(PATTERN)
+    time.sleep(LATE_S[pair.transport])
+    assert bool(reader.buffer.view(torch.int64).eq(PATTERN64).all()), "a byte of a failed pull landed late"
+    # The control processes live; the engines keep their registrations and their streams.
+    for name in ("holder", "reader"):
+        daemon, engine = pair.side(name)
+        assert daemon.process.poll() is None, f"the {name}'s control process died"
+        status = engine.client.get_status()
+        assert [e.engine_id for e in status.engines] == [engine.engine_id], f"the {name} engine lost its registration"
+        assert status.dataplane_restarts == pair.restarts[name], f"the {name} restarted {status.dataplane_restarts}x"
+    assert victim.client.get_status().dataplane_last_restart == restart_reason(sig)
+    restarts = metric_value(scrape(victim_daemon.metrics), "kvd_dataplane_restarts_total", reason=restart_reason(sig))
+    assert restarts >= 1
+    told = [
+        m.load_failed.request_id
+        for m in drain(pair.reader_stream, 5.0, until=lambda got: len(got) >= len(failed))
+        if m.WhichOneof("kind") == "load_failed"
+    ]
+    assert sorted(told) == sorted(request_id for _, request_id in failed), "each failed pull is told once"
+    for params, _ in failed + done:
+        with contextlib.suppress(errors.UnknownLease):
+            holder.client.release_lease(lease_id=params.lease.lease_id)
+    # The next pull is byte-exact, at the first try, without the engines re-registering; the
+    # streams opened before the kill tell both engines about it.
+    blocks = list(range(8))
+    params, started = pull(reader, holder, f"next-{tag}", blocks)
+    assert reader.client.wait_transfer(started.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+    assert bool(reader.token_bytes(blocks, 8 * 16).equal(holder.token_bytes(blocks, 8 * 16)))
+    got = drain(pair.reader_stream, 5.0, until=bool)
+    assert [m.finished_recving.request_id for m in got] == [f"next-{tag}"], got
+    sent = drain(
+        pair.holder_stream, 5.0, until=lambda got: any(m.finished_sending.request_id == f"next-{tag}" for m in got)
+    )
+    assert f"next-{tag}" in [m.finished_sending.request_id for m in sent], sent
+    # Nothing leaks.
+    assert not gauge_settles(pair.holder_daemon, "kvd_admitted_reads", DEADLINE_MS / 1000 + 3), (
+        "the holder still admits reads of the failed pulls"
+    )
+    for name in ("holder", "reader"):
+        daemon, engine = pair.side(name)
+        text = scrape(daemon.metrics)
+        assert metric_value(text, "kvd_quarantined_bytes") == 0, f"the {name} quarantined memory"
+        assert metric_value(text, "kvd_transfers_in_flight") == 0
+        kids = wait_worker_and_spare(daemon, worker_pid(engine.client))
+        assert old not in kids
+        fds = fd_count(daemon.process.pid)
+        assert fds <= pair.fds[name] + FD_SLACK, f"the {name}'s control process has {fds} fds, {pair.fds[name]} before"
+    assert not proc_state(old), f"the killed worker {old} is still there ({proc_state(old)})"
+    pair.note_workers()
+    print(
+        f"{pair.transport} {side} {sig.name}: {len(failed)} failed, {len(done)} done, restarted in {took * 1e3:.0f} ms"
+    )
+
+
+def test_worker_crash_loop_ends_the_daemon_with_status_70(spawn_daemon, chaos_round: int) -> None:
+    """Workers killed while idle are replaced (status, metric, registration kept) until more than
+    --dataplane-max-restarts die within the window: the daemon exits 70, workers and all."""
+    daemon = spawn_daemon(
+        "--dataplane-max-restarts", "2", "--dataplane-heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S), name="loop"
+    )
+    engine = ShmEngine(daemon.unix_target, "e", small_spec())
+    sigs = [SIGNALS[(chaos_round + i) % len(SIGNALS)] for i in range(3)]
+    workers: set[int] = set()
+    shm: set[str] = set()
     try:
-        holder.register()
-        reader.register()
-        holder.fill_random(7)
-        blocks = list(range(8))
-        assert pull_until_done(reader, holder, blocks) == 1
-        victim = holder if side == "holder" else reader
-        victim_daemon = holder_daemon if side == "holder" else reader_daemon
-        old = worker_pid(victim.client)
-        assert old and old != victim_daemon.process.pid
-        os.kill(old, sig)
-        took = wait_restarted(victim.client, old)
-        assert victim_daemon.process.poll() is None, "the control process died with its worker"
-        status = victim.client.get_status()
-        assert status.dataplane_restarts == 1 and status.dataplane_last_restart == sig.name
-        assert [e.engine_id for e in status.engines] == [victim.engine_id], "the engine lost its registration"
-        text = scrape(victim_daemon.metrics)
-        assert metric_value(text, "kvd_dataplane_restarts_total", reason=sig.name) == 1
-        holder.fill_random(8)
-        pull_until_done(reader, holder, blocks)
-        print(f"restart seen after {took * 1000:.0f} ms")
+        engine.register()
+        stream = engine.client.open_engine_stream("e", 0)
+        for count, sig in enumerate(sigs, start=1):
+            old = worker_pid(engine.client)
+            kids = wait_worker_and_spare(daemon, old)
+            workers |= kids
+            shm |= shm_names(kids)
+            os.kill(old, sig)
+            if count == len(sigs):
+                break
+            wait_restarted(engine.client, old, count)
+            status = engine.client.get_status()
+            assert daemon.process.poll() is None
+            assert status.dataplane_restarts == count and status.dataplane_last_restart == restart_reason(sig)
+            assert [e.engine_id for e in status.engines] == ["e"], "the engine lost its registration"
+            text = scrape(daemon.metrics)
+            assert metric_value(text, "kvd_dataplane_restarts_total", reason=restart_reason(sig)) >= 1
+        assert daemon.process.wait(timeout=20 + HEARTBEAT_TIMEOUT_S) == 70, daemon.log_tail()
+        engine.registered = False
+        assert not engine.client.health_check(timeout_s=2), "the daemon still says SERVING"
+        assert not wait_gone(workers, 10), "a worker outlived its daemon"
+        assert not (shm - {engine.shm_name}) & set(os.listdir("/dev/shm")), "the daemon left files in /dev/shm"
+        assert not sysv_left(workers), "the daemon's workers left System V segments"
+        with contextlib.suppress(errors.KvdError):
+            stream.close()
     finally:
-        holder.close()
-        reader.close()
+        engine.close()
+
+
+def test_control_process_killed_takes_its_workers(spawn_daemon, chaos_round: int) -> None:
+    """The control process is SIGKILLed: its worker and its spare die with it (PR_SET_PDEATHSIG)."""
+    daemon = spawn_daemon(name="ctl")
+    engine = ShmEngine(daemon.unix_target, "e", small_spec())
+    try:
+        engine.register()
+        kids = wait_worker_and_spare(daemon, worker_pid(engine.client))
+        shm = shm_names(kids)
+        daemon.kill()
+        engine.registered = False
+        assert not wait_gone(kids, 10), "a worker outlived its control process"
+        assert not (shm - {engine.shm_name}) & set(os.listdir("/dev/shm")), "the workers left files in /dev/shm"
+        assert not sysv_left(kids), "the workers left System V segments"
+    finally:
+        engine.close()

@@ -482,3 +482,38 @@ def test_shutdown_during_a_restart_leaves_nothing_pinned_or_mapped(fabric: Fabri
         assert_settled(p.holder)
 
     run(fabric, scenario)
+
+
+def test_a_replacement_lost_while_it_maps_the_engines_is_replaced_too(fabric: Fabric) -> None:
+    """The new worker dies while the engines are mapped into it again (its loss comes while the
+    restart is under way): the daemon replaces it as well, counts both losses, and the engine
+    stays registered and is mapped into the third worker; nothing serves through a dead one."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        daemon, rank = p.reader.daemon, p.rrank
+        first = p.reader.dataplane
+        planes = len(fabric.dataplanes)
+        start = fabric.start_gate = Gate()
+        first.lose("SIGKILL")
+        await start.arrived.reach(1)
+        replacement = list(fabric.dataplanes.values())[-1]
+        remap = replacement.register_gate = Gate()
+        start.open()
+        await remap.arrived.reach(1)
+        assert daemon.dataplane is replacement and daemon._restarting is not None
+        replacement.lose("SIGSEGV")
+        remap.open()
+        task = daemon._restarting
+        assert task is not None
+        async with asyncio.timeout(SAFETY_TIMEOUT_S):
+            await task  # the first restart ends, and starts the next
+        await restarted(p.reader)
+        third = daemon.dataplane
+        assert third is not replacement and third.alive and len(fabric.dataplanes) == planes + 2
+        assert daemon.dataplane_restarts == 2 and daemon.dataplane_last_restart == "SIGSEGV"
+        assert [r.engine_id for r in daemon.registry] == [rank.engine_id], "the engine lost its registration"
+        assert_mapped(rank.memory, third)
+        await pull_done(p, "after-two-losses")
+
+    run(fabric, scenario)
