@@ -150,6 +150,25 @@ class MappedRegion:
         return "VRAM" if self.vram else "DRAM"
 
 
+@dataclasses.dataclass(eq=False)
+class Xfer:
+    """One posted READ, until final. In the worker ``handle`` is NIXL's handle and ``final`` means
+    NIXL said DONE or ERR; in the control process ``handle`` is the READ's id and ``final`` also
+    means its worker is dead and reaped. Either way: no byte of it can land any more."""
+
+    handle: Any
+    peer: str
+    nbytes: int
+    spin_until: float
+    settled: asyncio.Future[None]
+    state: XferState = XferState.IN_PROGRESS
+    error: KvdError | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.state is not XferState.IN_PROGRESS
+
+
 def encode_error(exc: BaseException) -> WireError:
     if isinstance(exc, KvdError):
         return (type(exc).__name__, exc.message)

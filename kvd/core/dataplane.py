@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import logging
 import signal
@@ -42,6 +41,7 @@ from kvd.dataplane_protocol import (
     NixlRegion,
     RegionRequest,
     WireError,
+    Xfer,
     XferState,
     decode_error,
     frame,
@@ -55,24 +55,6 @@ logger = logging.getLogger(__name__)
 
 LOCAL = LOCAL_AGENT
 HEARTBEAT_S = 1.0  # how often the worker's NIXL thread is asked to answer (an idle daemon pays for each)
-
-
-@dataclasses.dataclass(eq=False)
-class Xfer:
-    """One posted READ, until final; see the module docstring."""
-
-    handle: Any  # the READ's id in its worker
-    peer: str
-    nbytes: int
-    spin_until: float
-    settled: asyncio.Future[None]
-    state: XferState = XferState.IN_PROGRESS
-    error: KvdError | None = None
-
-    @property
-    def final(self) -> bool:
-        """True once NIXL said DONE or ERR, or its worker is dead: no byte of it can land any more."""
-        return self.state is not XferState.IN_PROGRESS
 
 
 class DataPlane:

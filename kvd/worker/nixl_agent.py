@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvd.dataplane_protocol import LOCAL_AGENT, AgentIdentity, NixlRegion, XferState
+from kvd.dataplane_protocol import LOCAL_AGENT, AgentIdentity, NixlRegion, Xfer, XferState
 from kvd_client.errors import Internal, InvalidArgument, KvdError, PeerUnavailable, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -61,24 +60,6 @@ def _nixl() -> Any:
     from nixl import _api  # noqa: PLC0415
 
     return _api
-
-
-@dataclasses.dataclass(eq=False)
-class Xfer:
-    """One posted READ. Owned by the data plane's thread until final; see the module docstring."""
-
-    handle: Any
-    peer: str
-    nbytes: int
-    spin_until: float
-    settled: asyncio.Future[None]
-    state: XferState = XferState.IN_PROGRESS
-    error: KvdError | None = None
-
-    @property
-    def final(self) -> bool:
-        """True once NIXL said DONE or ERR: no byte of this read can land any more."""
-        return self.state is not XferState.IN_PROGRESS
 
 
 class NixlAgent:

@@ -33,7 +33,6 @@ from test_core_lifetimes import (
     settle,
 )
 
-import kvd.core.daemon as daemon_module
 from kvd.core.dataplane import LOCAL
 from kvd.core.events import FinishedRecving, LoadFailed
 from kvd.core.local_memory import LocalMemory, MemoryState
@@ -42,16 +41,6 @@ from kvd.layout.spec import KvLayout
 from kvd_client.errors import ErrorCode, Unavailable
 
 LOST, ACTIVE, RELEASED = MemoryState.LOST, MemoryState.ACTIVE, MemoryState.RELEASED
-
-
-@pytest.fixture
-def fabric(monkeypatch: pytest.MonkeyPatch) -> Fabric:
-    """As test_core_lifetimes' fixture: fake data planes, and no sweeper running on its own."""
-    fabric = Fabric()
-    monkeypatch.setattr(daemon_module, "DataPlane", fabric.make_dataplane)
-    monkeypatch.setattr(daemon_module, "SWEEP_S", 3600.0)
-    monkeypatch.setattr(daemon_module, "LIVENESS_S", 3600.0)
-    return fabric
 
 
 async def restarted(node: Node) -> None:

@@ -21,7 +21,6 @@ import pytest
 from kvtest import small_spec
 from lifetime_fakes import SAFETY_TIMEOUT_S, Fabric, Gate, Node
 
-import kvd.core.daemon as daemon_module
 from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.local_memory import LocalMemory, MemoryState
 from kvd.core.registry import EngineRank
@@ -47,16 +46,6 @@ def kernel_placed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Engine memory placed by the kernel, which reuses a released region's addresses at once (as
     where kvd's address arena is unavailable, or for VRAM): what makes a peer reload its agent."""
     monkeypatch.setattr(vm, "ARENA", vm.AddressArena(base=0, end=0))
-
-
-@pytest.fixture
-def fabric(monkeypatch: pytest.MonkeyPatch) -> Fabric:
-    """Daemons built by this test get a fake data plane; their sweepers never run on their own."""
-    fabric = Fabric()
-    monkeypatch.setattr(daemon_module, "DataPlane", fabric.make_dataplane)
-    monkeypatch.setattr(daemon_module, "SWEEP_S", 3600.0)
-    monkeypatch.setattr(daemon_module, "LIVENESS_S", 3600.0)
-    return fabric
 
 
 def run(fabric: Fabric, scenario: Callable[[], Awaitable[None]]) -> None:

@@ -1,0 +1,18 @@
+"""Fixtures of the daemon core's scenario tests (lifetimes, data-plane restarts)."""
+
+from __future__ import annotations
+
+import pytest
+from lifetime_fakes import Fabric
+
+import kvd.core.daemon as daemon_module
+
+
+@pytest.fixture
+def fabric(monkeypatch: pytest.MonkeyPatch) -> Fabric:
+    """Daemons built by this test get a fake data plane; their sweepers never run on their own."""
+    fabric = Fabric()
+    monkeypatch.setattr(daemon_module, "DataPlane", fabric.make_dataplane)
+    monkeypatch.setattr(daemon_module, "SWEEP_S", 3600.0)
+    monkeypatch.setattr(daemon_module, "LIVENESS_S", 3600.0)
+    return fabric
