@@ -116,6 +116,9 @@ def test_status_watch_refreshes_until_interrupted(spawn_daemon) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default action, whatever this run inherited: a test run started in the
+        # background by a shell without job control ignores SIGINT, and so would its children.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         time.sleep(4.0)
