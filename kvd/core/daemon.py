@@ -281,9 +281,9 @@ class Daemon(DataPlaneRestarts):
         self.require_dataplane()
         try:
             memory = await self._mem.open(regions, next_registration_id())
-        except BaseException as exc:
-            if isinstance(exc, KvdError | asyncio.CancelledError):
-                raise
+        except KvdError:
+            raise
+        except Exception as exc:
             raise Internal(f"NIXL could not register engine {engine_id!r} memory: {exc}") from exc
         if self.dataplane is not plane:  # the worker was replaced meanwhile: that mapping is gone
             raise Unavailable(f"the data plane restarted while engine {engine_id!r} registered: register again")
@@ -978,7 +978,7 @@ class Daemon(DataPlaneRestarts):
             uptime_s=time.monotonic() - self.started_at,
             held_bytes=self.held_bytes(),
             holds_ended=dict(self.holds_ended),
-            dataplane_pid=getattr(self.dataplane, "pid", 0),
+            dataplane_pid=self.dataplane.pid if self.dataplane is not None else 0,
             dataplane_restarts=self.dataplane_restarts,
             dataplane_last_restart=self.dataplane_last_restart,
         )

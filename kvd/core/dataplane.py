@@ -119,29 +119,12 @@ class DataPlane:
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
-        worker.close_channel()
-        try:
-            async with asyncio.timeout(5.0):
-                await worker.reap()
-        except TimeoutError:
-            logger.warning("data-plane worker %d did not exit within 5 s of its channel closing: killed", worker.pid)
-            worker.kill()
-            await worker.reap()
-        self._lose(self.lost_reason or "stopped")
+        await worker.end()
         if self._xfers:
             logger.warning("%d NIXL reads were still in flight at shutdown", len(self._xfers))
-
-    def kill(self) -> None:
-        """SIGKILL the worker (a hang); the reader notices its end and reports it lost."""
-        if self._worker is not None:
-            self._worker.kill()
+        self._lose(self.lost_reason or "stopped")
 
     # --- the channel --------------------------------------------------------------------------
-
-    def _send(self, *message: Any) -> None:
-        if self.lost_reason or self._worker is None:
-            raise self._gone()
-        self._worker.writer.writelines(frame(message))
 
     def _gone(self) -> Unavailable:
         why = self.lost_reason or "not started"
@@ -156,7 +139,8 @@ class DataPlane:
             future.set_exception(self._gone())
             return future
         call_id = next(self._call_ids)
-        self._send(CALL, call_id, op, args)  # raises (nothing sent) if the message cannot be framed
+        # frame() raises (nothing sent, nothing recorded) if the message cannot be framed.
+        self._worker.writer.writelines(frame((CALL, call_id, op, args)))
         self._calls[call_id] = future  # its reply is read on this loop, after this returns
         return future
 

@@ -160,6 +160,13 @@ class Memories:
         memory.tables.close()
         memory.nixl_registrations.clear()
 
+    @staticmethod
+    def _lost(memory: LocalMemory) -> bool:
+        """Is the mapping gone with its worker (marked LOST if the worker died since)?"""
+        if memory.state is not MemoryState.LOST and not memory.plane.alive:
+            Memories.lose(memory)
+        return memory.state is MemoryState.LOST
+
     # --- pins -------------------------------------------------------------------------------
 
     def pin(self, memory: LocalMemory, *, holder: bool = False) -> None:
@@ -216,10 +223,7 @@ class Memories:
 
     async def retire(self, memory: LocalMemory) -> None:
         """Cut the mapping off the engine's pages now (host memory); a no-op for VRAM."""
-        if memory.retired or not memory.host or memory.state is MemoryState.LOST:
-            return
-        if not memory.plane.alive:  # its worker is gone, and its pages with it
-            memory.state = MemoryState.LOST
+        if memory.retired or not memory.host or self._lost(memory):  # a lost worker's pages went with it
             return
         for region in memory.regions:
             await memory.plane.retire_region(region.region_id)
@@ -231,14 +235,9 @@ class Memories:
         )
 
     async def _release(self, memory: LocalMemory) -> None:
-        if memory in self._releasing or memory.state in (
-            MemoryState.RELEASED,
-            MemoryState.QUARANTINED,
-            MemoryState.LOST,
-        ):
+        if memory in self._releasing or memory.state in (MemoryState.RELEASED, MemoryState.QUARANTINED):
             return
-        if not memory.plane.alive:  # its worker is gone: nothing of it is left to release
-            memory.state = MemoryState.LOST
+        if self._lost(memory):  # its worker is gone: nothing of it is left to release
             return
         self._releasing.add(memory)
         try:

@@ -69,7 +69,7 @@ class DataPlaneRestarts:
         """Refuse work that needs the data plane while a lost worker is being replaced."""
         if self.dataplane is None:
             raise Unavailable("the daemon is still starting")
-        if self._restarting is not None or not getattr(self.dataplane, "alive", True):
+        if self._restarting is not None or not self.dataplane.alive:
             raise Unavailable("the daemon's data plane is restarting (its worker was lost): retry in a moment")
 
     def _dataplane_lost(self, plane: DataPlane, reason: str) -> None:
@@ -114,7 +114,7 @@ class DataPlaneRestarts:
                 self.peers.rebind(plane)
             if self._puller is not None:
                 self._puller.rebind(plane)
-            if self.dataplane_restarts and plane.alive:
+            if plane.alive:
                 plane.fast_poll_until = self.leases.latest_admission_deadline()
             for rank in list(self.registry):
                 if not plane.alive:

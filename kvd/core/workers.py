@@ -66,6 +66,20 @@ class WorkerProcess:
         """Wait for the process to be gone (its mappings and endpoints with it); its exit status."""
         return await self.process.wait()
 
+    async def end(self, grace_s: float = 5.0) -> int:
+        """Close its channel (it releases everything and exits), reap it; SIGKILL it after
+        ``grace_s``. Its exit status."""
+        self.close_channel()
+        try:
+            async with asyncio.timeout(grace_s):
+                return await self.reap()
+        except TimeoutError:
+            logger.warning(
+                "data-plane worker %d did not exit within %.0f s of its channel closing: killed", self.pid, grace_s
+            )
+            self.kill()
+            return await self.reap()
+
     def close_channel(self) -> None:
         self.writer.close()
 
@@ -105,18 +119,18 @@ class WorkerLauncher:
         self.started = 0
 
     async def take(self) -> WorkerProcess:
-        """A worker that has imported NIXL and waits for ``start``; starts the next spare."""
+        """A worker whose NIXL agent is created (the spare, else a new one); starts the next spare."""
         if self._closed:
             raise Unavailable("the daemon is shutting down: no data-plane worker is started")
         task = self._spare if self._spare is not None else self._launch()
-        self._spare = None
-        if self._spare_wanted:  # the next spare imports while this one starts (two cores: in parallel)
-            self._spare = self._launch()
         if task.done() and not task.cancelled() and task.exception() is None and task.result().exited:
             logger.warning(
                 "the spare data-plane worker %d had died (%s)", task.result().pid, task.result().process.returncode
             )
             task = self._launch()
+        self._spare = None
+        if self._spare_wanted:  # the next spare imports while this one starts (two cores: in parallel)
+            self._spare = self._launch()
         try:
             worker = await asyncio.shield(task)
         except BaseException:
@@ -194,14 +208,7 @@ class WorkerLauncher:
             spare, self._spare = self._spare, None
             spare.cancel()
             with contextlib.suppress(BaseException):
-                worker = await spare
-                worker.close_channel()  # the worker exits at end of channel
-                try:
-                    async with asyncio.timeout(5.0):
-                        await worker.reap()
-                except TimeoutError:
-                    worker.kill()
-                    await worker.reap()
+                await (await spare).end()
 
 
 def _kill_when_ready(task: asyncio.Task[WorkerProcess]) -> None:

@@ -296,7 +296,7 @@ def _write_ready_file(path: str, running: Running) -> None:
         "unix": running.unix_socket,
         "metrics": running.metrics_address,
         "health": running.health_address,
-        "dataplane_pid": getattr(running.daemon.dataplane, "pid", 0),  # the worker at start (it may be replaced)
+        "dataplane_pid": running.daemon.status().dataplane_pid,  # the worker at start (it may be replaced)
     }
     tmp = Path(path + ".tmp")
     tmp.write_text(json.dumps(payload) + "\n")
