@@ -370,7 +370,7 @@ class DataPlane:
         xfer = Xfer(xfer_id, peer, nbytes, 0.0, self._loop.create_future())
         self._xfers[xfer_id] = xfer  # before the call: the worker may settle it right after posting
         try:
-            error = await self._call(
+            state, error = await self._call(
                 "read",
                 xfer_id,
                 local_table,
@@ -386,6 +386,9 @@ class DataPlane:
                 return xfer
             self._xfers.pop(xfer_id, None)  # nothing was posted
             raise
+        if state == XferState.DONE.value:
+            self._settle(xfer_id, XferState.DONE, error)  # finished within the post: no SETTLED follows
+            return xfer
         if error is not None and xfer.error is None:
             xfer.error = decode_error(error)
         self._on_reads_in_flight(len(self._xfers))

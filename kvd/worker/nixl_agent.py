@@ -347,6 +347,12 @@ class NixlAgent:
                 # Some of the read may be posted already: poll it to a final state like any other.
                 xfer.error = self._map(exc, peer)
                 state = "PROC"
+            if state == "DONE" and xfer.error is None:
+                # Done within the post (UCX copied it: shared memory, small reads): final now,
+                # released here, no poll and no later settle message needed.
+                xfer.state = XferState.DONE
+                self._settle(xfer)
+                return xfer
             self._xfers.append(xfer)
             self._on_reads_in_flight(len(self._xfers))
             if state == "ERR" and xfer.error is None:

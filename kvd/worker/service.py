@@ -37,6 +37,8 @@ from kvd.dataplane_protocol import (
     AgentIdentity,
     MappedRegion,
     RegionRequest,
+    WireError,
+    XferState,
     encode_error,
     frame,
     read_frame,
@@ -225,15 +227,19 @@ class WorkerService:
         notif: bytes,
         peer: str,
         nbytes: int,
-    ) -> tuple[str, str] | None:
-        """Post a READ; its error, if it was posted only in part (then it still settles later)."""
+    ) -> tuple[str, WireError | None]:
+        """Post a READ: its state (DONE when it finished within the post: then no SETTLED follows)
+        and its error, if it was posted only in part (then it still settles later)."""
         local, remote = self._tables.get(local_table), self._tables.get(remote_table)
         if local is None or remote is None:
             raise NotFound(f"a READ from {peer} names a descriptor list this worker does not have")
         xfer = await self.agent.read(local, local_indices, remote, remote_indices, notif, peer, nbytes)
+        error = encode_error(xfer.error) if xfer.error is not None else None
+        if xfer.state is XferState.DONE:
+            return xfer.state.value, error
         self._xfers[xfer_id] = xfer
         xfer.settled.add_done_callback(lambda _: self._settled(xfer_id))
-        return encode_error(xfer.error) if xfer.error is not None else None
+        return XferState.IN_PROGRESS.value, error
 
     def _settled(self, xfer_id: int) -> None:
         xfer = self._xfers.pop(xfer_id)
