@@ -1,0 +1,207 @@
+"""kvd.server.peer_stream: peer calls as messages on one stream, over a real grpc.aio server on
+loopback, with handlers standing in for the daemon (the daemon's side is the integration tests')."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from kvd.server.peer_stream import PeerStreamCaller, serve_peer_stream
+from kvd_client.errors import Internal, InvalidArgument, LeaseExpired, PeerUnavailable, UnknownLease
+from kvd_client.v1 import peer_pb2, peer_pb2_grpc
+
+Handler = Callable[[Any], Awaitable[Any]]
+
+
+class Holder(peer_pb2_grpc.PeerServiceServicer):
+    """A PeerService whose stream runs the test's handlers and counts the messages it got."""
+
+    def __init__(self, handlers: dict[str, Handler]) -> None:
+        self.handlers = handlers
+        self.messages: list[int] = []  # calls per received message
+
+    async def PeerStream(
+        self, requests: AsyncIterator[peer_pb2.PeerCalls], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[peer_pb2.PeerReplies]:
+        async def counted() -> AsyncIterator[peer_pb2.PeerCalls]:
+            async for message in requests:
+                self.messages.append(len(message.calls))
+                yield message
+
+        async for replies in serve_peer_stream(counted(), self.handlers, None):
+            yield replies
+
+
+async def _serve(holder: Holder, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(holder, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
+
+
+def _run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def _prepare(lease_id: str) -> peer_pb2.PreparePullRequest:
+    return peer_pb2.PreparePullRequest(lease_id=lease_id)
+
+
+async def _ok(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+    return peer_pb2.PreparePullResponse(notif_tag=f"tag-{request.lease_id}")
+
+
+def test_concurrent_calls_each_get_their_own_reply_and_queue_into_shared_messages() -> None:
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def slow_first(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+            if request.lease_id == "0":
+                await gate.wait()
+            return await _ok(request)
+
+        holder = Holder({"prepare_pull": slow_first})
+        server, port = await _serve(holder)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        caller = PeerStreamCaller("holder", lambda: peer_pb2_grpc.PeerServiceStub(channel))
+        try:
+            first = asyncio.ensure_future(caller.call("prepare_pull", _prepare("0"), 10, "prepare pull"))
+            await asyncio.sleep(0.05)
+            rest = [caller.call("prepare_pull", _prepare(str(i)), 10, "prepare pull") for i in range(1, 40)]
+            replies = await asyncio.gather(*rest)
+            assert [r.notif_tag for r in replies] == [f"tag-{i}" for i in range(1, 40)]
+            assert not first.done()  # answered out of order: the slow one does not hold the others
+            gate.set()
+            assert (await first).notif_tag == "tag-0"
+            assert sum(holder.messages) == 40 and len(holder.messages) < 40  # calls shared messages
+        finally:
+            await caller.close()
+            await channel.close()
+            await server.stop(None)
+
+    _run(scenario)
+
+
+def test_errors_come_back_as_their_own_class_and_a_bug_as_internal() -> None:
+    async def scenario() -> None:
+        async def failing(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+            if request.lease_id == "expired":
+                raise LeaseExpired("lease 'expired' on request 'r' expired")
+            if request.lease_id == "unknown":
+                raise UnknownLease("no lease 'unknown' is held here")
+            raise RuntimeError("a bug")
+
+        server, port = await _serve(Holder({"prepare_pull": failing}))
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        caller = PeerStreamCaller("holder:1", lambda: peer_pb2_grpc.PeerServiceStub(channel))
+        try:
+            with pytest.raises(LeaseExpired, match="peer daemon holder:1: lease 'expired'"):
+                await caller.call("prepare_pull", _prepare("expired"), 10, "prepare pull")
+            with pytest.raises(UnknownLease):
+                await caller.call("prepare_pull", _prepare("unknown"), 10, "prepare pull")
+            with pytest.raises(Internal, match="internal error in PreparePull"):
+                await caller.call("prepare_pull", _prepare("bug"), 10, "prepare pull")
+            # The stream survives its calls' errors.
+            with pytest.raises(InvalidArgument, match="names no call"):
+                await caller.call("finish_read", peer_pb2.FinishReadRequest(), 10, "finish read")
+        finally:
+            await caller.close()
+            await channel.close()
+            await server.stop(None)
+
+    _run(scenario)
+
+
+def test_a_call_past_its_timeout_is_unreachable_and_its_work_is_cancelled_at_the_holder() -> None:
+    async def scenario() -> None:
+        started, cancelled = asyncio.Event(), asyncio.Event()
+
+        async def hang(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            raise AssertionError("not reached")
+
+        server, port = await _serve(Holder({"prepare_pull": hang}))
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        caller = PeerStreamCaller("holder", lambda: peer_pb2_grpc.PeerServiceStub(channel))
+        try:
+            with pytest.raises(PeerUnavailable, match="unreachable during prepare pull: DEADLINE_EXCEEDED"):
+                await caller.call("prepare_pull", _prepare("a"), 0.3, "prepare pull")
+            await asyncio.wait_for(cancelled.wait(), 5)
+
+            # A caller that stops waiting withdraws its call: the holder's work is cancelled too.
+            started.clear()
+            cancelled.clear()
+            waiting = asyncio.ensure_future(caller.call("prepare_pull", _prepare("b"), 30, "prepare pull"))
+            await asyncio.wait_for(started.wait(), 5)
+            waiting.cancel()
+            await asyncio.wait_for(cancelled.wait(), 5)
+        finally:
+            await caller.close()
+            await channel.close()
+            await server.stop(None)
+
+    _run(scenario)
+
+
+def test_a_holder_that_goes_away_fails_the_calls_waiting_and_a_later_call_opens_a_new_stream() -> None:
+    async def scenario() -> None:
+        started = asyncio.Event()
+
+        async def hang(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+            if request.lease_id == "hang":
+                started.set()
+                await asyncio.sleep(60)
+            return await _ok(request)
+
+        server, port = await _serve(Holder({"prepare_pull": hang}))
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        caller = PeerStreamCaller("holder", lambda: peer_pb2_grpc.PeerServiceStub(channel))
+        try:
+            waiting = asyncio.ensure_future(caller.call("prepare_pull", _prepare("hang"), 30, "prepare pull"))
+            await asyncio.wait_for(started.wait(), 5)
+            await server.stop(None)
+            with pytest.raises(PeerUnavailable, match="unreachable during prepare pull"):
+                await waiting
+            server, _ = await _serve(Holder({"prepare_pull": _ok}), port)
+            reply = await caller.call("prepare_pull", _prepare("again"), 10, "prepare pull")
+            assert reply.notif_tag == "tag-again"
+        finally:
+            await caller.close()
+            await channel.close()
+            await server.stop(None)
+
+    _run(scenario)
+
+
+def test_a_duplicate_call_id_in_flight_is_refused_and_the_holder_answers_the_first() -> None:
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def gated(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+            await gate.wait()
+            return await _ok(request)
+
+        call = peer_pb2.PeerCall(call_id=7, timeout_ms=5000, prepare_pull=_prepare("x"))
+
+        async def requests() -> AsyncIterator[peer_pb2.PeerCalls]:
+            yield peer_pb2.PeerCalls(calls=[call, call])
+            await asyncio.sleep(0.05)
+            gate.set()
+
+        replies = [
+            r async for message in serve_peer_stream(requests(), {"prepare_pull": gated}, None) for r in message.replies
+        ]
+        assert [(r.call_id, r.code, r.error_class) for r in replies] == [(7, 3, "InvalidArgument"), (7, 0, "")]
+        assert replies[1].prepare_pull.notif_tag == "tag-x"
+
+    _run(scenario)
