@@ -37,10 +37,10 @@ async def _abort(
     if metrics is not None:
         metrics.errors.labels(operation, code.name).inc()
     context.set_trailing_metadata(error_metadata(exc))
-    await context.abort(status_code(code), _bounded(exc.message))
+    await context.abort(status_code(code), bounded(exc.message))
 
 
-def _bounded(message: str) -> str:
+def bounded(message: str) -> str:
     """At most MAX_DETAILS characters: a message quoting a huge input must not outgrow grpc's
     metadata limit (it would arrive as RESOURCE_EXHAUSTED instead of its own status)."""
     if len(message) <= MAX_DETAILS:

@@ -11,14 +11,14 @@ import grpc
 
 from kvd import __version__
 from kvd.core import scratch
-from kvd.core.daemon import Daemon
+from kvd.core.daemon import Daemon, PullOrder
 from kvd.core.events import EngineEvent, FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.holdchecks import HoldCheckCommand, SchedulerChannel, SchedulerCommandItem
 from kvd.core.leases import Lease
 from kvd.core.registry import EngineRank
 from kvd.server import convert
-from kvd.server.edge import rpc
-from kvd_client.errors import InvalidArgument
+from kvd.server.edge import bounded, rpc
+from kvd_client.errors import InvalidArgument, KvdError
 from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -293,6 +293,23 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.ReleaseLeasesResponse()
 
 
+def _pull_order(request: router_pb2.StartPullRequest) -> PullOrder:
+    """The core's arguments of one pull (StartPull, or an item of StartPulls)."""
+    if not request.HasField("remote"):
+        raise InvalidArgument("remote kv_transfer_params are required")
+    return PullOrder(
+        engine_id=request.engine_id,
+        tp_rank=request.tp_rank,
+        request_id=request.request_id,
+        local_block_ids=list(request.local_block_ids),
+        remote=convert.params_from_pb(request.remote),
+        deadline_s=request.deadline_ms / 1000.0,
+        local_group_block_ids=convert.group_ids_from_pb(
+            request.local_group_block_ids, request.local_group_block_counts, "start pull"
+        ),
+    )
+
+
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, daemon: Daemon, last_contact: Mapping[str, float] | None = None) -> None:
         self.daemon = daemon
@@ -304,18 +321,41 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def StartPull(
         self, request: router_pb2.StartPullRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.StartPullResponse:
-        if not request.HasField("remote"):
-            raise InvalidArgument("remote kv_transfer_params are required")
+        order = _pull_order(request)
         transfer = self.daemon.start_pull(
-            request.engine_id,
-            request.tp_rank,
-            request.request_id,
-            list(request.local_block_ids),
-            convert.params_from_pb(request.remote),
-            request.deadline_ms / 1000.0,
-            convert.group_ids_from_pb(request.local_group_block_ids, request.local_group_block_counts, "start pull"),
+            order.engine_id,
+            order.tp_rank,
+            order.request_id,
+            order.local_block_ids,
+            order.remote,
+            order.deadline_s,
+            order.local_group_block_ids,
         )
         return router_pb2.StartPullResponse(transfer_id=transfer.transfer_id)
+
+    @rpc
+    async def StartPulls(
+        self, request: router_pb2.StartPullsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.StartPullsResponse:
+        orders: list[PullOrder | KvdError] = []
+        for item in request.pulls:
+            try:
+                orders.append(_pull_order(item))
+            except KvdError as exc:  # that item's result (results[i] answers pulls[i])
+                orders.append(exc)
+        results = self.daemon.start_pulls(orders)
+        response = router_pb2.StartPullsResponse()
+        for result in results:
+            if isinstance(result, KvdError):
+                self.metrics.errors.labels("StartPulls", result.code.name).inc()
+                response.results.add(
+                    error_code=result.code.name,
+                    error_message=bounded(result.message),
+                    error_class=type(result).__name__,
+                )
+            else:
+                response.results.add(transfer_id=result.transfer_id)
+        return response
 
     @rpc
     async def GetTransfer(
