@@ -23,6 +23,10 @@ from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, pee
 
 logger = logging.getLogger(__name__)
 
+MAX_BATCH_EVENTS = 512
+"""Most events in one batched stream message: a backlog (up to the rank's 65536 queued events, each
+with its block ids) goes out in messages far below the channels' 64 MiB limit."""
+
 SELFTEST_SEED_LIMIT = 1 << 63
 """The scratch pattern computes in signed 64-bit words: larger seeds would overflow."""
 
@@ -63,6 +67,24 @@ def _event_to_pb(event: EngineEvent) -> engine_pb2.DaemonMessage:
             error_class=event.error_class,
         )
     )
+
+
+def _messages(events: list[EngineEvent], batches: bool) -> list[engine_pb2.DaemonMessage]:
+    """What the stream writes for the events queued when it runs: one message per event, or, to an
+    engine that reads batches, one message carrying all of them (one write, one read, instead of
+    one per event; at most MAX_BATCH_EVENTS in one). Nothing waits to fill a batch: it is whatever piled up while the writer was
+    busy or asleep (e.g. the pulls that ended in one event-loop turn), so an idle stream still
+    sends each event at once."""
+    if not batches:
+        return [_event_to_pb(event) for event in events]
+    out: list[engine_pb2.DaemonMessage] = []
+    for start in range(0, len(events), MAX_BATCH_EVENTS):
+        chunk = events[start : start + MAX_BATCH_EVENTS]
+        if len(chunk) == 1:
+            out.append(_event_to_pb(chunk[0]))
+        else:
+            out.append(engine_pb2.DaemonMessage(batch=engine_pb2.DaemonMessageBatch(messages=map(_event_to_pb, chunk))))
+    return out
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -121,14 +143,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             raise InvalidArgument("the first message of an engine stream must be hello(engine_id, tp_rank)")
         rank, generation = self.daemon.attach_stream(first.hello.engine_id, first.hello.tp_rank)
+        batches = first.hello.accepts_batches
         reader = asyncio.get_running_loop().create_task(self._read_engine(rank, request_iterator))
         try:
             while not reader.done() and rank.stream_generation == generation:
                 wakeup = rank.wakeup
                 if wakeup is None:
                     break
-                for event in rank.drain():
-                    yield _event_to_pb(event)
+                for message in _messages(rank.drain(), batches):
+                    yield message
                 wakeup.clear()
                 if rank.pending:
                     continue
@@ -136,8 +159,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
             if rank.stream_generation == generation:  # a superseded stream leaves events to its successor
-                for event in rank.drain():
-                    yield _event_to_pb(event)
+                for message in _messages(rank.drain(), batches):
+                    yield message
             if reader.done() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
         finally:

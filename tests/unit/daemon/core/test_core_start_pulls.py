@@ -195,3 +195,28 @@ def test_a_pull_order_is_what_start_pull_takes() -> None:
     assert (order.engine_id, order.tp_rank, order.request_id, order.deadline_s) == ("e", 1, "r", 1.5)
     with pytest.raises(errors.InvalidArgument, match="remote kv_transfer_params are required"):
         _pull_order(router_pb2.StartPullRequest(engine_id="e"))
+
+
+def test_the_engine_stream_sends_what_is_queued_as_one_message_to_an_engine_that_reads_batches() -> None:
+    from kvd.core.events import FinishedSending, LoadFailed
+    from kvd.server import servicers
+
+    events = [
+        FinishedRecving("a", "t1"),
+        LoadFailed("b", "t2", "NOT_FOUND", "gone", (3, 4), "UnknownLease"),
+        FinishedSending("c", "l1", expired=True),
+    ]
+    (one,) = servicers._messages(events, batches=True)
+    inner = one.batch.messages
+    assert [m.WhichOneof("kind") for m in inner] == ["finished_recving", "load_failed", "finished_sending"]
+    assert inner[1].load_failed.error_class == "UnknownLease" and list(inner[1].load_failed.block_ids) == [3, 4]
+    assert [m.WhichOneof("kind") for m in servicers._messages(events, batches=False)] == [
+        "finished_recving",
+        "load_failed",
+        "finished_sending",
+    ]
+    (single,) = servicers._messages(events[:1], batches=True)  # alone: no batch around it
+    assert single.WhichOneof("kind") == "finished_recving"
+    many = [FinishedRecving(f"r{i}", "t") for i in range(servicers.MAX_BATCH_EVENTS + 1)]
+    sizes = [len(m.batch.messages) or 1 for m in servicers._messages(many, batches=True)]
+    assert sizes == [servicers.MAX_BATCH_EVENTS, 1]
