@@ -72,9 +72,9 @@ def _event_to_pb(event: EngineEvent) -> engine_pb2.DaemonMessage:
 def _messages(events: list[EngineEvent], batches: bool) -> list[engine_pb2.DaemonMessage]:
     """What the stream writes for the events queued when it runs: one message per event, or, to an
     engine that reads batches, one message carrying all of them (one write, one read, instead of
-    one per event; at most MAX_BATCH_EVENTS in one). Nothing waits to fill a batch: it is whatever piled up while the writer was
-    busy or asleep (e.g. the pulls that ended in one event-loop turn), so an idle stream still
-    sends each event at once."""
+    one per event; at most MAX_BATCH_EVENTS in one). Nothing waits to fill a batch: it is whatever
+    piled up while the writer was busy or asleep (e.g. the pulls that ended in one event-loop
+    turn), so an idle stream still sends each event at once."""
     if not batches:
         return [_event_to_pb(event) for event in events]
     out: list[engine_pb2.DaemonMessage] = []
