@@ -246,7 +246,17 @@ class DaemonLink:
         local_groups: Sequence[Sequence[int]] = (),
     ) -> None:
         """Queue a pull; its outcome comes back as PullStarted/PullFailed, then daemon messages."""
-        self.start_pulls([PullOrder(request_id, tuple(local_block_ids), remote, deadline_ms, tuple(local_groups))])
+        self.start_pulls(
+            [
+                PullOrder(
+                    request_id,
+                    tuple(local_block_ids),
+                    remote,
+                    deadline_ms,
+                    tuple(tuple(int(b) for b in ids) for ids in local_groups),
+                )
+            ]
+        )
 
     def start_pulls(self, orders: Sequence[PullOrder]) -> None:
         """Queue an engine step's pulls, started with one StartPulls call; each pull's outcome
