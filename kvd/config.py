@@ -177,6 +177,14 @@ class KvdConfig:
     dataplane_restart_window_s: float = dataclasses.field(
         default=60.0, metadata={"help": "The window of dataplane_max_restarts."}
     )
+    peer_calls_on_stream: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "Call peer daemons (PreparePull, FinishRead, AbandonPull, lease renewals and releases) as "
+            "messages on one long-lived stream per peer, batched when they queue up; false: one unary RPC each "
+            "(what kvd did before; kept to measure the two side by side). Handshakes are unary either way."
+        },
+    )
     gil_switch_interval_s: float = dataclasses.field(
         default=0.0002,
         metadata={

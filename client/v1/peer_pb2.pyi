@@ -7,6 +7,60 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PeerCall(_message.Message):
+    __slots__ = ("call_id", "timeout_ms", "cancel", "prepare_pull", "abandon_pull", "finish_read", "renew_leases", "release_leases")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_PULL_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_PULL_FIELD_NUMBER: _ClassVar[int]
+    FINISH_READ_FIELD_NUMBER: _ClassVar[int]
+    RENEW_LEASES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    timeout_ms: int
+    cancel: bool
+    prepare_pull: PreparePullRequest
+    abandon_pull: AbandonPullRequest
+    finish_read: FinishReadRequest
+    renew_leases: RenewLeasesRequest
+    release_leases: ReleaseLeasesRequest
+    def __init__(self, call_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., cancel: _Optional[bool] = ..., prepare_pull: _Optional[_Union[PreparePullRequest, _Mapping]] = ..., abandon_pull: _Optional[_Union[AbandonPullRequest, _Mapping]] = ..., finish_read: _Optional[_Union[FinishReadRequest, _Mapping]] = ..., renew_leases: _Optional[_Union[RenewLeasesRequest, _Mapping]] = ..., release_leases: _Optional[_Union[ReleaseLeasesRequest, _Mapping]] = ...) -> None: ...
+
+class PeerCalls(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[PeerCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[PeerCall, _Mapping]]] = ...) -> None: ...
+
+class PeerReply(_message.Message):
+    __slots__ = ("call_id", "code", "error_message", "error_class", "prepare_pull", "abandon_pull", "finish_read", "renew_leases", "release_leases")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_PULL_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_PULL_FIELD_NUMBER: _ClassVar[int]
+    FINISH_READ_FIELD_NUMBER: _ClassVar[int]
+    RENEW_LEASES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    code: int
+    error_message: str
+    error_class: str
+    prepare_pull: PreparePullResponse
+    abandon_pull: AbandonPullResponse
+    finish_read: FinishReadResponse
+    renew_leases: RenewLeasesResponse
+    release_leases: ReleaseLeasesResponse
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., error_message: _Optional[str] = ..., error_class: _Optional[str] = ..., prepare_pull: _Optional[_Union[PreparePullResponse, _Mapping]] = ..., abandon_pull: _Optional[_Union[AbandonPullResponse, _Mapping]] = ..., finish_read: _Optional[_Union[FinishReadResponse, _Mapping]] = ..., renew_leases: _Optional[_Union[RenewLeasesResponse, _Mapping]] = ..., release_leases: _Optional[_Union[ReleaseLeasesResponse, _Mapping]] = ...) -> None: ...
+
+class PeerReplies(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[PeerReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[PeerReply, _Mapping]]] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ("caller_incarnation", "caller_address")
     CALLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class PeerServiceStub:
                 request_serializer=kvd_dot_v1_dot_peer__pb2.ReleaseLeasesRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_peer__pb2.ReleaseLeasesResponse.FromString,
                 _registered_method=True)
+        self.PeerStream = channel.stream_stream(
+                '/kvd.v1.PeerService/PeerStream',
+                request_serializer=kvd_dot_v1_dot_peer__pb2.PeerCalls.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_peer__pb2.PeerReplies.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -113,6 +118,16 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PeerStream(self, request_iterator, context):
+        """The calls above but Handshake, on one long-lived stream per pair of daemons (the reader
+        opens it): each PeerCall is answered by one PeerReply with the same call_id, in any order.
+        Calls that queue up while a message is being written go out together in the next one; so
+        do replies. Authorized as the unary calls are (role peer, once, when the stream opens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +160,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.ReleaseLeases,
                     request_deserializer=kvd_dot_v1_dot_peer__pb2.ReleaseLeasesRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_peer__pb2.ReleaseLeasesResponse.SerializeToString,
+            ),
+            'PeerStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PeerStream,
+                    request_deserializer=kvd_dot_v1_dot_peer__pb2.PeerCalls.FromString,
+                    response_serializer=kvd_dot_v1_dot_peer__pb2.PeerReplies.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +329,33 @@ class PeerService:
             '/kvd.v1.PeerService/ReleaseLeases',
             kvd_dot_v1_dot_peer__pb2.ReleaseLeasesRequest.SerializeToString,
             kvd_dot_v1_dot_peer__pb2.ReleaseLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeerStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvd.v1.PeerService/PeerStream',
+            kvd_dot_v1_dot_peer__pb2.PeerCalls.SerializeToString,
+            kvd_dot_v1_dot_peer__pb2.PeerReplies.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 SWEEP_S = 0.05  # leases, admissions, quarantine, stale pulls
 LIVENESS_S = 0.25  # how often engine pids are checked (a kill is noticed within this)
 IDLE_PEER_SWEEP_S = 5.0
+SCRAPE_WAIT_S = 1.0  # how long a scrape waits for the event loop to compute the lease gauges
 MAX_PULLS_PER_CALL = 1024
 """Most pulls one StartPulls may start: an engine step loads at most a few hundred requests, and a
 bound keeps one call's work (and its answer) small next to the event loop's other callers."""
@@ -106,6 +107,7 @@ class Daemon(DataPlaneRestarts):
     def __init__(self, config: KvdConfig, transport: PeerTransport, metrics: Metrics) -> None:
         self.config = config
         self.metrics = metrics
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one every table belongs to (start())
         self.incarnation = uuid.uuid4().hex
         host = socket.gethostname().split(".")[0] or "host"
         self._agent_base = f"{config.agent_name_prefix}-{host}-{self.incarnation}"
@@ -158,7 +160,8 @@ class Daemon(DataPlaneRestarts):
         )
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self.metrics.before_collect(self._gauges_for_scrape)
         self.fatal = loop.create_future()
         self._launcher = WorkerLauncher(
             self._agent_base,
@@ -371,7 +374,6 @@ class Daemon(DataPlaneRestarts):
         for state in ("hard", "soft", "draining"):
             with contextlib.suppress(KeyError):
                 self.metrics.held_bytes.remove(rank.engine_id, str(rank.tp_rank), state)
-        self._lease_gauges()
         logger.info("unregistered engine %s rank %d: %s", rank.engine_id, rank.tp_rank, reason)
         await self._mem.fence(rank.memory)
 
@@ -461,7 +463,6 @@ class Daemon(DataPlaneRestarts):
             raise InvalidArgument(f"lease ttl {ttl}s exceeds max_lease_ttl_s {self.config.max_lease_ttl_s}s")
         lease = self.leases.create(engine_id, request_id, tuple(block_ids[:need]), num_tokens, ttl, soft=soft)
         lease.group_block_ids = kept
-        self.metrics.leases_held.set(len(self.leases))
         return lease, self.params_of(lease)
 
     def params_of(self, lease: Lease) -> TransferParams:
@@ -490,7 +491,6 @@ class Daemon(DataPlaneRestarts):
     def release_lease(self, lease_id: str) -> None:
         """End the lease (it drains first if a read is admitted on it)."""
         self.leases.end(lease_id, LeaseEnd.RELEASED)
-        self._lease_gauges()
 
     def release_leases(self, lease_ids: Sequence[str], reason: str) -> int:
         """Nobody will read these leases (the reading request was aborted or recomputed): end
@@ -503,7 +503,6 @@ class Daemon(DataPlaneRestarts):
             self.leases.end(lease_id, LeaseEnd.ABORTED)
             ended += 1
             logger.info("lease %s on %s/%s released: %s", lease_id, lease.engine_id, lease.request_id, reason)
-        self._lease_gauges()
         return ended
 
     def renew_leases(self, lease_ids: Sequence[str]) -> list[str]:
@@ -521,7 +520,6 @@ class Daemon(DataPlaneRestarts):
         for lease in self.leases.all():
             if lease.soft and lease.engine_id == channel.engine_id:
                 self.leases.end(lease.lease_id, LeaseEnd.ENGINE_GONE)
-        self._lease_gauges()
 
     def remote_leases(self, leases: Sequence[tuple[str, str]], release: bool, reason: str = "") -> None:
         """A local engine's requests will read these (address, lease id) leases later (renew), or
@@ -576,7 +574,6 @@ class Daemon(DataPlaneRestarts):
         self.commits.forget_request(lease.engine_id, lease.request_id)
         self.metrics.leases_ended.labels(how.value).inc()
         self.holds_ended[how.value] = self.holds_ended.get(how.value, 0) + 1
-        self._lease_gauges()
         logger.debug("lease %s on %s/%s ended: %s", lease.lease_id, lease.engine_id, lease.request_id, how.value)
 
     def _admission_over(self, admission: Admission) -> None:
@@ -609,13 +606,38 @@ class Daemon(DataPlaneRestarts):
         for memory in pinned:
             assert isinstance(memory, LocalMemory)
             self._follow_up(self._mem.unpin(memory, holder=True, clean=clean))
-        self._lease_gauges()
 
     def _poll_fast_while_admitted(self) -> None:
         """NIXL's thread polls fast until the latest open admission's deadline: a READ that
         carries a notification completes only once the holder has made progress."""
         if self.dataplane is not None:
             self.dataplane.fast_poll_until = self.leases.latest_admission_deadline()
+
+    def _gauges_for_scrape(self) -> None:
+        """Metrics hook, run before every collection: set the lease gauges from the tables.
+
+        A scrape comes on the metrics server's thread: the tables are the event loop's, so the
+        gauges are computed there (at most SCRAPE_WAIT_S; a loop that does not answer in time
+        leaves the previous values). A collection on the loop itself (tests) computes them at once."""
+        loop = self._loop
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if loop is None or on_loop or loop.is_closed() or not loop.is_running():
+            self._lease_gauges()
+            return
+        done = concurrent.futures.Future[None]()
+
+        def refresh() -> None:
+            try:
+                self._lease_gauges()
+            finally:
+                done.set_result(None)
+
+        loop.call_soon_threadsafe(refresh)
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            done.result(SCRAPE_WAIT_S)
 
     def _lease_gauges(self) -> None:
         for (engine_id, tp_rank), values in self.held_bytes().items():
@@ -644,7 +666,6 @@ class Daemon(DataPlaneRestarts):
             await asyncio.sleep(SWEEP_S)
             try:
                 self.leases.sweep()
-                self._lease_gauges()
                 await self._mem.sweep_quarantine()
                 if self._puller is not None:
                     await self._puller.sweep()
@@ -749,7 +770,6 @@ class Daemon(DataPlaneRestarts):
         self._poll_fast_while_admitted()
         if reader_address:
             self._reader_labels[admission.admission_id] = reader_address
-        self._lease_gauges()
         if lease.soft:
             await self._pin_soft(lease, admission)
         return PrepareResult(
@@ -797,7 +817,6 @@ class Daemon(DataPlaneRestarts):
             self.holdchecks.unpin(lease.engine_id, lease.request_id, lease.lease_id, admission.admission_id)
         self._soft_pins.pop(admission.admission_id, None)
         self.leases.finish_read(lease.lease_id, admission, verified=False)
-        self._lease_gauges()
         raise HeldKvEvicted(
             f"request {lease.request_id!r} on engine {lease.engine_id!r}: its blocks no longer hold its KV "
             f"({why or 'the read ended'}); recompute"
@@ -833,7 +852,6 @@ class Daemon(DataPlaneRestarts):
             if not ok:  # a silent scheduler: drop the pin anyway (the verdict is "not verified")
                 self.holdchecks.unpin(lease.engine_id, lease.request_id, lease_id, admission.admission_id)
         self.leases.finish_read(lease_id, admission, verified=ok)
-        self._lease_gauges()
         if not ok:
             raise HeldKvEvicted(
                 f"request {lease.request_id!r} on engine {lease.engine_id!r}: its blocks changed during the read "

@@ -54,6 +54,7 @@ __all__ = ["LOCAL", "AgentIdentity", "DataPlane", "NixlRegion", "Xfer", "XferSta
 logger = logging.getLogger(__name__)
 
 LOCAL = LOCAL_AGENT
+FAST_POLL_SLACK_S = 1.0  # see DataPlane.fast_poll_until
 HEARTBEAT_S = 1.0  # how often the worker's NIXL thread is asked to answer (an idle daemon pays for each)
 
 
@@ -267,7 +268,17 @@ class DataPlane:
 
     @fast_poll_until.setter
     def fast_poll_until(self, deadline: float) -> None:
-        """Have the worker poll fast until ``deadline`` (CLOCK_MONOTONIC is the same in both)."""
+        """Have the worker poll fast until ``deadline`` (CLOCK_MONOTONIC is the same in both).
+
+        Told only when it changes: a later deadline within the one already sent needs no
+        message, and a raised one is sent with FAST_POLL_SLACK_S to spare so the next few
+        admissions need none either (0.0, none open, is always sent: the worker slows down)."""
+        if deadline and deadline <= self._fast_poll_until:
+            return
+        if not deadline and not self._fast_poll_until:
+            return
+        if deadline:
+            deadline += FAST_POLL_SLACK_S
         self._fast_poll_until = deadline
         if self.alive:
             self._submit("fast_poll", deadline).add_done_callback(_ignore)

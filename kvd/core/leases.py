@@ -117,6 +117,11 @@ class LeaseTable:
         self.on_admission_over = on_admission_over
         self.on_lease_over = on_lease_over
         self.admission_margin_s = admission_margin_s
+        # Kept as admissions open and end, not counted over every lease: the holder asks for them
+        # on every admission and every READ notification (O(leases) each was most of its CPU
+        # with thousands of leases out).
+        self._open_admissions = 0
+        self._admission_deadline_high = 0.0  # the latest deadline since none was open
 
     def __len__(self) -> int:
         """Leases held and not draining."""
@@ -128,11 +133,15 @@ class LeaseTable:
 
     @property
     def open_admissions(self) -> int:
-        return sum(len(lease.admissions) for lease in self._leases.values())
+        return self._open_admissions
 
     def latest_admission_deadline(self) -> float:
-        """The deadline of the open admission that ends last (0.0 when none is open)."""
-        return max((a.deadline for lease in self._leases.values() for a in lease.admissions.values()), default=0.0)
+        """At least the deadline of the open admission that ends last; 0.0 when none is open.
+
+        While admissions stay open this is the latest deadline any of them had (an admission
+        that ended early does not lower it): a bound, kept in O(1), that only over-estimates how
+        long a holder's data plane polls fast, never cuts it short."""
+        return self._admission_deadline_high if self._open_admissions else 0.0
 
     def create(
         self,
@@ -212,6 +221,8 @@ class LeaseTable:
         now = self._clock()
         admission = Admission(secrets.token_urlsafe(9), lease_id, reader, reader_rank, now + hold_s)
         lease.admissions[admission.admission_id] = admission
+        self._open_admissions += 1
+        self._admission_deadline_high = max(self._admission_deadline_high, admission.deadline)
         lease.reader_tp_size = reader_tp_size
         lease.expires_at = max(lease.expires_at, admission.deadline)
         return admission
@@ -270,6 +281,9 @@ class LeaseTable:
     def _end_admission(self, lease: Lease, admission: Admission, how: AdmissionEnd) -> None:
         if lease.admissions.pop(admission.admission_id, None) is None:
             return
+        self._open_admissions -= 1
+        if not self._open_admissions:
+            self._admission_deadline_high = 0.0
         admission.ended = how
         self.on_admission_over(admission)
         if lease.draining and not lease.admissions and lease.ending is not None:

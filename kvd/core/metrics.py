@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -14,6 +17,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self._before_collect = _BeforeCollect()
+        r.register(self._before_collect)  # first: the registry collects in registration order
         # Set by kvd.server.app: what runs (dashboards show it per node) and whether it serves.
         self.build_info = Gauge("kvd_build_info", "Always 1; the running daemon's version", ["version"], registry=r)
         self.serving = Gauge(
@@ -106,3 +111,24 @@ class Metrics:
         )
         self.peers = Gauge("kvd_peers", "Peer daemons with a live handshake", registry=r)
         self.remote_agents = Gauge("kvd_remote_agents", "Peer NIXL agents loaded (live or still in use)", registry=r)
+
+    def before_collect(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` before every collection (a scrape, ``generate_latest``): gauges computed
+        from the daemon's tables are set there rather than on every event that changes them."""
+        self._before_collect.hook = hook
+
+
+class _BeforeCollect:
+    """A collector of no metric of its own, registered before every other: collecting it runs a
+    hook that refreshes the gauges collected after it (kvd.core.daemon: the lease gauges, which
+    cost a pass over every lease and were recomputed on every admission and READ notification)."""
+
+    def __init__(self) -> None:
+        self.hook: Callable[[], None] = lambda: None
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        self.hook()
+        return iter(())

@@ -155,7 +155,12 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     metrics = Metrics()
     metrics.build_info.labels(__version__).set(1)
     holder: list[Daemon] = []
-    transport = GrpcPeerTransport(lambda: holder[0].advertise_address, lambda: holder[0].incarnation, channel_creds)
+    transport = GrpcPeerTransport(
+        lambda: holder[0].advertise_address,
+        lambda: holder[0].incarnation,
+        channel_creds,
+        calls_on_stream=config.peer_calls_on_stream,
+    )
     daemon = Daemon(config, transport, metrics)
     holder.append(daemon)
     undo.push("daemon", lambda: daemon.shutdown(0.0))

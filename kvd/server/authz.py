@@ -87,6 +87,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     "/kvd.v1.PeerService/FinishRead": frozenset({PEER}),
     "/kvd.v1.PeerService/RenewLeases": frozenset({PEER}),
     "/kvd.v1.PeerService/ReleaseLeases": frozenset({PEER}),
+    "/kvd.v1.PeerService/PeerStream": frozenset({PEER}),
     # RouterService: pulls are started by routers or by the engine's connector on this node.
     "/kvd.v1.RouterService/StartPull": frozenset({ROUTER, ENGINE}),
     "/kvd.v1.RouterService/StartPulls": frozenset({ROUTER, ENGINE}),

@@ -27,17 +27,24 @@ MAX_DETAILS = 2000
 """Longest status message the daemon sends (grpc's default metadata limit is 8 KiB)."""
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext, metrics: Metrics | None, operation: str, exc: BaseException
-) -> None:
+def as_kvd_error(metrics: Metrics | None, operation: str, exc: BaseException) -> KvdError:
+    """The error a caller of ``operation`` gets for ``exc``, counted: itself if it is a kvd
+    error; anything else is a bug, logged with its traceback, and the caller gets Internal."""
     if not isinstance(exc, KvdError):
         logger.exception("internal error in %s", operation, exc_info=exc)
         exc = Internal(f"internal error in {operation}; see the daemon's log")
-    code: ErrorCode = exc.code
     if metrics is not None:
-        metrics.errors.labels(operation, code.name).inc()
-    context.set_trailing_metadata(error_metadata(exc))
-    await context.abort(status_code(code), bounded(exc.message))
+        metrics.errors.labels(operation, exc.code.name).inc()
+    return exc
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, metrics: Metrics | None, operation: str, exc: BaseException
+) -> None:
+    error = as_kvd_error(metrics, operation, exc)
+    code: ErrorCode = error.code
+    context.set_trailing_metadata(error_metadata(error))
+    await context.abort(status_code(code), bounded(error.message))
 
 
 def bounded(message: str) -> str:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from kvd.core.peers import HandshakeInfo, PrepareResult
 from kvd.server import convert
+from kvd.server.peer_stream import PeerStreamCaller
 from kvd_client.channel import PEER_CHANNEL_OPTIONS
 from kvd_client.errors import ErrorCode, KvdError, PeerUnavailable, from_status
 from kvd_client.grpc_errors import error_class_name, rpc_error_code, rpc_error_details
@@ -41,11 +42,15 @@ class GrpcPeerTransport:
         own_address: Callable[[], str],
         own_incarnation: Callable[[], str],
         credentials: grpc.ChannelCredentials | None = None,
+        calls_on_stream: bool = True,
     ) -> None:
         self._own_address = own_address
         self._own_incarnation = own_incarnation
         self._credentials = credentials
+        self._calls_on_stream = calls_on_stream
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # One PeerStream per peer (kvd.server.peer_stream), when calls_on_stream.
+        self._streams: dict[str, PeerStreamCaller] = {}
         # One stub per channel: building one per call showed in the pull path's profile.
         self._stubs: dict[str, peer_pb2_grpc.PeerServiceStub] = {}
         self.last_contact: dict[str, float] = {}
@@ -73,11 +78,34 @@ class GrpcPeerTransport:
         self.last_contact[address] = time.monotonic()
         return result
 
+    async def _peer_call(
+        self,
+        address: str,
+        what: str,
+        kind: str,
+        request: Any,
+        timeout_s: float,
+        unary: Callable[[peer_pb2_grpc.PeerServiceStub], Awaitable[T]],
+    ) -> T:
+        """One call to a peer: a message on its stream, or a unary RPC (``calls_on_stream``)."""
+        if not self._calls_on_stream:
+            return await self._call(address, what, unary)
+        stream = self._streams.get(address)
+        if stream is None:
+            stream = self._streams[address] = PeerStreamCaller(address, lambda: self._stub(address))
+        response: T = await stream.call(kind, request, timeout_s, what)
+        self.last_contact[address] = time.monotonic()
+        return response
+
     async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo:
         request = peer_pb2.HandshakeRequest(
             caller_incarnation=self._own_incarnation(), caller_address=self._own_address()
         )
         response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
+        if self._calls_on_stream and address not in self._streams:
+            # Opened now, off the first pull's path (a later break reopens it on its next call).
+            stream = self._streams[address] = PeerStreamCaller(address, lambda: self._stub(address))
+            stream.open()
         return convert.handshake_from_pb(response)
 
     async def prepare_pull(
@@ -111,7 +139,14 @@ class GrpcPeerTransport:
             group_block_ids=[b for ids in group_block_ids for b in ids],
             group_block_counts=[len(ids) for ids in group_block_ids],
         )
-        response = await self._call(address, "prepare pull", lambda stub: stub.PreparePull(request, timeout=timeout_s))
+        response = await self._peer_call(
+            address,
+            "prepare pull",
+            "prepare_pull",
+            request,
+            timeout_s,
+            lambda stub: stub.PreparePull(request, timeout=timeout_s),
+        )
         return PrepareResult(tuple(response.registration_ids), response.notif_tag, response.verify_after_read)
 
     async def abandon_pull(
@@ -124,7 +159,14 @@ class GrpcPeerTransport:
             reader_incarnation=self._own_incarnation(),
             reader_transfer_id=reader_transfer_id,
         )
-        await self._call(address, "abandon pull", lambda stub: stub.AbandonPull(request, timeout=timeout_s))
+        await self._peer_call(
+            address,
+            "abandon pull",
+            "abandon_pull",
+            request,
+            timeout_s,
+            lambda stub: stub.AbandonPull(request, timeout=timeout_s),
+        )
 
     async def finish_read(
         self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, timeout_s: float
@@ -135,25 +177,52 @@ class GrpcPeerTransport:
             reader_incarnation=self._own_incarnation(),
             reader_transfer_id=reader_transfer_id,
         )
-        await self._call(address, "finish read", lambda stub: stub.FinishRead(request, timeout=timeout_s))
+        await self._peer_call(
+            address,
+            "finish read",
+            "finish_read",
+            request,
+            timeout_s,
+            lambda stub: stub.FinishRead(request, timeout=timeout_s),
+        )
 
     async def renew_leases(self, address: str, lease_ids: list[str], timeout_s: float) -> list[str]:
         request = peer_pb2.RenewLeasesRequest(lease_ids=lease_ids)
-        response = await self._call(address, "renew leases", lambda stub: stub.RenewLeases(request, timeout=timeout_s))
+        response = await self._peer_call(
+            address,
+            "renew leases",
+            "renew_leases",
+            request,
+            timeout_s,
+            lambda stub: stub.RenewLeases(request, timeout=timeout_s),
+        )
         return list(response.unknown_lease_ids)
 
     async def release_leases(self, address: str, lease_ids: list[str], reason: str, timeout_s: float) -> None:
         request = peer_pb2.ReleaseLeasesRequest(lease_ids=lease_ids, reason=reason[:500])
-        await self._call(address, "release leases", lambda stub: stub.ReleaseLeases(request, timeout=timeout_s))
+        await self._peer_call(
+            address,
+            "release leases",
+            "release_leases",
+            request,
+            timeout_s,
+            lambda stub: stub.ReleaseLeases(request, timeout=timeout_s),
+        )
 
     async def forget(self, address: str) -> None:
-        """Close the channel to a dropped peer (a later call opens a new one)."""
+        """Close the stream and channel to a dropped peer (a later call opens new ones)."""
+        stream = self._streams.pop(address, None)
+        if stream is not None:
+            await stream.close()
         self._stubs.pop(address, None)
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
 
     async def close(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            await stream.close()
         self._stubs.clear()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:

@@ -18,6 +18,7 @@ from kvd.core.leases import Lease
 from kvd.core.registry import EngineRank
 from kvd.server import convert
 from kvd.server.edge import bounded, rpc
+from kvd.server.peer_stream import PeerHandlers, serve_peer_stream
 from kvd_client.errors import InvalidArgument, KvdError
 from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -255,6 +256,52 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def PreparePull(
         self, request: peer_pb2.PreparePullRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.PreparePullResponse:
+        return await self._prepare_pull(request)
+
+    @rpc
+    async def AbandonPull(
+        self, request: peer_pb2.AbandonPullRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.AbandonPullResponse:
+        return await self._abandon_pull(request)
+
+    @rpc
+    async def FinishRead(
+        self, request: peer_pb2.FinishReadRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.FinishReadResponse:
+        return await self._finish_read(request)
+
+    @rpc
+    async def RenewLeases(
+        self, request: peer_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.RenewLeasesResponse:
+        return await self._renew_leases(request)
+
+    @rpc
+    async def ReleaseLeases(
+        self, request: peer_pb2.ReleaseLeasesRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.ReleaseLeasesResponse:
+        return await self._release_leases(request)
+
+    @rpc
+    async def PeerStream(
+        self, requests: AsyncIterator[peer_pb2.PeerCalls], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[peer_pb2.PeerReplies]:
+        async for replies in serve_peer_stream(requests, self._handlers, self.metrics):
+            yield replies
+
+    # --- the calls, whether unary or on the stream ----------------------------------------------
+
+    @property
+    def _handlers(self) -> PeerHandlers:
+        return {
+            "prepare_pull": self._prepare_pull,
+            "abandon_pull": self._abandon_pull,
+            "finish_read": self._finish_read,
+            "renew_leases": self._renew_leases,
+            "release_leases": self._release_leases,
+        }
+
+    async def _prepare_pull(self, request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
         result = await self.daemon.prepare_pull(
             lease_id=request.lease_id,
             engine_id=request.engine_id,
@@ -277,10 +324,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             verify_after_read=result.verify_after_read,
         )
 
-    @rpc
-    async def AbandonPull(
-        self, request: peer_pb2.AbandonPullRequest, context: grpc.aio.ServicerContext
-    ) -> peer_pb2.AbandonPullResponse:
+    async def _abandon_pull(self, request: peer_pb2.AbandonPullRequest) -> peer_pb2.AbandonPullResponse:
         self.daemon.abandon_pull(
             request.lease_id,
             request.reader_tp_rank,
@@ -290,10 +334,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         )
         return peer_pb2.AbandonPullResponse()
 
-    @rpc
-    async def FinishRead(
-        self, request: peer_pb2.FinishReadRequest, context: grpc.aio.ServicerContext
-    ) -> peer_pb2.FinishReadResponse:
+    async def _finish_read(self, request: peer_pb2.FinishReadRequest) -> peer_pb2.FinishReadResponse:
         await self.daemon.finish_read(
             request.lease_id,
             request.reader_tp_rank,
@@ -302,16 +343,10 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         )
         return peer_pb2.FinishReadResponse()
 
-    @rpc
-    async def RenewLeases(
-        self, request: peer_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
-    ) -> peer_pb2.RenewLeasesResponse:
+    async def _renew_leases(self, request: peer_pb2.RenewLeasesRequest) -> peer_pb2.RenewLeasesResponse:
         return peer_pb2.RenewLeasesResponse(unknown_lease_ids=self.daemon.renew_leases(list(request.lease_ids)))
 
-    @rpc
-    async def ReleaseLeases(
-        self, request: peer_pb2.ReleaseLeasesRequest, context: grpc.aio.ServicerContext
-    ) -> peer_pb2.ReleaseLeasesResponse:
+    async def _release_leases(self, request: peer_pb2.ReleaseLeasesRequest) -> peer_pb2.ReleaseLeasesResponse:
         self.daemon.release_leases(list(request.lease_ids), request.reason or "released by the reader's daemon")
         return peer_pb2.ReleaseLeasesResponse()
 

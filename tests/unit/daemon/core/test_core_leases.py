@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -399,3 +400,60 @@ def test_of_engine_lists_only_that_engines_held_leases(table: LeaseTable) -> Non
     assert table.of_engine("eng-a") == [a]
     assert table.of_engine("eng-b") == [b]
     assert table.of_engine("eng-c") == []
+
+
+# --- counts kept as admissions open and end ---------------------------------------------------------
+
+
+def _recount(table: LeaseTable) -> int:
+    return sum(len(lease.admissions) for lease in table.every())
+
+
+def test_open_admissions_and_the_fast_poll_deadline_follow_every_way_an_admission_ends(
+    table: LeaseTable, clock: FakeClock
+) -> None:
+    first, second, third = _create(table, request="r1"), _create(table, request="r2"), _create(table, request="r3")
+    a = _admit(table, first)
+    clock.advance(1.0)
+    b = _admit(table, second, rank=0, tp=2)
+    c = _admit(table, second, rank=1, tp=2)
+    d = _admit(table, third)
+    assert table.open_admissions == _recount(table) == 4
+    assert table.latest_admission_deadline() == max(a.deadline, b.deadline, c.deadline, d.deadline)
+    _read_all(table, first, a)  # read: ends the admission and the lease
+    _admit(table, second, rank=1, tp=2)  # the same reader again: replaces c
+    assert table.abandon(third.lease_id, d.reader, d.reader_rank)
+    assert table.open_admissions == _recount(table) == 2
+    assert table.latest_admission_deadline() >= max(b.deadline, c.deadline)  # a bound, never lower
+    table.end(second.lease_id, LeaseEnd.RELEASED)  # drains until its reads are over
+    clock.advance(HOLD + MARGIN + 1)
+    table.sweep()  # the rest time out
+    assert table.open_admissions == _recount(table) == 0
+    assert table.latest_admission_deadline() == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(0, 1)), max_size=40))
+def test_open_admissions_is_the_count_of_open_admissions_after_any_sequence(ops: list[tuple[int, int, int]]) -> None:
+    clock = FakeClock()
+    table = LeaseTable(clock=clock, admission_margin_s=MARGIN)
+    leases = [table.create("eng", f"r{i}", (1, 2), 20, 50.0) for i in range(3)]
+    for op, index, rank in ops:
+        lease = leases[index % 3]
+        live = table.find(lease.lease_id) is not None and not lease.draining
+        if op == 0 and live:
+            with contextlib.suppress(FailedPrecondition, InvalidArgument, LeaseExpired, UnknownLease):
+                table.admit(lease.lease_id, f"reader-{rank}", rank, 2, HOLD)
+        elif op == 1:
+            table.abandon(lease.lease_id, f"reader-{rank}", rank)
+        elif op == 2:
+            for admission in list(lease.admissions.values()):
+                table.record_read(lease.lease_id, admission.admission_id, 0, 1)
+        elif op == 3 and live:
+            table.end(lease.lease_id, LeaseEnd.RELEASED)
+        elif op == 4:
+            clock.advance(20.0)
+            table.sweep()
+        assert table.open_admissions == _recount(table)
+        if not table.open_admissions:
+            assert table.latest_admission_deadline() == 0.0

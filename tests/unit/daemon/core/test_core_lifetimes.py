@@ -332,6 +332,26 @@ def test_reads_cut_off_past_the_fence_are_abandoned_at_the_holder_once_they_end(
     run(fabric, scenario)
 
 
+def test_a_scrape_from_another_thread_reads_the_lease_gauges_computed_on_the_loop(fabric: Fabric) -> None:
+    """The lease gauges are computed when collected, not on every admission: a scrape on the
+    metrics server's thread (not the loop) still sees an admitted read, then its end."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        registry = p.holder.daemon.metrics.registry
+        transfer, _ = p.pull()
+        xfers = await p.reading(transfer)
+        assert await asyncio.to_thread(registry.get_sample_value, "kvd_admitted_reads", {}) == 1
+        assert await asyncio.to_thread(registry.get_sample_value, "kvd_leases_held", {}) == 1
+        for xfer in xfers:
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        await settle(p.holder)
+        assert await asyncio.to_thread(registry.get_sample_value, "kvd_admitted_reads", {}) == 0
+
+    run(fabric, scenario)
+
+
 def test_unregister_reader_rank_while_fencing_reports_once_and_releases_after_reads_final(fabric: Fabric) -> None:
     """Unregistered while a cancelled pull fences: still one LoadFailed (ABORTED), and the mapping
     goes only once the READs are final."""

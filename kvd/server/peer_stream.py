@@ -1,0 +1,334 @@
+"""Daemon-to-daemon calls on one long-lived stream per peer (``PeerService/PeerStream``).
+
+A pull costs its holder a PreparePull (and, sometimes, FinishRead or AbandonPull); readers
+renew and release leases. As unary calls each is a new HTTP/2 stream with its headers, its
+deadline and its trailers on both sides: most of the CPU a pull spent in gRPC. On one stream
+per peer a call is a message, and calls that queue while a message is being written go out
+together in the next one (replies likewise): batches form by themselves under load, and an
+idle stream sends each call at once (no timer, no wait).
+
+The semantics are the unary calls', call by call:
+
+* **errors** come back as the same kvd classes (code, message and class in the reply, as a unary
+  call's status and trailers carry them);
+* **deadlines**: the caller gives up after ``timeout_s`` (``PeerUnavailable``, as a unary call
+  past its deadline), and the holder stops working on the call then (``PeerCall.timeout_ms``);
+* **cancellation**: a caller that stops waiting withdraws its call (``PeerCall.cancel``), and the
+  holder cancels its work, as gRPC cancels a unary call's handler;
+* **a broken stream** fails every call waiting on it with the stream's status (unreachable:
+  ``PeerUnavailable``); the next call opens a new stream on the same channel;
+* **authorization**: the stream needs role ``peer`` when it opens (kvd.server.authz), on the
+  same (mTLS) channel as the unary calls; every message is bounds-checked as any request is.
+
+**Owners and threads.** Everything runs on the daemon's event loop. :func:`serve_peer_stream`
+(the holder's half) owns one task per call in flight and ends them with the stream.
+:class:`PeerStreamCaller` (the reader's half) owns one gRPC stream call, its writer and reader
+tasks, and the futures of the calls in flight on it; ``close()`` ends them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+
+from kvd.core.metrics import Metrics
+from kvd.server.edge import as_kvd_error, bounded
+from kvd_client.errors import (
+    DeadlineExceeded,
+    ErrorCode,
+    InvalidArgument,
+    KvdError,
+    PeerUnavailable,
+    ResourceExhausted,
+    from_status,
+)
+from kvd_client.grpc_errors import error_class_name, rpc_error_code, rpc_error_details
+from kvd_client.v1 import peer_pb2, peer_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+PeerHandler = Callable[[Any], Awaitable[Any]]
+PeerHandlers = Mapping[str, PeerHandler]
+
+# The unary method each kind of call stands for: errors are counted under the same operation.
+OPERATIONS = {
+    "prepare_pull": "PreparePull",
+    "abandon_pull": "AbandonPull",
+    "finish_read": "FinishRead",
+    "renew_leases": "RenewLeases",
+    "release_leases": "ReleaseLeases",
+}
+MAX_CALLS_IN_FLIGHT = 4096  # per stream; more is RESOURCE_EXHAUSTED, call by call
+
+
+# --- the holder's half ----------------------------------------------------------------------------
+
+
+async def serve_peer_stream(
+    requests: AsyncIterator[peer_pb2.PeerCalls], handlers: PeerHandlers, metrics: Metrics | None
+) -> AsyncIterator[peer_pb2.PeerReplies]:
+    """Run every call of the stream as its own task; yield their replies, batched.
+
+    Ends once the caller half-closed and every call is answered, or with the error of a
+    malformed message (the servicer's edge turns it into the stream's status). A stream the
+    caller cancels (or whose connection drops) cancels the calls still running.
+    """
+    loop = asyncio.get_running_loop()
+    ready: list[peer_pb2.PeerReply] = []
+    wake = asyncio.Event()
+    running: dict[int, asyncio.Task[None]] = {}
+
+    def answer(reply: peer_pb2.PeerReply) -> None:
+        ready.append(reply)
+        wake.set()
+
+    async def run(call: peer_pb2.PeerCall, kind: str) -> None:
+        operation = OPERATIONS[kind]
+        timeout_s = call.timeout_ms / 1000 if call.timeout_ms else None
+        try:
+            async with asyncio.timeout(timeout_s):
+                response = await handlers[kind](getattr(call, kind))
+            answer(peer_pb2.PeerReply(call_id=call.call_id, **{kind: response}))
+        except asyncio.CancelledError:
+            return  # withdrawn by the caller, or the stream ended: nobody waits for a reply
+        except TimeoutError:
+            # As a unary call past its deadline: no class, so the caller sees the peer unreachable.
+            answer(
+                _error_reply(call.call_id, DeadlineExceeded(f"{operation} did not finish in time"), with_class=False)
+            )
+        except Exception as exc:  # noqa: BLE001 - every failure goes back to its caller, typed
+            answer(_error_reply(call.call_id, as_kvd_error(metrics, operation, exc)))
+        finally:
+            running.pop(call.call_id, None)
+
+    def accept(call: peer_pb2.PeerCall) -> None:
+        if call.cancel:
+            task = running.get(call.call_id)
+            if task is not None:
+                task.cancel()
+            return
+        kind = call.WhichOneof("call")
+        if kind is None or kind not in handlers:
+            answer(_error_reply(call.call_id, InvalidArgument(f"peer call {call.call_id} names no call kvd serves")))
+        elif call.call_id in running:
+            answer(_error_reply(call.call_id, InvalidArgument(f"peer call id {call.call_id} is already in flight")))
+        elif len(running) >= MAX_CALLS_IN_FLIGHT:
+            answer(
+                _error_reply(
+                    call.call_id,
+                    ResourceExhausted(f"{MAX_CALLS_IN_FLIGHT} peer calls are already in flight on this stream"),
+                )
+            )
+        else:
+            running[call.call_id] = loop.create_task(run(call, kind), name=f"kvd-peer-call-{kind}")
+
+    async def read() -> None:
+        try:
+            async for message in requests:
+                for call in message.calls:
+                    accept(call)
+        finally:
+            wake.set()
+
+    reader = loop.create_task(read(), name="kvd-peer-stream-reader")
+    try:
+        while True:
+            await wake.wait()
+            wake.clear()
+            if ready:
+                batch = list(ready)
+                ready.clear()
+                yield peer_pb2.PeerReplies(replies=batch)
+            if reader.done():
+                if reader.exception() is not None:
+                    reader.result()  # a malformed message ends the stream with its error
+                if not running and not ready:
+                    return
+    finally:
+        reader.cancel()
+        for task in list(running.values()):
+            task.cancel()
+
+
+def _error_reply(call_id: int, error: KvdError, with_class: bool = True) -> peer_pb2.PeerReply:
+    return peer_pb2.PeerReply(
+        call_id=call_id,
+        code=error.code.value,
+        error_message=bounded(error.message),
+        error_class=type(error).__name__ if with_class else "",
+    )
+
+
+# --- the reader's half ----------------------------------------------------------------------------
+
+
+class PeerStreamCaller:
+    """Calls to one peer daemon over its PeerStream; opened on first use, reopened after a break."""
+
+    def __init__(self, address: str, stub: Callable[[], peer_pb2_grpc.PeerServiceStub]) -> None:
+        self.address = address
+        self._stub = stub
+        self._ids = itertools.count(1)
+        self._stream: _OpenStream | None = None
+        self._closed = False
+
+    def open(self) -> None:
+        """Open the stream now (after a handshake), so the first pull does not wait for it."""
+        self._current()
+
+    def _current(self) -> _OpenStream:
+        if self._closed:
+            raise PeerUnavailable(f"peer daemon {self.address}: this daemon dropped it")
+        stream = self._stream
+        if stream is None or stream.broken is not None:
+            stream = self._stream = _OpenStream(self.address, self._stub().PeerStream())
+        return stream
+
+    async def call(self, kind: str, request: Any, timeout_s: float, what: str) -> Any:
+        """Make one call and return its response (the message of its kind)."""
+        stream = self._current()
+        call_id = next(self._ids)
+        future = stream.submit(
+            peer_pb2.PeerCall(call_id=call_id, timeout_ms=max(1, int(timeout_s * 1000)), **{kind: request})
+        )
+        try:
+            async with asyncio.timeout(timeout_s):
+                reply: peer_pb2.PeerReply = await future
+        except TimeoutError:
+            stream.withdraw(call_id)
+            raise PeerUnavailable(f"peer daemon {self.address} unreachable during {what}: DEADLINE_EXCEEDED") from None
+        except asyncio.CancelledError:
+            stream.withdraw(call_id)
+            raise
+        except _StreamBroken as exc:
+            raise exc.error_for(self.address, what) from None
+        if reply.code:
+            raise from_status(
+                ErrorCode(reply.code), f"peer daemon {self.address}: {reply.error_message}", reply.error_class
+            )
+        return getattr(reply, kind)
+
+    async def close(self) -> None:
+        self._closed = True
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await stream.close()
+
+
+class _StreamBroken(Exception):
+    """The stream a call waited on ended before its reply."""
+
+    def __init__(self, error: grpc.aio.AioRpcError | None, why: str) -> None:
+        super().__init__(why)
+        self.error = error
+        self.why = why
+
+    def error_for(self, address: str, what: str) -> KvdError:
+        """What the call gets: the unary mapping of the stream's status (unreachable when the
+        status carries no kvd class: the peer died, the connection dropped, the stream ended)."""
+        if self.error is None:
+            return PeerUnavailable(f"peer daemon {address} unreachable during {what}: {self.why}")
+        code, details, class_name = (
+            rpc_error_code(self.error),
+            rpc_error_details(self.error),
+            error_class_name(self.error),
+        )
+        if not class_name:
+            return PeerUnavailable(f"peer daemon {address} unreachable during {what}: {details or code.name}")
+        return from_status(code, f"peer daemon {address}: {details}", class_name)
+
+
+class _OpenStream:
+    """One PeerStream call: a writer that sends what queued as one message, a reader that
+    resolves each call's future by its id."""
+
+    def __init__(self, address: str, call: Any) -> None:
+        self.address = address
+        self.broken: _StreamBroken | None = None
+        self._call = call
+        self._outbox: list[peer_pb2.PeerCall] = []
+        self._pending: dict[int, asyncio.Future[peer_pb2.PeerReply]] = {}
+        self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._write(), name=f"kvd-peer-stream-writer-{address}"),
+            loop.create_task(self._read(), name=f"kvd-peer-stream-reader-{address}"),
+        ]
+
+    def submit(self, call: peer_pb2.PeerCall) -> asyncio.Future[peer_pb2.PeerReply]:
+        future: asyncio.Future[peer_pb2.PeerReply] = asyncio.get_running_loop().create_future()
+        if self.broken is not None:
+            future.set_exception(self.broken)
+            return future
+        self._pending[call.call_id] = future
+        self._outbox.append(call)
+        self._wake.set()
+        return future
+
+    def withdraw(self, call_id: int) -> None:
+        """The caller stopped waiting: forget its future and have the holder cancel its work."""
+        if self._pending.pop(call_id, None) is not None and self.broken is None:
+            self._outbox.append(peer_pb2.PeerCall(call_id=call_id, cancel=True))
+            self._wake.set()
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._outbox:
+                    batch = list(self._outbox)
+                    self._outbox.clear()
+                    await self._call.write(peer_pb2.PeerCalls(calls=batch))
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            self._break(exc, "")
+        except Exception as exc:  # noqa: BLE001 - a write on a finished call: the reader reports its status
+            self._break(None, f"the stream ended ({type(exc).__name__})")
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    self._break(None, "the peer ended the stream")
+                    return
+                for reply in message.replies:
+                    future = self._pending.pop(reply.call_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(reply)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            self._break(exc, "")
+        except Exception as exc:
+            logger.exception("peer stream to %s failed", self.address)
+            self._break(None, f"the stream failed ({type(exc).__name__})")
+
+    def _break(self, error: grpc.aio.AioRpcError | None, why: str) -> None:
+        if self.broken is not None:
+            return
+        self.broken = _StreamBroken(error, why or (error.details() if error is not None else "") or "stream broken")
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(self.broken)
+        self._outbox.clear()
+        self._call.cancel()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        logger.debug("peer stream to %s ended: %s", self.address, self.broken.why)
+
+    async def close(self) -> None:
+        self._break(None, "this daemon dropped the peer")
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
