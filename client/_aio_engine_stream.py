@@ -29,6 +29,7 @@ from ._engine_stream import (
     ended_by_daemon,
     hello_message,
     to_message,
+    unpacked,
 )
 from .grpc_errors import to_kvd_error
 
@@ -166,7 +167,7 @@ class AsyncEngineStream:
         """Task body: collect the daemon's messages until the RPC ends, then record why."""
         try:
             async for message in self._call:
-                self._inbox.append(message)
+                self._inbox.extend(unpacked(message))
                 self._arrived.set()
             if not self._closing:
                 self._error = ended_by_daemon(self.engine_id, self.tp_rank)

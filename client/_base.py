@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from kvd_client.v1 import common_pb2, engine_pb2
+from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 
 from . import errors
 from .errors import ErrorCode
@@ -102,6 +102,25 @@ def load_error(message: engine_pb2.LoadFailed) -> errors.KvdError:
     code = ErrorCode.__members__.get(message.error_code, ErrorCode.INTERNAL)
     text = message.error_message or f"loading {message.request_id} failed ({message.error_code or 'no code'})"
     return errors.from_status(code, text, message.error_class)
+
+
+def pull_results(response: router_pb2.StartPullsResponse, expected: int) -> list[str | errors.KvdError]:
+    """Each StartPulls result as its transfer id or the exact error of that pull (the class the
+    daemon named in ``error_class``, else the general class of ``error_code``).
+
+    A daemon answers one result per pull; any other count is a broken daemon, and no result can
+    then be trusted to be the one of its pull (the caller gets Internal for the call).
+    """
+    if len(response.results) != expected:
+        raise errors.Internal(f"StartPulls answered {len(response.results)} results for {expected} pulls")
+    out: list[str | errors.KvdError] = []
+    for result in response.results:
+        if result.error_code:
+            code = ErrorCode.__members__.get(result.error_code, ErrorCode.UNKNOWN)
+            out.append(errors.from_status(code, result.error_message, result.error_class))
+        else:
+            out.append(result.transfer_id)
+    return out
 
 
 def final_status(status: common_pb2.TransferStatus) -> common_pb2.TransferStatus:

@@ -44,8 +44,19 @@ DEFAULT_CLOSE_TIMEOUT_S = 5.0
 
 
 def hello_message(engine_id: str, tp_rank: int) -> engine_pb2.EngineMessage:
-    """The first message of every engine stream: who is speaking."""
-    return engine_pb2.EngineMessage(hello=engine_pb2.EngineHello(engine_id=engine_id, tp_rank=tp_rank))
+    """The first message of every engine stream: who is speaking, and that it reads batches
+    (:func:`unpacked` gives the engine one message per event all the same)."""
+    return engine_pb2.EngineMessage(
+        hello=engine_pb2.EngineHello(engine_id=engine_id, tp_rank=tp_rank, accepts_batches=True)
+    )
+
+
+def unpacked(message: engine_pb2.DaemonMessage) -> Sequence[engine_pb2.DaemonMessage]:
+    """The events one daemon message carries, in order: a batch's messages (the events that were
+    ready together on the daemon), or the message itself. Callers see one message per event."""
+    if message.WhichOneof("kind") == "batch":
+        return message.batch.messages
+    return (message,)
 
 
 def to_message(item: Item) -> engine_pb2.EngineMessage | None:
@@ -203,7 +214,7 @@ class EngineStream:
         """Thread body: collect the daemon's messages until the RPC ends, then record why."""
         try:
             for message in self._call:
-                self._inbox.append(message)
+                self._inbox.extend(unpacked(message))
                 self._arrived.set()
             if not self._closing:
                 self._error = ended_by_daemon(self.engine_id, self.tp_rank)

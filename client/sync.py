@@ -17,7 +17,7 @@ import grpc
 
 from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
-from . import _base, _health
+from . import _base, _health, errors
 from ._engine_stream import EngineStream
 from .channel import ChannelOptions, TlsConfig, create_channel
 from .grpc_errors import rpc_error_code, to_kvd_error, translate, translate_iter
@@ -171,6 +171,22 @@ class KvdClient:
             deadline_ms=deadline_ms,
         )
         return self._router.StartPull(req, timeout=self._timeout(timeout_s))
+
+    @translate
+    def start_pulls(
+        self,
+        pulls: Iterable[router_pb2.StartPullRequest] | None = None,
+        *,
+        request: router_pb2.StartPullsRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> list[str | errors.KvdError]:
+        """Start several pulls in one call (e.g. an engine step's loads), each exactly as
+        :meth:`start_pull` would: one result per pull, in order, its transfer id or the exact
+        error that pull alone failed with (returned, not raised). Only a failure of the whole call
+        (a batch over the daemon's bound, a daemon not serving or unreachable) raises."""
+        req = _base.build_request(router_pb2.StartPullsRequest, request, pulls=pulls)
+        response = self._router.StartPulls(req, timeout=self._timeout(timeout_s))
+        return _base.pull_results(response, len(req.pulls))
 
     @translate
     def get_transfer(

@@ -40,6 +40,7 @@ __all__ = [
     "Disconnected",
     "LinkEvent",
     "PullFailed",
+    "PullOrder",
     "PullStarted",
     "SchedulerLink",
 ]
@@ -116,12 +117,23 @@ def _default_client(target: str, timeout_s: float) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class _StartPull:
+class PullOrder:
+    """One pull of :meth:`DaemonLink.start_pulls`: into which local blocks, from which lease."""
+
     request_id: str
     local_block_ids: tuple[int, ...]
     remote: Mapping[str, Any]
-    deadline_ms: int
-    local_groups: tuple[tuple[int, ...], ...] = ()
+    deadline_ms: int = 0
+    local_groups: tuple[tuple[int, ...], ...] = ()  # a hybrid model's other groups' local blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class _StartPulls:
+    orders: tuple[PullOrder, ...]
+
+
+MAX_PULLS_PER_CALL = 1024
+"""The daemon's bound on one StartPulls (router.proto): a larger step goes out in several calls."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +175,7 @@ class DaemonLink:
         self._kick = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_refusal = ""
+        self._one_by_one = False  # the daemon predates StartPulls (UNIMPLEMENTED): StartPull each
         self.connects = 0
 
     @property
@@ -233,11 +246,40 @@ class DaemonLink:
         local_groups: Sequence[Sequence[int]] = (),
     ) -> None:
         """Queue a pull; its outcome comes back as PullStarted/PullFailed, then daemon messages."""
-        if not self.connected:
-            self._events.append(PullFailed(request_id, f"kvd daemon at {self.target} is not connected"))
+        self.start_pulls(
+            [
+                PullOrder(
+                    request_id,
+                    tuple(local_block_ids),
+                    remote,
+                    deadline_ms,
+                    tuple(tuple(int(b) for b in ids) for ids in local_groups),
+                )
+            ]
+        )
+
+    def start_pulls(self, orders: Sequence[PullOrder]) -> None:
+        """Queue an engine step's pulls, started with one StartPulls call; each pull's outcome
+        comes back on its own (PullStarted or PullFailed), exactly as for :meth:`start_pull`."""
+        if not orders:
             return
-        groups = tuple(tuple(int(b) for b in ids) for ids in local_groups)
-        self._commands.put(_StartPull(request_id, tuple(local_block_ids), dict(remote), deadline_ms, groups))
+        if not self.connected:
+            for order in orders:
+                self._events.append(PullFailed(order.request_id, f"kvd daemon at {self.target} is not connected"))
+            return
+        self._commands.put(
+            _StartPulls(
+                tuple(
+                    dataclasses.replace(
+                        order,
+                        local_block_ids=tuple(int(b) for b in order.local_block_ids),
+                        remote=dict(order.remote),
+                        local_groups=tuple(tuple(int(b) for b in ids) for ids in order.local_groups),
+                    )
+                    for order in orders
+                )
+            )
+        )
 
     def cancel_pull(self, transfer_id: str) -> None:
         self._commands.put(_Cancel(transfer_id))
@@ -317,6 +359,7 @@ class DaemonLink:
             logger.exception("connecting to the kvd daemon at %s failed", self.target)
             return False
         self._stream = stream
+        self._one_by_one = False  # a new daemon run may be a newer release
         self._incarnation = str(getattr(response, "daemon_incarnation", ""))
         self.connects += 1
         logger.info(
@@ -348,45 +391,101 @@ class DaemonLink:
             if command is _STOP:
                 self._commands.put(_STOP)
                 return
-            if isinstance(command, _StartPull):
-                self._events.append(PullFailed(command.request_id, "kvd daemon not connected"))
+            if isinstance(command, _StartPulls):
+                for order in command.orders:
+                    self._events.append(PullFailed(order.request_id, "kvd daemon not connected"))
 
     def _execute(self, command: Any) -> None:
+        if isinstance(command, _StartPulls):
+            orders = command.orders
+            for start in range(0, len(orders), MAX_PULLS_PER_CALL):
+                self._start_pulls(orders[start : start + MAX_PULLS_PER_CALL])
+            return
         try:
-            if isinstance(command, _StartPull):
-                kwargs: dict[str, Any] = {
-                    "engine_id": self.engine_id,
-                    "tp_rank": self.tp_rank,
-                    "request_id": command.request_id,
-                    "local_block_ids": list(command.local_block_ids),
-                    "remote": _transfer_params(command.remote),
-                    "deadline_ms": command.deadline_ms,
-                }
-                if command.local_groups:  # a hybrid model: every group's local blocks
-                    from kvd_client.v1 import router_pb2  # noqa: PLC0415 - protobuf loads with the first pull
-
-                    kwargs = {
-                        "request": router_pb2.StartPullRequest(
-                            **kwargs,
-                            local_group_block_ids=[b for ids in command.local_groups for b in ids],
-                            local_group_block_counts=[len(ids) for ids in command.local_groups],
-                        )
-                    }
-                response = self._client.start_pull(**kwargs, timeout_s=self._rpc_timeout_s)
-                self._events.append(PullStarted(command.request_id, str(response.transfer_id)))
-            elif isinstance(command, _Cancel):
+            if isinstance(command, _Cancel):
                 self._client.cancel_transfer(command.transfer_id, timeout_s=self._rpc_timeout_s)
         except errors.KvdError as err:
-            if isinstance(command, _StartPull):
-                self._events.append(PullFailed(command.request_id, f"{type(err).__name__}: {err.message}"))
-            else:
-                logger.info("cancelling transfer %s: %s", command.transfer_id, err)
-            if isinstance(err, errors.Unavailable) and not isinstance(err, errors.PeerUnavailable):
-                self._lost(f"{type(err).__name__}: {err.message}")
-        except Exception as exc:  # never let the link thread die
+            logger.info("cancelling transfer %s: %s", command.transfer_id, err)
+            self._lost_if_daemon_gone(err)
+        except Exception:  # never let the link thread die
             logger.exception("kvd link command %r failed", command)
-            if isinstance(command, _StartPull):
-                self._events.append(PullFailed(command.request_id, repr(exc)))
+
+    def _start_pulls(self, orders: Sequence[PullOrder]) -> None:
+        """One StartPulls for ``orders`` (StartPull each from a daemon that predates it); each
+        pull then reports PullStarted or PullFailed, and the link notices a daemon gone."""
+        if self._one_by_one:
+            for order in orders:
+                self._start_one(order)
+            return
+        try:
+            results = self._client.start_pulls(
+                [_pull_request(self.engine_id, self.tp_rank, order) for order in orders],
+                timeout_s=self._rpc_timeout_s,
+            )
+        except errors.KvdError as err:
+            if err.code is errors.ErrorCode.UNIMPLEMENTED:
+                logger.info("kvd daemon at %s predates StartPulls: starting one pull per call", self.target)
+                self._one_by_one = True
+                for order in orders:
+                    self._start_one(order)
+                return
+            for order in orders:
+                self._events.append(PullFailed(order.request_id, f"{type(err).__name__}: {err.message}"))
+            self._lost_if_daemon_gone(err)
+            return
+        except Exception as exc:  # never let the link thread die
+            logger.exception("kvd link: starting %d pulls failed", len(orders))
+            for order in orders:
+                self._events.append(PullFailed(order.request_id, repr(exc)))
+            return
+        gone: errors.KvdError | None = None
+        for order, result in zip(orders, results, strict=True):
+            if isinstance(result, errors.KvdError):
+                self._events.append(PullFailed(order.request_id, f"{type(result).__name__}: {result.message}"))
+                if _daemon_gone(result):
+                    gone = result
+            else:
+                self._events.append(PullStarted(order.request_id, str(result)))
+        if gone is not None:
+            self._lost_if_daemon_gone(gone)
+
+    def _start_one(self, order: PullOrder) -> None:
+        try:
+            response = self._client.start_pull(
+                request=_pull_request(self.engine_id, self.tp_rank, order), timeout_s=self._rpc_timeout_s
+            )
+            self._events.append(PullStarted(order.request_id, str(response.transfer_id)))
+        except errors.KvdError as err:
+            self._events.append(PullFailed(order.request_id, f"{type(err).__name__}: {err.message}"))
+            self._lost_if_daemon_gone(err)
+        except Exception as exc:  # never let the link thread die
+            logger.exception("kvd link: starting pull %s failed", order.request_id)
+            self._events.append(PullFailed(order.request_id, repr(exc)))
+
+    def _lost_if_daemon_gone(self, err: errors.KvdError) -> None:
+        if _daemon_gone(err):
+            self._lost(f"{type(err).__name__}: {err.message}")
+
+
+def _daemon_gone(err: errors.KvdError) -> bool:
+    """Whether ``err`` says this link's daemon is unreachable (a peer's being down is not)."""
+    return isinstance(err, errors.Unavailable) and not isinstance(err, errors.PeerUnavailable)
+
+
+def _pull_request(engine_id: str, tp_rank: int, order: PullOrder) -> Any:
+    """The StartPullRequest of ``order`` for this rank."""
+    from kvd_client.v1 import router_pb2  # noqa: PLC0415 - protobuf loads with the first pull
+
+    return router_pb2.StartPullRequest(
+        engine_id=engine_id,
+        tp_rank=tp_rank,
+        request_id=order.request_id,
+        local_block_ids=order.local_block_ids,
+        remote=_transfer_params(order.remote),
+        deadline_ms=order.deadline_ms,
+        local_group_block_ids=[b for ids in order.local_groups for b in ids],
+        local_group_block_counts=[len(ids) for ids in order.local_groups],
+    )
 
 
 def _transfer_params(fields: Mapping[str, Any]) -> Any:

@@ -29,7 +29,16 @@ from kvd_client import load_error
 
 from .cache_layout import CacheGeometry
 from .config import KvdConnectorConfig
-from .daemon_link import Connected, DaemonLink, DaemonMessage, Disconnected, LinkEvent, PullFailed, PullStarted
+from .daemon_link import (
+    Connected,
+    DaemonLink,
+    DaemonMessage,
+    Disconnected,
+    LinkEvent,
+    PullFailed,
+    PullOrder,
+    PullStarted,
+)
 from .engine_api import TransferResults
 from .groups import RankGroups, build_group_registration
 from .hostcopy import AsyncHostCopy
@@ -170,15 +179,23 @@ class KvdWorker:
         if meta is None:
             return
         now = self._clock()
+        orders: list[PullOrder] = []
         for spec in meta.pulls:
             deadline_s = (spec.deadline_ms / 1000.0 if spec.deadline_ms else 30.0) + self.config.pull_timeout_slack_s
             self._pulls[spec.request_id] = _Pull(
                 spec.request_id, spec.local_block_ids, now, now + deadline_s, epoch=self.link.epoch
             )
-            self.link.start_pull(
-                spec.request_id, spec.local_block_ids, spec.remote, spec.deadline_ms, spec.local_group_block_ids
+            orders.append(
+                PullOrder(
+                    spec.request_id,
+                    tuple(spec.local_block_ids),
+                    spec.remote,
+                    spec.deadline_ms,
+                    tuple(tuple(ids) for ids in spec.local_group_block_ids),
+                )
             )
             self.stats.pulls_started += 1
+        self.link.start_pulls(orders)  # one StartPulls for the step's loads; each fails on its own
         for rid, expiry in meta.held.items():
             self._held[rid] = (expiry, self.link.epoch)
 

@@ -76,12 +76,14 @@ class PostForward(_message.Message):
     def __init__(self, step: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineHello(_message.Message):
-    __slots__ = ("engine_id", "tp_rank")
+    __slots__ = ("engine_id", "tp_rank", "accepts_batches")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_BATCHES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ...) -> None: ...
+    accepts_batches: bool
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., accepts_batches: _Optional[bool] = ...) -> None: ...
 
 class EngineMessage(_message.Message):
     __slots__ = ("hello", "commit", "post_forward")
@@ -128,14 +130,22 @@ class LoadFailed(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., error_class: _Optional[str] = ...) -> None: ...
 
 class DaemonMessage(_message.Message):
-    __slots__ = ("finished_sending", "finished_recving", "load_failed")
+    __slots__ = ("finished_sending", "finished_recving", "load_failed", "batch")
     FINISHED_SENDING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_RECVING_FIELD_NUMBER: _ClassVar[int]
     LOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     finished_sending: FinishedSending
     finished_recving: FinishedRecving
     load_failed: LoadFailed
-    def __init__(self, finished_sending: _Optional[_Union[FinishedSending, _Mapping]] = ..., finished_recving: _Optional[_Union[FinishedRecving, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ...) -> None: ...
+    batch: DaemonMessageBatch
+    def __init__(self, finished_sending: _Optional[_Union[FinishedSending, _Mapping]] = ..., finished_recving: _Optional[_Union[FinishedRecving, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ..., batch: _Optional[_Union[DaemonMessageBatch, _Mapping]] = ...) -> None: ...
+
+class DaemonMessageBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[DaemonMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[DaemonMessage, _Mapping]]] = ...) -> None: ...
 
 class HoldBlocksRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "ttl_ms", "group_block_ids", "group_block_counts", "soft")

@@ -49,6 +49,30 @@ class StartPullResponse(_message.Message):
     transfer_id: str
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
+class StartPullsRequest(_message.Message):
+    __slots__ = ("pulls",)
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    pulls: _containers.RepeatedCompositeFieldContainer[StartPullRequest]
+    def __init__(self, pulls: _Optional[_Iterable[_Union[StartPullRequest, _Mapping]]] = ...) -> None: ...
+
+class StartPullResult(_message.Message):
+    __slots__ = ("transfer_id", "error_code", "error_message", "error_class")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    error_code: str
+    error_message: str
+    error_class: str
+    def __init__(self, transfer_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., error_class: _Optional[str] = ...) -> None: ...
+
+class StartPullsResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[StartPullResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[StartPullResult, _Mapping]]] = ...) -> None: ...
+
 class GetTransferRequest(_message.Message):
     __slots__ = ("transfer_id",)
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]

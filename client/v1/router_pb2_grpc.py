@@ -40,6 +40,11 @@ class RouterServiceStub:
                 request_serializer=kvd_dot_v1_dot_router__pb2.StartPullRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_router__pb2.StartPullResponse.FromString,
                 _registered_method=True)
+        self.StartPulls = channel.unary_unary(
+                '/kvd.v1.RouterService/StartPulls',
+                request_serializer=kvd_dot_v1_dot_router__pb2.StartPullsRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_router__pb2.StartPullsResponse.FromString,
+                _registered_method=True)
         self.GetTransfer = channel.unary_unary(
                 '/kvd.v1.RouterService/GetTransfer',
                 request_serializer=kvd_dot_v1_dot_router__pb2.GetTransferRequest.SerializeToString,
@@ -87,6 +92,14 @@ class RouterServiceServicer:
 
     def StartPull(self, request, context):
         """Pull a remote engine's held KV into a local engine rank's blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartPulls(self, request, context):
+        """Start several pulls in one call (an engine step's loads): each is checked and started on its
+        own, exactly as StartPull would; one bad item fails only itself (its result says why).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,6 +163,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.StartPull,
                     request_deserializer=kvd_dot_v1_dot_router__pb2.StartPullRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_router__pb2.StartPullResponse.SerializeToString,
+            ),
+            'StartPulls': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartPulls,
+                    request_deserializer=kvd_dot_v1_dot_router__pb2.StartPullsRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_router__pb2.StartPullsResponse.SerializeToString,
             ),
             'GetTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTransfer,
@@ -219,6 +237,33 @@ class RouterService:
             '/kvd.v1.RouterService/StartPull',
             kvd_dot_v1_dot_router__pb2.StartPullRequest.SerializeToString,
             kvd_dot_v1_dot_router__pb2.StartPullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartPulls(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.RouterService/StartPulls',
+            kvd_dot_v1_dot_router__pb2.StartPullsRequest.SerializeToString,
+            kvd_dot_v1_dot_router__pb2.StartPullsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -116,6 +116,26 @@ def concurrency_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def batched_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "engine steps of B 2 MiB pulls started at once, waited for together (single: B StartPull calls; "
+        "batched: one StartPulls); latency from the step's start to each FinishedRecving; CPU ms per pull "
+        "as in the concurrency table",
+        f"{'B':>4} {'mode':>8} {'pulls':>6} {'pulls/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'reader':>7} {'r-wkr':>7} {'holder':>7} {'h-wkr':>7} {'client':>7} {'all':>7}",
+    ]
+    for row in rows:
+        lat, pulls, wall = row["latency_s"], row["pulls"], row["wall_s"]
+        cpu = {k: f"{v / pulls * 1e3:7.2f}" for k, v in row["cpu_s"].items()}
+        out.append(
+            f"{row['batch']:4d} {row['mode']:>8} {pulls:6d} {pulls / wall:8.0f} "
+            f"{_ms(median(lat)):>8} {_ms(percentile(lat, 99)):>8} "
+            f"{cpu['reader']} {cpu.get('reader worker', '      -')} {cpu['holder']} "
+            f"{cpu.get('holder worker', '      -')} {cpu['client']} {cpu['all']}"
+        )
+    return out
+
+
 def idle_table(result: dict[str, Any]) -> list[str]:
     percent = result["core_percent"]
     return [

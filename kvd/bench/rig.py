@@ -4,7 +4,8 @@ The holder ("peer") serves its daemon-owned scratch cache (``SelftestHold``: a c
 pattern, Llama-8B-shaped, see :mod:`kvd.core.scratch`); every hold is a fresh lease on the same
 bytes. The reader ("local") has an engine registered by this process (a shm cache, zero-copy,
 exactly as an engine registers) and pulls into it the way an engine does: ``StartPull`` over its
-Unix socket, completion as ``FinishedRecving`` on the engine stream (no per-pull watch). The raw
+Unix socket (or an engine step's pulls in one ``StartPulls``), completion as ``FinishedRecving`` on
+the engine stream (no per-pull watch). The raw
 baseline is a bare NIXL agent in this process reading the holder's scratch registration: the
 same bytes from the same peer, one descriptor, polled without sleeping.
 """
@@ -26,7 +27,7 @@ import numpy as np
 from kvd.cli.spawn import DaemonProcess, launch_daemon, stop_launches, wait_ready
 from kvd_client import errors
 from kvd_client.aio import AsyncKvdClient
-from kvd_client.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc
+from kvd_client.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc, router_pb2
 
 BLOCK_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # one block of the scratch layout: 2 MiB (kvd.core.scratch)
 
@@ -205,6 +206,46 @@ class Engine:
         self.last_transfer_id = started.transfer_id
         await waiter
         return time.perf_counter() - t0
+
+    async def pull_step(
+        self, params: list[common_pb2.KvTransferParams], first_block: int, batched: bool
+    ) -> list[float]:
+        """An engine step's loads: every pull of ``params`` at once, each into blocks of its own
+        from ``first_block`` on, started with one StartPulls (``batched``) or one StartPull each
+        (all in flight together); seconds from the step's start to each pull's FinishedRecving."""
+        loop = asyncio.get_running_loop()
+        waiters = []
+        for p in params:
+            waiters.append(loop.create_future())
+            self._waiters[p.request_id] = waiters[-1]
+        blocks = [first_block + sum(len(q.block_ids) for q in params[:i]) for i in range(len(params))]
+        requests = [
+            router_pb2.StartPullRequest(
+                engine_id=self.engine_id,
+                tp_rank=0,
+                request_id=p.request_id,
+                local_block_ids=range(first, first + len(p.block_ids)),
+                remote=p,
+            )
+            for p, first in zip(params, blocks, strict=True)
+        ]
+        t0 = time.perf_counter()
+
+        async def finished(waiter: asyncio.Future[None]) -> float:
+            await waiter
+            return time.perf_counter() - t0
+
+        try:
+            if batched:
+                for result in await self.client.start_pulls(requests):
+                    if isinstance(result, errors.KvdError):
+                        raise result
+            else:
+                await asyncio.gather(*(self.client.start_pull(request=r) for r in requests))
+            return list(await asyncio.gather(*(finished(w) for w in waiters)))
+        finally:
+            for p in params:
+                self._waiters.pop(p.request_id, None)
 
     def blocks(self, first_block: int, count: int) -> Any:
         """The bytes of blocks ``first_block..+count`` as they lie in the engine's memory,

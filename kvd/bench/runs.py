@@ -4,6 +4,8 @@
 * **overhead**: 2 MiB pulls and raw reads interleaved, the per-pair difference (control path);
 * **concurrency**: 2 MiB pulls with 1..64 in flight (pulls/s, GB/s, p50/p99) and the
   CPU per pull of every process (reader and holder from /proc, the client from this process);
+* **batched**: an engine step's B pulls of 2 MiB at once, B StartPull calls against one
+  StartPulls, step after step (pulls/s, p50/p99 from the step's start, CPU per pull per process);
 * **first contact**: the first pull to a daemon never seen, against later pulls to it;
 * **idle**: every daemon's CPU (% of a core) over a few seconds with no engine pulling.
 
@@ -163,6 +165,50 @@ async def concurrency(
                 "cpu_s": cpu,
             }
         )
+    return out
+
+
+async def batched(
+    session: Session, batches: list[int], pulls_per_level: int, progress: Progress
+) -> list[dict[str, Any]]:
+    """Engine steps of ``batch`` 2 MiB pulls, all started at once and waited for together, step
+    after step: first with one StartPull per pull (``single``), then with one StartPulls per step
+    (``batched``), so the two differ only in the RPCs. Latencies run from the step's start to
+    each pull's FinishedRecving; ``cpu_s`` as in :func:`concurrency`."""
+    engine = session.engine
+    out = []
+    modes = ("single", "batched")
+    for n, batch in enumerate(batches):
+        batch = min(batch, engine.capacity_blocks)
+        steps = max(4, -(-pulls_per_level // batch))
+        for m, mode in enumerate(modes):
+            held = [h.kv_transfer_params for h in await session.hold(BLOCK_BYTES, steps * batch)]
+            engine.buffer.zero_()
+            cpu0 = session.daemons.cpu()
+            client0 = own_cpu_seconds()
+            t0 = time.perf_counter()
+            latencies: list[float] = []
+            for step in range(steps):
+                latencies += await engine.pull_step(held[step * batch : (step + 1) * batch], 0, mode == "batched")
+                progress(f"batched {batch} ({mode})", (n + (m + (step + 1) / steps) / len(modes)) / len(batches))
+            wall = time.perf_counter() - t0
+            client1 = own_cpu_seconds()
+            cpu1 = session.daemons.cpu()
+            cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+            cpu["client"] = client1 - client0
+            cpu["all"] = sum(cpu.values())
+            for block in range(batch):
+                session.verify(block, BLOCK_BYTES)
+            out.append(
+                {
+                    "batch": batch,
+                    "mode": mode,
+                    "pulls": steps * batch,
+                    "wall_s": wall,
+                    "latency_s": latencies,
+                    "cpu_s": cpu,
+                }
+            )
     return out
 
 

@@ -2,7 +2,8 @@
 
 Starts two daemons on loopback (and, for first-contact samples, fresh holders), registers an
 engine on one, and measures (see :mod:`kvd.bench.runs`): pull vs raw NIXL by size, the control
-overhead distribution, 2 MiB pulls with 1..64 in flight and every process's CPU per pull, the
+overhead distribution, engine steps of 8 and 32 pulls (StartPull each vs one StartPulls), 2 MiB
+pulls with 1..64 in flight and every process's CPU per pull, the
 cost of a first contact, the daemons' CPU while idle, and the layout-conversion pairs
 (:mod:`kvd.bench.convert`). Prints the tables (a progress bar meanwhile) and the goals table
 (:mod:`kvd.bench.goals`), writes ``bench.json`` with every sample and PNG plots into ``--out``.
@@ -42,6 +43,7 @@ class BenchConfig:
     convert_repeat: int
     idle_s: float  # the idle daemons' sampling window (0: no idle section)
     idle_settle_s: float  # without a pull before the window opens
+    batches: tuple[int, ...] = (8, 32)  # pulls per engine step in the batched section (empty: none)
 
 
 QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5, 3.0, 1.0)
@@ -55,6 +57,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sizes-mb", default="", help="pull sizes in MiB, comma-separated (multiples of 2)")
     parser.add_argument("--levels", default="", help="pulls in flight, comma-separated (default 1..64)")
+    parser.add_argument(
+        "--batch",
+        default="",
+        help="pulls per engine step for the batched section, comma-separated: B StartPull calls vs one "
+        "StartPulls (default 8,32; 0: skip)",
+    )
     parser.add_argument("--pulls-per-level", type=int, default=0, help="2 MiB pulls per concurrency level")
     parser.add_argument("--samples", type=int, default=0, help="pulls (and raw reads) per size")
     parser.add_argument("--overhead-samples", type=int, default=0, help="pull/raw pairs for the control overhead")
@@ -80,6 +88,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         changes["sizes_mb"] = _ints(args.sizes_mb)
     if args.levels:
         changes["levels"] = _ints(args.levels)
+    if args.batch:
+        changes["batches"] = tuple(b for b in _ints(args.batch) if b)
     for flag, field in (
         ("pulls_per_level", "pulls_per_level"),
         ("samples", "size_samples"),
@@ -95,8 +105,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         changes["idle_s"] = args.idle_s
     config = dataclasses.replace(base, **changes)
     bad = [s for s in config.sizes_mb if s < 2 or s % 2 or s > 1024]
-    if bad or any(n < 1 for n in config.levels):
-        raise ValueError(f"sizes must be even MiB in 2..1024 and levels >= 1 (got sizes {bad})")
+    if bad or any(n < 1 for n in config.levels) or any(b < 1 or b > 1024 for b in config.batches):
+        raise ValueError(f"sizes must be even MiB in 2..1024, levels >= 1, batches in 1..1024 (got sizes {bad})")
     return config
 
 
@@ -145,7 +155,7 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
         daemons = start_daemons(stack, workdir, config.fresh_peers)
         lap("start daemons")
         largest = max((*config.sizes_mb, 2)) << 20
-        capacity = max(largest // BLOCK_BYTES, max(config.levels), 2)
+        capacity = max(largest // BLOCK_BYTES, max(config.levels), max(config.batches, default=0), 2)
         async with (
             AsyncKvdClient(daemons.local.unix_target, timeout_s=120) as local,
             AsyncKvdClient(daemons.peer.tcp, timeout_s=120) as peer,
@@ -167,6 +177,10 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
                 result["sizes"] = await runs.sizes(session, list(config.sizes_mb), config.size_samples, bar)
                 _show(bar, report.size_table(result["sizes"]))
                 lap("sizes")
+                if config.batches:
+                    result["batched"] = await runs.batched(session, list(config.batches), config.pulls_per_level, bar)
+                    _show(bar, report.batched_table(result["batched"]))
+                    lap("batched")
                 result["concurrency"] = await runs.concurrency(
                     session, list(config.levels), config.pulls_per_level, bar
                 )

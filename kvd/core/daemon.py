@@ -58,6 +58,22 @@ SWEEP_S = 0.05  # leases, admissions, quarantine, stale pulls
 LIVENESS_S = 0.25  # how often engine pids are checked (a kill is noticed within this)
 IDLE_PEER_SWEEP_S = 5.0
 SCRAPE_WAIT_S = 1.0  # how long a scrape waits for the event loop to compute the lease gauges
+MAX_PULLS_PER_CALL = 1024
+"""Most pulls one StartPulls may start: an engine step loads at most a few hundred requests, and a
+bound keeps one call's work (and its answer) small next to the event loop's other callers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PullOrder:
+    """One pull of a batch (StartPulls): the arguments of :meth:`Daemon.start_pull`."""
+
+    engine_id: str
+    tp_rank: int
+    request_id: str
+    local_block_ids: Sequence[int]
+    remote: TransferParams
+    deadline_s: float = 0.0
+    local_group_block_ids: Sequence[Sequence[int]] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -926,6 +942,43 @@ class Daemon(DataPlaneRestarts):
         self.metrics.in_flight.inc()
         transfer.task = asyncio.get_running_loop().create_task(self._puller.run(transfer, rank, remote))
         return transfer
+
+    def start_pulls(self, orders: Sequence[PullOrder | KvdError]) -> list[Transfer | KvdError]:
+        """Start each pull of a batch on its own, as :meth:`start_pull` would: one result per order,
+        in order, a Transfer or the error that pull failed with (it then changed nothing).
+
+        An order may already be an error (the edge could not read that item): it is its own result,
+        so results keep the caller's indices. Only a batch over :data:`MAX_PULLS_PER_CALL` or a
+        daemon not serving fails the whole call (nothing starts).
+        """
+        if len(orders) > MAX_PULLS_PER_CALL:
+            raise InvalidArgument(
+                f"StartPulls takes at most {MAX_PULLS_PER_CALL} pulls per call, got {len(orders)}: split the batch"
+            )
+        self.require_serving()
+        results: list[Transfer | KvdError] = []
+        for order in orders:
+            if isinstance(order, KvdError):
+                results.append(order)
+                continue
+            try:
+                results.append(
+                    self.start_pull(
+                        order.engine_id,
+                        order.tp_rank,
+                        order.request_id,
+                        order.local_block_ids,
+                        order.remote,
+                        order.deadline_s,
+                        order.local_group_block_ids,
+                    )
+                )
+            except KvdError as exc:
+                results.append(exc)
+            except Exception:  # a bug in one item must not fail its neighbours
+                logger.exception("internal error starting pull %r of a batch", order.request_id)
+                results.append(Internal(f"internal error starting pull {order.request_id!r}; see the daemon's log"))
+        return results
 
     def cancel_transfer(self, transfer_id: str) -> Transfer:
         transfer = self.transfers.get(transfer_id)

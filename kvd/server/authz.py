@@ -90,6 +90,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     "/kvd.v1.PeerService/PeerStream": frozenset({PEER}),
     # RouterService: pulls are started by routers or by the engine's connector on this node.
     "/kvd.v1.RouterService/StartPull": frozenset({ROUTER, ENGINE}),
+    "/kvd.v1.RouterService/StartPulls": frozenset({ROUTER, ENGINE}),
     "/kvd.v1.RouterService/GetTransfer": frozenset({ROUTER, ENGINE}),
     "/kvd.v1.RouterService/WatchTransfer": frozenset({ROUTER, ENGINE}),
     "/kvd.v1.RouterService/CancelTransfer": frozenset({ROUTER, ENGINE}),

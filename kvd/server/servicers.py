@@ -11,18 +11,22 @@ import grpc
 
 from kvd import __version__
 from kvd.core import scratch
-from kvd.core.daemon import Daemon
+from kvd.core.daemon import Daemon, PullOrder
 from kvd.core.events import EngineEvent, FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.holdchecks import HoldCheckCommand, SchedulerChannel, SchedulerCommandItem
 from kvd.core.leases import Lease
 from kvd.core.registry import EngineRank
 from kvd.server import convert
-from kvd.server.edge import rpc
+from kvd.server.edge import bounded, rpc
 from kvd.server.peer_stream import PeerHandlers, serve_peer_stream
-from kvd_client.errors import InvalidArgument
+from kvd_client.errors import InvalidArgument, KvdError
 from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+MAX_BATCH_EVENTS = 512
+"""Most events in one batched stream message: a backlog (up to the rank's 65536 queued events, each
+with its block ids) goes out in messages far below the channels' 64 MiB limit."""
 
 SELFTEST_SEED_LIMIT = 1 << 63
 """The scratch pattern computes in signed 64-bit words: larger seeds would overflow."""
@@ -64,6 +68,24 @@ def _event_to_pb(event: EngineEvent) -> engine_pb2.DaemonMessage:
             error_class=event.error_class,
         )
     )
+
+
+def _messages(events: list[EngineEvent], batches: bool) -> list[engine_pb2.DaemonMessage]:
+    """What the stream writes for the events queued when it runs: one message per event, or, to an
+    engine that reads batches, one message carrying all of them (one write, one read, instead of
+    one per event; at most MAX_BATCH_EVENTS in one). Nothing waits to fill a batch: it is whatever
+    piled up while the writer was busy or asleep (e.g. the pulls that ended in one event-loop
+    turn), so an idle stream still sends each event at once."""
+    if not batches:
+        return [_event_to_pb(event) for event in events]
+    out: list[engine_pb2.DaemonMessage] = []
+    for start in range(0, len(events), MAX_BATCH_EVENTS):
+        chunk = events[start : start + MAX_BATCH_EVENTS]
+        if len(chunk) == 1:
+            out.append(_event_to_pb(chunk[0]))
+        else:
+            out.append(engine_pb2.DaemonMessage(batch=engine_pb2.DaemonMessageBatch(messages=map(_event_to_pb, chunk))))
+    return out
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -122,14 +144,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             raise InvalidArgument("the first message of an engine stream must be hello(engine_id, tp_rank)")
         rank, generation = self.daemon.attach_stream(first.hello.engine_id, first.hello.tp_rank)
+        batches = first.hello.accepts_batches
         reader = asyncio.get_running_loop().create_task(self._read_engine(rank, request_iterator))
         try:
             while not reader.done() and rank.stream_generation == generation:
                 wakeup = rank.wakeup
                 if wakeup is None:
                     break
-                for event in rank.drain():
-                    yield _event_to_pb(event)
+                for message in _messages(rank.drain(), batches):
+                    yield message
                 wakeup.clear()
                 if rank.pending:
                     continue
@@ -137,8 +160,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
             if rank.stream_generation == generation:  # a superseded stream leaves events to its successor
-                for event in rank.drain():
-                    yield _event_to_pb(event)
+                for message in _messages(rank.drain(), batches):
+                    yield message
             if reader.done() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
         finally:
@@ -328,6 +351,23 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.ReleaseLeasesResponse()
 
 
+def _pull_order(request: router_pb2.StartPullRequest) -> PullOrder:
+    """The core's arguments of one pull (StartPull, or an item of StartPulls)."""
+    if not request.HasField("remote"):
+        raise InvalidArgument("remote kv_transfer_params are required")
+    return PullOrder(
+        engine_id=request.engine_id,
+        tp_rank=request.tp_rank,
+        request_id=request.request_id,
+        local_block_ids=list(request.local_block_ids),
+        remote=convert.params_from_pb(request.remote),
+        deadline_s=request.deadline_ms / 1000.0,
+        local_group_block_ids=convert.group_ids_from_pb(
+            request.local_group_block_ids, request.local_group_block_counts, "start pull"
+        ),
+    )
+
+
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, daemon: Daemon, last_contact: Mapping[str, float] | None = None) -> None:
         self.daemon = daemon
@@ -339,18 +379,41 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def StartPull(
         self, request: router_pb2.StartPullRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.StartPullResponse:
-        if not request.HasField("remote"):
-            raise InvalidArgument("remote kv_transfer_params are required")
+        order = _pull_order(request)
         transfer = self.daemon.start_pull(
-            request.engine_id,
-            request.tp_rank,
-            request.request_id,
-            list(request.local_block_ids),
-            convert.params_from_pb(request.remote),
-            request.deadline_ms / 1000.0,
-            convert.group_ids_from_pb(request.local_group_block_ids, request.local_group_block_counts, "start pull"),
+            order.engine_id,
+            order.tp_rank,
+            order.request_id,
+            order.local_block_ids,
+            order.remote,
+            order.deadline_s,
+            order.local_group_block_ids,
         )
         return router_pb2.StartPullResponse(transfer_id=transfer.transfer_id)
+
+    @rpc
+    async def StartPulls(
+        self, request: router_pb2.StartPullsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.StartPullsResponse:
+        orders: list[PullOrder | KvdError] = []
+        for item in request.pulls:
+            try:
+                orders.append(_pull_order(item))
+            except KvdError as exc:  # that item's result (results[i] answers pulls[i])
+                orders.append(exc)
+        results = self.daemon.start_pulls(orders)
+        response = router_pb2.StartPullsResponse()
+        for result in results:
+            if isinstance(result, KvdError):
+                self.metrics.errors.labels("StartPulls", result.code.name).inc()
+                response.results.add(
+                    error_code=result.code.name,
+                    error_message=bounded(result.message),
+                    error_class=type(result).__name__,
+                )
+            else:
+                response.results.add(transfer_id=result.transfer_id)
+        return response
 
     @rpc
     async def GetTransfer(

@@ -27,6 +27,7 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         "--overhead-samples", "4",
         "--levels", "1,4",
         "--pulls-per-level", "8",
+        "--batch", "4",
         "--fresh-peers", "1",
         "--convert-tokens", "16",
         "--idle-s", "1",
@@ -39,6 +40,7 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         "pull vs raw NIXL read",
         "control overhead",
         "in flight",
+        "engine steps of B 2 MiB pulls",
         "first pull to a new peer",
         "idle daemons",
         "goals",
@@ -70,6 +72,11 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
             cpu["reader"] + cpu["reader worker"] + cpu["holder"] + cpu["holder worker"] + cpu["client"]
         )
         assert all(math.isfinite(v) for v in cpu.values())
+    batched = {row["mode"]: row for row in data["batched"]}  # the same steps, StartPull each vs one StartPulls
+    assert set(batched) == {"single", "batched"} and data["config"]["batches"] == [4]
+    for row in batched.values():
+        assert row["batch"] == 4 and len(row["latency_s"]) == row["pulls"] >= 16
+        assert row["cpu_s"]["reader"] > 0 and row["cpu_s"]["client"] > 0
     header = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("N "))
     assert header.split()[-6:] == ["reader", "r-wkr", "holder", "h-wkr", "client", "all"], header
     first = data["first_contact"]

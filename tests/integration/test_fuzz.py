@@ -296,6 +296,14 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
         "StartPull": router_pb2.StartPullRequest(
             engine_id="reader", tp_rank=0, request_id="t", local_block_ids=[1, 2], remote=remote, deadline_ms=2000
         ),
+        "StartPulls": router_pb2.StartPullsRequest(
+            pulls=[
+                router_pb2.StartPullRequest(
+                    engine_id="reader", tp_rank=0, request_id="t", local_block_ids=[1, 2], remote=remote
+                ),
+                router_pb2.StartPullRequest(engine_id="reader", request_id="u", local_block_ids=[3], remote=remote),
+            ]
+        ),
         "PreparePull": peer_pb2.PreparePullRequest(
             lease_id=remote.lease_id,
             engine_id="holder",
@@ -373,7 +381,7 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
             continue  # answered without changing anything: the state is still ``before``
         if code == "OK" or early_close:
             # A successful (or cut short) call may change state: let it settle, take the new state.
-            if short == "StartPull":
+            if short in ("StartPull", "StartPulls"):
                 # The pull read the other daemon's lease: that daemon ends it on the reader's
                 # notification, a moment after the transfer is done here. Wait until it settled.
                 wait_transfers(node)

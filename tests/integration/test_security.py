@@ -101,6 +101,12 @@ def _calls(lease_id: str) -> dict[str, Callable[[grpc.Channel], Any]]:
         "/kvd.v1.RouterService/StartPull": lambda ch: router(ch).StartPull(
             router_pb2.StartPullRequest(engine_id="nosuch", request_id="r", local_block_ids=[0]), timeout=10
         ),
+        "/kvd.v1.RouterService/StartPulls": lambda ch: router(ch).StartPulls(
+            router_pb2.StartPullsRequest(
+                pulls=[router_pb2.StartPullRequest(engine_id="nosuch", request_id="r", local_block_ids=[0])]
+            ),
+            timeout=10,
+        ),
         "/kvd.v1.RouterService/GetTransfer": lambda ch: router(ch).GetTransfer(
             router_pb2.GetTransferRequest(transfer_id="nosuch"), timeout=10
         ),

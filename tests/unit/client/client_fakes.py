@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -162,6 +162,29 @@ class FakeRouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> router_pb2.StartPullResponse:
         self.requests["StartPull"] = request
         return router_pb2.StartPullResponse(transfer_id=f"xfer-{request.request_id}")
+
+    # StartPulls items by request id prefix: an error with that (code, class), else a transfer id.
+    PULL_ERRORS: ClassVar[dict[str, tuple[str, str]]] = {
+        "gone-": ("NOT_FOUND", "UnknownEngine"),
+        "bad-": ("INVALID_ARGUMENT", "InvalidArgument"),
+        "odd-": ("UNAVAILABLE", "NoSuchClass"),  # an unknown class: the code's general class
+        "lying-": ("UNAVAILABLE", "UnknownLease"),  # a class of another code: the code wins
+    }
+
+    def StartPulls(
+        self, request: router_pb2.StartPullsRequest, context: grpc.ServicerContext
+    ) -> router_pb2.StartPullsResponse:
+        self.requests["StartPulls"] = request
+        if len(request.pulls) > 4:
+            abort_with_class(context, grpc.StatusCode.INVALID_ARGUMENT, "at most 4 pulls per call", "InvalidArgument")
+        response = router_pb2.StartPullsResponse()
+        for pull in request.pulls:
+            error = next((e for p, e in self.PULL_ERRORS.items() if pull.request_id.startswith(p)), None)
+            if error is None:
+                response.results.add(transfer_id=f"xfer-{pull.request_id}")
+            else:
+                response.results.add(error_code=error[0], error_message=f"no {pull.request_id}", error_class=error[1])
+        return response
 
     def GetTransfer(
         self, request: router_pb2.GetTransferRequest, context: grpc.ServicerContext

@@ -190,6 +190,28 @@ def test_engine_stream_async_iteration_and_error(daemon: FakeDaemon) -> None:
     run_with(daemon.tcp, body)
 
 
+def test_engine_stream_unpacks_a_batch_into_its_events(daemon: FakeDaemon) -> None:
+    def recving(rid: str) -> engine_pb2.DaemonMessage:
+        return engine_pb2.DaemonMessage(finished_recving=engine_pb2.FinishedRecving(request_id=rid))
+
+    async def body(kvd: AsyncKvdClient) -> None:
+        stream = kvd.open_engine_stream("e0", 0)
+        fake = await asyncio.to_thread(daemon.engine.wait_stream)
+        fake.outbound.put(
+            engine_pb2.DaemonMessage(batch=engine_pb2.DaemonMessageBatch(messages=[recving("a"), recving("b")]))
+        )
+        fake.outbound.put(recving("c"))
+        assert [m.finished_recving.request_id for m in await poll_until(stream, 3)] == ["a", "b", "c"]
+        fake.outbound.put(
+            engine_pb2.DaemonMessage(batch=engine_pb2.DaemonMessageBatch(messages=[recving("d"), recving("e")]))
+        )
+        fake.outbound.put((grpc.StatusCode.UNAVAILABLE, "daemon going away"))
+        assert [m.finished_recving.request_id async for m in stream] == ["d", "e"]
+        assert (await asyncio.to_thread(fake.wait_received, 1))[0].hello.accepts_batches
+
+    run_with(daemon.unix, body)
+
+
 def test_engine_stream_ended_by_daemon(daemon: FakeDaemon) -> None:
     async def body(kvd: AsyncKvdClient) -> None:
         async with kvd.open_engine_stream("e5", 1) as stream:
@@ -227,3 +249,15 @@ def test_engine_stream_close_cancels_a_daemon_that_never_ends(
         assert stream.closed and stream.error is None
 
     run_with(daemon.tcp, body)
+
+
+def test_start_pulls_returns_each_pull_s_transfer_id_or_its_exact_error(target: str, daemon: FakeDaemon) -> None:
+    async def body(kvd: AsyncKvdClient) -> None:
+        pulls = [router_pb2.StartPullRequest(engine_id="d0", request_id=r) for r in ("r1", "bad-r2", "r3")]
+        results = await kvd.start_pulls(request=router_pb2.StartPullsRequest(pulls=pulls))
+        assert results[0] == "xfer-r1" and results[2] == "xfer-r3"
+        assert type(results[1]) is errors.InvalidArgument and str(results[1]) == "no bad-r2"
+        with pytest.raises(errors.InvalidArgument, match="at most 4"):
+            await kvd.start_pulls(pulls + pulls)
+
+    run_with(target, body)

@@ -150,3 +150,18 @@ def test_transfer_and_load_errors_keep_the_exact_class() -> None:
         state=common_pb2.TRANSFER_STATE_FAILED, error_code="UNAVAILABLE", error_class="IncompatibleLayout"
     )
     assert type(_base.transfer_error(odd)) is errors.Unavailable
+
+
+def test_pull_results_rebuild_each_error_and_refuse_a_wrong_count() -> None:
+    response = router_pb2.StartPullsResponse(
+        results=[
+            router_pb2.StartPullResult(transfer_id="t1"),
+            router_pb2.StartPullResult(error_code="NOT_FOUND", error_message="gone", error_class="UnknownLease"),
+            router_pb2.StartPullResult(error_code="WHAT", error_message="?"),
+        ]
+    )
+    got = _base.pull_results(response, 3)
+    assert got[0] == "t1" and type(got[1]) is errors.UnknownLease and str(got[1]) == "gone"
+    assert type(got[2]) is errors.KvdError and got[2].code is errors.ErrorCode.UNKNOWN
+    with pytest.raises(errors.Internal, match="answered 3 results for 2 pulls"):
+        _base.pull_results(response, 2)

@@ -171,3 +171,25 @@ def test_sending_costs_microseconds(daemon: FakeDaemon) -> None:
         stream.close()
     # Typically well under 1 us; the bound leaves room for a loaded CI machine.
     assert per_send_us < 20, per_send_us
+
+
+def batch(*messages: engine_pb2.DaemonMessage) -> engine_pb2.DaemonMessage:
+    return engine_pb2.DaemonMessage(batch=engine_pb2.DaemonMessageBatch(messages=messages))
+
+
+def test_the_hello_asks_for_batches_and_a_batch_arrives_as_its_events(daemon: FakeDaemon) -> None:
+    """The daemon may send the events that were ready together as one message; poll returns them
+    one by one, in order, among single messages, exactly as if each had come alone."""
+    with KvdClient(daemon.unix) as kvd:
+        stream = kvd.open_engine_stream("e0", 0)
+        fake = daemon.engine.wait_stream()
+        failed = engine_pb2.DaemonMessage(load_failed=engine_pb2.LoadFailed(request_id="c", error_code="NOT_FOUND"))
+        fake.outbound.put(finished_recving("a"))
+        fake.outbound.put(batch(finished_recving("b"), failed, finished_recving("d")))
+        fake.outbound.put(finished_recving("e"))
+        got = poll_until(stream, 5)
+        hello = fake.wait_received(1)[0].hello
+        stream.close()
+    assert hello.accepts_batches
+    assert [m.WhichOneof("kind") for m in got] == ["finished_recving"] * 2 + ["load_failed"] + ["finished_recving"] * 2
+    assert [getattr(m, m.WhichOneof("kind")).request_id for m in got] == ["a", "b", "c", "d", "e"]

@@ -277,3 +277,21 @@ def test_close_closes_an_owned_channel_only(daemon: FakeDaemon) -> None:
 def test_bad_timeout_is_refused(client: KvdClient) -> None:
     with pytest.raises(ValueError, match="positive"):
         client.get_status(timeout_s=0)
+
+
+def test_start_pulls_returns_each_pull_s_transfer_id_or_its_exact_error(client: KvdClient, daemon: FakeDaemon) -> None:
+    """One bad item is returned as its error (the exact class the daemon named), never raised;
+    a class name unknown to this client, or one of another code, falls back to the code's class."""
+    remote = common_pb2.KvTransferParams(daemon_address="10.0.0.2:7070", lease_id="L")
+    pulls = [
+        router_pb2.StartPullRequest(engine_id="d0", request_id=r, local_block_ids=[1], remote=remote)
+        for r in ("r1", "gone-r2", "odd-r3", "lying-r4")
+    ]
+    results = client.start_pulls(pulls)
+    assert results[0] == "xfer-r1"
+    assert [type(r) for r in results[1:]] == [errors.UnknownEngine, errors.Unavailable, errors.Unavailable]
+    assert isinstance(results[1], errors.KvdError) and results[1].message == "no gone-r2"
+    assert [p.request_id for p in daemon.router.requests["StartPulls"].pulls] == ["r1", "gone-r2", "odd-r3", "lying-r4"]
+    assert client.start_pulls([]) == []
+    with pytest.raises(errors.InvalidArgument, match="at most 4"):
+        client.start_pulls(pulls + pulls)

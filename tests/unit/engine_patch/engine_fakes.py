@@ -137,7 +137,10 @@ class FakeDaemon:
         self.commits: dict[tuple[str, int, str], int] = {}
         self.leases: dict[str, dict[str, Any]] = {}
         self.pulls: list[FakePull] = []
-        self.pull_error: errors.KvdError | None = None
+        self.pull_error: errors.KvdError | None = None  # fails every StartPull / StartPulls call
+        self.pull_item_errors: dict[str, errors.KvdError] = {}  # by request id: that pull's own error
+        self.batches: list[list[str]] = []  # each StartPulls call's request ids
+        self.batches_unimplemented = False  # a daemon that predates StartPulls
         self.read_log: list[dict[str, Any]] = []
         self._ids = itertools.count(1)
         self.lock = threading.RLock()
@@ -366,22 +369,46 @@ class FakeClient:
     def start_pull(
         self,
         *,
-        engine_id: str,
-        tp_rank: int,
-        request_id: str,
-        local_block_ids: Any,
-        remote: Any,
+        engine_id: str = "",
+        tp_rank: int = 0,
+        request_id: str = "",
+        local_block_ids: Any = (),
+        remote: Any = None,
         deadline_ms: int = 0,
+        request: Any = None,
         timeout_s: float | None = None,
     ) -> Any:
+        if request is not None:
+            engine_id, tp_rank, request_id = request.engine_id, request.tp_rank, request.request_id
+            local_block_ids, remote = request.local_block_ids, request.remote
         d = self.daemon
         d.check()
         if d.pull_error is not None:
             raise d.pull_error
+        if request_id in d.pull_item_errors:
+            raise d.pull_item_errors[request_id]
         transfer_id = f"t{next(d._ids)}"
         with d.lock:
             d.pulls.append(FakePull(transfer_id, engine_id, tp_rank, request_id, list(local_block_ids), remote))
         return router_pb2.StartPullResponse(transfer_id=transfer_id)
+
+    def start_pulls(self, pulls: Any, *, timeout_s: float | None = None) -> list[str | errors.KvdError]:
+        d = self.daemon
+        d.check()
+        if d.batches_unimplemented:
+            err = errors.KvdError("Method not found!")
+            err.code = errors.ErrorCode.UNIMPLEMENTED
+            raise err
+        if d.pull_error is not None:
+            raise d.pull_error
+        d.batches.append([p.request_id for p in pulls])
+        results: list[str | errors.KvdError] = []
+        for p in pulls:
+            try:
+                results.append(self.start_pull(request=p).transfer_id)
+            except errors.KvdError as err:
+                results.append(err)
+        return results
 
     def cancel_transfer(self, transfer_id: str, *, timeout_s: float | None = None) -> Any:
         self.daemon.check()

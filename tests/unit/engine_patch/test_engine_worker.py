@@ -286,3 +286,44 @@ def test_scheduler_link_trips_a_circuit_breaker() -> None:
         link.hold_blocks("eng", "r", [1], 3)
     clock.now += 5
     assert link.hold_blocks("eng", "r", [1], 3)["num_tokens"] == 3
+
+
+def _pull(rid: str, blocks: tuple[int, ...]) -> PullSpec:
+    return PullSpec(rid, blocks, {"lease_id": f"L-{rid}", "block_ids": [1], "num_tokens": 4})
+
+
+def test_a_step_s_loads_go_in_one_start_pulls_and_a_bad_one_fails_alone(daemon: FakeDaemon, caches: Any) -> None:
+    """One StartPulls per step; the pull the daemon refused fails over to recompute (its blocks
+    reported, as for a refused StartPull), the others start and complete."""
+    worker = _worker(daemon, caches)
+    daemon.pull_item_errors["r2"] = errors.UnknownLease("no lease L-r2")
+    _step(worker, KvdConnectorMetadata(pulls=[_pull("r1", (3,)), _pull("r2", (4,)), _pull("r3", (5,))]))
+    assert wait_until(lambda: len(daemon.pulls) == 2)
+    assert daemon.batches == [["r1", "r2", "r3"]]
+    failed: set[str] = set()
+    assert wait_until(lambda: failed.update(_step(worker).failed_recving) or failed == {"r2"}, timeout_s=2)
+    for fake in list(daemon.pulls):
+        daemon.finish_pull(fake)
+    done: set[str] = set()
+    assert wait_until(lambda: done.update(_step(worker).finished_recving) or done == {"r1", "r3"}, timeout_s=2)
+    assert worker.link.connected  # one refused pull does not drop the link
+
+
+def test_a_daemon_without_start_pulls_gets_one_start_pull_per_load(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    daemon.batches_unimplemented = True
+    _step(worker, KvdConnectorMetadata(pulls=[_pull("r1", (3,)), _pull("r2", (4,))]))
+    assert wait_until(lambda: [p.request_id for p in daemon.pulls] == ["r1", "r2"])
+    assert daemon.batches == []
+    _step(worker, KvdConnectorMetadata(pulls=[_pull("r3", (5,))]))
+    assert wait_until(lambda: len(daemon.pulls) == 3)
+    assert worker.link._one_by_one
+
+
+def test_a_whole_start_pulls_refused_fails_each_of_its_pulls(daemon: FakeDaemon, caches: Any) -> None:
+    worker = _worker(daemon, caches)
+    daemon.pull_error = errors.ResourceExhausted("busy")
+    _step(worker, KvdConnectorMetadata(pulls=[_pull("r1", (3,)), _pull("r2", (4,))]))
+    failed: set[str] = set()
+    assert wait_until(lambda: failed.update(_step(worker).failed_recving) or failed == {"r1", "r2"}, timeout_s=2)
+    assert worker.get_block_ids_with_load_errors() == {3, 4}

@@ -1,0 +1,94 @@
+"""StartPulls between two real daemons: several pulls in one call, one of them bad; the valid ones
+move exact bytes and their completions reach the reader's engine stream (batched or not, the
+engine sees one message per event); the bad one fails alone and changes nothing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kvtest import ShmEngine, small_spec
+
+from kvd_client import errors
+from kvd_client.v1 import common_pb2, router_pb2
+
+pytestmark = pytest.mark.integration
+
+BLOCKS = 3
+NUM_TOKENS = 16 * 2 + 7  # a partial last block
+
+
+def test_start_pulls_starts_the_valid_pulls_and_fails_the_bad_one_alone(spawn_daemon) -> None:
+    a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
+    spec = small_spec(num_blocks=48)
+    holder = ShmEngine(a.unix_target, "holder", spec)
+    reader = ShmEngine(b.unix_target, "reader", spec)
+    try:
+        holder.register()
+        reader.register()
+        holder.fill_random(seed=11)
+        reader.fill(0xAB)
+        reader_stream = reader.client.open_engine_stream("reader", 0)
+        rids = [f"req-{i}" for i in range(5)]
+        held = {rid: list(range(i * BLOCKS, (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
+        local = {rid: list(range(24 + i * BLOCKS, 24 + (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
+        params = {
+            rid: holder.client.hold_blocks(
+                engine_id="holder", request_id=rid, block_ids=held[rid], num_tokens=NUM_TOKENS
+            ).kv_transfer_params
+            for rid in rids
+        }
+        bad = "req-2"  # one local block too few: INVALID_ARGUMENT for it alone
+        pulls = [
+            router_pb2.StartPullRequest(
+                engine_id="reader",
+                request_id=rid,
+                local_block_ids=local[rid][:-1] if rid == bad else local[rid],
+                remote=params[rid],
+            )
+            for rid in rids
+        ]
+        pulls.append(router_pb2.StartPullRequest(engine_id="nosuch", request_id="req-x", remote=params["req-0"]))
+        results = reader.client.start_pulls(pulls, timeout_s=30)
+
+        assert len(results) == 6
+        assert isinstance(results[2], errors.InvalidArgument) and "need 3 local blocks" in results[2].message
+        assert isinstance(results[5], errors.UnknownEngine)
+        good = [rid for rid in rids if rid != bad]
+        transfer_ids = {rid: results[rids.index(rid)] for rid in good}
+        assert all(isinstance(t, str) and t for t in transfer_ids.values()), results
+        for rid, transfer_id in transfer_ids.items():
+            status = reader.client.wait_transfer(transfer_id, timeout_s=30)
+            assert status.state == common_pb2.TRANSFER_STATE_DONE, rid
+            assert reader.token_bytes(local[rid], NUM_TOKENS).equal(holder.token_bytes(held[rid], NUM_TOKENS)), rid
+
+        finished: dict[str, str] = {}
+        deadline = time.monotonic() + 10
+        while len(finished) < len(good) and time.monotonic() < deadline:
+            for message in reader_stream.poll(timeout_s=0.1):
+                assert message.WhichOneof("kind") == "finished_recving", message
+                finished[message.finished_recving.request_id] = message.finished_recving.transfer_id
+        assert finished == transfer_ids
+
+        # The bad pull changed nothing: its blocks kept their bytes, its lease is still held.
+        assert bool((reader.token_bytes(local[bad], NUM_TOKENS) == 0xAB).all())
+        still_held = [p.request_id for p in holder.client.lookup_held(engine_id="holder").held]
+        assert still_held == [bad]
+        # ...and it can still be pulled, correctly this time.
+        (retry,) = reader.client.start_pulls(
+            [
+                router_pb2.StartPullRequest(
+                    engine_id="reader", request_id=bad, local_block_ids=local[bad], remote=params[bad]
+                )
+            ]
+        )
+        assert isinstance(retry, str)
+        assert reader.client.wait_transfer(retry, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+        assert reader.token_bytes(local[bad], NUM_TOKENS).equal(holder.token_bytes(held[bad], NUM_TOKENS))
+
+        with pytest.raises(errors.InvalidArgument, match="at most 1024 pulls per call"):
+            reader.client.start_pulls([router_pb2.StartPullRequest()] * 1025)
+        reader_stream.close()
+    finally:
+        holder.close()
+        reader.close()
