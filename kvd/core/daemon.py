@@ -55,6 +55,12 @@ from kvd_client.v1.schema import HoldCheckAction
 logger = logging.getLogger(__name__)
 
 SWEEP_S = 0.05  # leases, admissions, quarantine, stale pulls
+# The sweeper sleeps until the next lease or admission deadline (it is woken when one comes
+# nearer); it rounds every SWEEP_S only while something is polled rather than announced (pulls in
+# flight, stale pulls, quarantined mappings). This bounds its sleep otherwise: an idle daemon
+# wakes once a second here, not 20 times (issue 19: idle CPU).
+SWEEP_IDLE_MAX_S = 1.0
+SWEEP_MIN_S = 0.001  # never spin, even on a deadline the sweep could not act on
 LIVENESS_S = 0.25  # how often engine pids are checked (a kill is noticed within this)
 IDLE_PEER_SWEEP_S = 5.0
 
@@ -100,11 +106,14 @@ class Daemon(DataPlaneRestarts):
             on_admission_over=self._admission_over,
             on_lease_over=self._lease_over,
             admission_margin_s=config.read_admission_margin_s,
+            on_new_deadline=self._wake_sweeper,
         )
         self.commits = CommitTracker()
         self.holdchecks = HoldChecks()
         self.holds_ended: dict[str, int] = {}  # LeaseEnd value -> count since start
         self.transfers = TransferTable()
+        self._sweep_now = asyncio.Event()  # a deadline came nearer, or something needs polling
+        self._sweep_at = 0.0  # when the sweeper's next round is due (monotonic)
         self._transport = transport
         self.dataplane: DataPlane | None = None
         self.memories: Memories | None = None
@@ -160,6 +169,7 @@ class Daemon(DataPlaneRestarts):
         self.dataplane = dataplane
         self.agent_name = dataplane.name
         self.memories = Memories(dataplane, self.metrics)
+        self.memories.on_quarantined = self._wake_sweeper
         self.peers = Peers(
             self._transport,
             dataplane,
@@ -621,11 +631,50 @@ class Daemon(DataPlaneRestarts):
                 self.metrics.transfer_bytes.labels(label, "serve").inc(read.nbytes)
                 self.leases.record_read(read.lease_id, read.admission_id, read.part, read.parts)
 
+    def _wake_sweeper(self) -> None:
+        """Have the sweeper recompute its sleep, if it sleeps longer than SWEEP_S (a round due
+        sooner sees the news anyway: a burst of holds or pulls costs no extra rounds)."""
+        if self._sweep_at - time.monotonic() > SWEEP_S:
+            self._sweep_now.set()
+
+    def _sweep_delay(self) -> float:
+        """Seconds the sweeper may sleep: SWEEP_S while it polls something that announces no
+        end (a stale pull's or a quarantined mapping's reads turning final, a pull in flight that
+        may leave one), else until the next lease or admission deadline, at most SWEEP_IDLE_MAX_S."""
+        puller = self._puller
+        if (
+            (self.memories is not None and self.memories.quarantine)
+            or (puller is not None and puller.stale_pulls)
+            or self.transfers.any_in_flight()
+        ):
+            return SWEEP_S
+        due = self.leases.next_deadline() - time.monotonic()
+        return max(SWEEP_MIN_S, min(SWEEP_IDLE_MAX_S, due))
+
     async def _sweeper(self) -> None:
-        """Expire leases, end overdue admissions, free quarantined memory, forget idle peers."""
+        """Expire leases, end overdue admissions, free quarantined memory, forget idle peers.
+
+        A deadline is acted on when it passes (not on a fixed 50 ms tick): the sweeper sleeps
+        until the next one, woken early when a lease, renewal, admission, pull or quarantined
+        mapping may bring one nearer (see SWEEP_IDLE_MAX_S).
+        """
         last_idle_sweep = time.monotonic()
         while True:
-            await asyncio.sleep(SWEEP_S)
+            self._sweep_now.clear()
+            try:
+                delay = self._sweep_delay()
+            except Exception:  # the sweeper must survive a bug: round every SWEEP_S then
+                logger.exception("sweep scheduling failed")
+                delay = SWEEP_S
+            self._sweep_at = time.monotonic() + delay
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._sweep_now.wait()
+                    # Woken: a deadline may be nearer, or there is something to poll. A round
+                    # SWEEP_S from now (later wakes are no-ops meanwhile) sees it: a burst of
+                    # holds or pulls costs at most a round every SWEEP_S, as a fixed tick did.
+                    self._sweep_at = time.monotonic() + SWEEP_S
+                    await asyncio.sleep(SWEEP_S)
             try:
                 self.leases.sweep()
                 self._lease_gauges()
@@ -896,6 +945,7 @@ class Daemon(DataPlaneRestarts):
             group.spec.validate_block_ids(ids, f"{kv_groups.describe_group(index, group)} local block ids")
         if deadline_s < 0:
             raise InvalidArgument(f"deadline must be >= 0, got {deadline_s}")
+        self._wake_sweeper()  # sweeps every SWEEP_S while pulls are in flight (they may leave stale reads)
         transfer = self.transfers.new(
             request_id=request_id or remote.request_id,
             engine_id=engine_id,
