@@ -61,7 +61,7 @@ SWEEP_S = 0.05  # leases, admissions, quarantine, stale pulls
 # wakes once a second here, not 20 times (issue 19: idle CPU).
 SWEEP_IDLE_MAX_S = 1.0
 SWEEP_MIN_S = 0.001  # never spin, even on a deadline the sweep could not act on
-LIVENESS_S = 0.25  # how often engine pids are checked (a kill is noticed within this)
+LIVENESS_S = 0.25  # how often an engine pid without a pidfd is checked (a kill is noticed within this)
 IDLE_PEER_SWEEP_S = 5.0
 
 
@@ -114,6 +114,7 @@ class Daemon(DataPlaneRestarts):
         self.transfers = TransferTable()
         self._sweep_now = asyncio.Event()  # a deadline came nearer, or something needs polling
         self._sweep_at = 0.0  # when the sweeper's next round is due (monotonic)
+        self._liveness_now = asyncio.Event()  # an engine registered with a pid, or one exited
         self._transport = transport
         self.dataplane: DataPlane | None = None
         self.memories: Memories | None = None
@@ -311,6 +312,8 @@ class Daemon(DataPlaneRestarts):
         except Exception:
             await self._mem.fence(memory)
             raise
+        if engine_pid:
+            self._liveness_now.set()  # watch its pid
         self.metrics.engines.set(len(self.registry))
         self.metrics.registered_bytes.labels(engine_id, str(spec.tp_rank)).set(rank.registered_bytes)
         await self._prepare_tables(rank)
@@ -688,13 +691,54 @@ class Daemon(DataPlaneRestarts):
                 logger.exception("sweep failed")
 
     async def _liveness_loop(self) -> None:
-        """An engine process that exited without unregistering is unregistered here."""
-        while True:
-            await asyncio.sleep(LIVENESS_S)
-            for rank in list(self.registry):
-                if rank.engine_pid and not _process_alive(rank.engine_pid):
-                    logger.warning("engine %s rank %d (pid %d) exited", rank.engine_id, rank.tp_rank, rank.engine_pid)
-                    await self._unregister(rank, f"engine process {rank.engine_pid} exited")
+        """An engine process that exited without unregistering is unregistered here.
+
+        Each engine pid is watched through a pidfd, readable once the process exits: the exit is
+        noticed at once, and an idle daemon is not woken every LIVENESS_S to look (issue 19). A
+        pid no pidfd can be opened for (a kernel without pidfd_open) is checked every LIVENESS_S.
+        A registration wakes the loop to watch its pid.
+        """
+        loop = asyncio.get_running_loop()
+        watched: dict[int, int] = {}  # engine pid -> its pidfd (registered with the loop)
+        exited: set[int] = set()  # pids whose pidfd said so, not yet acted on
+
+        def on_exit(pid: int) -> None:
+            fd = watched.pop(pid)
+            loop.remove_reader(fd)
+            os.close(fd)
+            exited.add(pid)
+            self._liveness_now.set()
+
+        try:
+            while True:
+                self._liveness_now.clear()
+                pids = {rank.engine_pid for rank in self.registry if rank.engine_pid}
+                for pid in watched.keys() - pids:  # its ranks are gone
+                    loop.remove_reader(watched[pid])
+                    os.close(watched.pop(pid))
+                polled = set()
+                for pid in pids - watched.keys() - exited:
+                    fd = _open_pidfd(pid)
+                    if fd is None:
+                        polled.add(pid)
+                    elif fd < 0:
+                        exited.add(pid)
+                    else:
+                        watched[pid] = fd
+                        loop.add_reader(fd, on_exit, pid)
+                for rank in list(self.registry):
+                    pid = rank.engine_pid
+                    if pid in exited or (pid in polled and not _process_alive(pid)):
+                        logger.warning("engine %s rank %d (pid %d) exited", rank.engine_id, rank.tp_rank, pid)
+                        await self._unregister(rank, f"engine process {pid} exited")
+                exited.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(LIVENESS_S if polled else None):
+                        await self._liveness_now.wait()
+        finally:
+            for fd in watched.values():
+                loop.remove_reader(fd)
+                os.close(fd)
 
     # --- peer-facing ----------------------------------------------------------------------------
 
@@ -1045,6 +1089,16 @@ class Daemon(DataPlaneRestarts):
             per_block = rank.spec.total_bytes // max(1, rank.spec.num_blocks)
             out[(rank.engine_id, rank.tp_rank)] = (counts[0] * per_block, counts[1] * per_block, counts[2] * per_block)
         return out
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid``; -1 if no such process is left; None if pidfds are not to be had."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -1
+    except (OSError, AttributeError):  # no pidfd_open (kernel < 5.3, not Linux): poll instead
+        return None
 
 
 def _process_alive(pid: int) -> bool:
