@@ -716,22 +716,22 @@ class Daemon(DataPlaneRestarts):
                 for pid in watched.keys() - pids:  # its ranks are gone
                     loop.remove_reader(watched[pid])
                     os.close(watched.pop(pid))
-                polled = set()
-                for pid in pids - watched.keys() - exited:
+                gone, polled = set(exited), set()
+                exited.clear()  # an exit seen while this round awaits is left for the next one
+                for pid in pids - watched.keys() - gone:
                     fd = _open_pidfd(pid)
                     if fd is None:
                         polled.add(pid)
                     elif fd < 0:
-                        exited.add(pid)
+                        gone.add(pid)
                     else:
                         watched[pid] = fd
                         loop.add_reader(fd, on_exit, pid)
                 for rank in list(self.registry):
                     pid = rank.engine_pid
-                    if pid in exited or (pid in polled and not _process_alive(pid)):
+                    if pid in gone or (pid in polled and not _process_alive(pid)):
                         logger.warning("engine %s rank %d (pid %d) exited", rank.engine_id, rank.tp_rank, pid)
                         await self._unregister(rank, f"engine process {pid} exited")
-                exited.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(LIVENESS_S if polled else None):
                         await self._liveness_now.wait()
