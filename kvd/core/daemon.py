@@ -55,7 +55,13 @@ from kvd_client.v1.schema import HoldCheckAction
 logger = logging.getLogger(__name__)
 
 SWEEP_S = 0.05  # leases, admissions, quarantine, stale pulls
-LIVENESS_S = 0.25  # how often engine pids are checked (a kill is noticed within this)
+# The sweeper sleeps until the next lease or admission deadline (it is woken when one comes
+# nearer); it rounds every SWEEP_S only while something is polled rather than announced (pulls in
+# flight, stale pulls, quarantined mappings). This bounds its sleep otherwise: an idle daemon
+# wakes once a second here, not 20 times (issue 19: idle CPU).
+SWEEP_IDLE_MAX_S = 1.0
+SWEEP_MIN_S = 0.001  # never spin, even on a deadline the sweep could not act on
+LIVENESS_S = 0.25  # how often an engine pid without a pidfd is checked (a kill is noticed within this)
 IDLE_PEER_SWEEP_S = 5.0
 SCRAPE_WAIT_S = 1.0  # how long a scrape waits for the event loop to compute the lease gauges
 MAX_PULLS_PER_CALL = 1024
@@ -118,11 +124,15 @@ class Daemon(DataPlaneRestarts):
             on_admission_over=self._admission_over,
             on_lease_over=self._lease_over,
             admission_margin_s=config.read_admission_margin_s,
+            on_new_deadline=self._wake_sweeper,
         )
         self.commits = CommitTracker()
         self.holdchecks = HoldChecks()
         self.holds_ended: dict[str, int] = {}  # LeaseEnd value -> count since start
         self.transfers = TransferTable()
+        self._sweep_now = asyncio.Event()  # a deadline came nearer, or something needs polling
+        self._sweep_at = 0.0  # when the sweeper's next round is due (monotonic)
+        self._liveness_now = asyncio.Event()  # an engine registered with a pid, or one exited
         self._transport = transport
         self.dataplane: DataPlane | None = None
         self.memories: Memories | None = None
@@ -179,6 +189,7 @@ class Daemon(DataPlaneRestarts):
         self.dataplane = dataplane
         self.agent_name = dataplane.name
         self.memories = Memories(dataplane, self.metrics)
+        self.memories.on_quarantined = self._wake_sweeper
         self.peers = Peers(
             self._transport,
             dataplane,
@@ -320,6 +331,8 @@ class Daemon(DataPlaneRestarts):
         except Exception:
             await self._mem.fence(memory)
             raise
+        if engine_pid:
+            self._liveness_now.set()  # watch its pid
         self.metrics.engines.set(len(self.registry))
         self.metrics.registered_bytes.labels(engine_id, str(spec.tp_rank)).set(rank.registered_bytes)
         await self._prepare_tables(rank)
@@ -659,11 +672,50 @@ class Daemon(DataPlaneRestarts):
                 self.metrics.transfer_bytes.labels(label, "serve").inc(read.nbytes)
                 self.leases.record_read(read.lease_id, read.admission_id, read.part, read.parts)
 
+    def _wake_sweeper(self) -> None:
+        """Have the sweeper recompute its sleep, if it sleeps longer than SWEEP_S (a round due
+        sooner sees the news anyway: a burst of holds or pulls costs no extra rounds)."""
+        if self._sweep_at - time.monotonic() > SWEEP_S:
+            self._sweep_now.set()
+
+    def _sweep_delay(self) -> float:
+        """Seconds the sweeper may sleep: SWEEP_S while it polls something that announces no
+        end (a stale pull's or a quarantined mapping's reads turning final, a pull in flight that
+        may leave one), else until the next lease or admission deadline, at most SWEEP_IDLE_MAX_S."""
+        puller = self._puller
+        if (
+            (self.memories is not None and self.memories.quarantine)
+            or (puller is not None and puller.stale_pulls)
+            or self.transfers.any_in_flight()
+        ):
+            return SWEEP_S
+        due = self.leases.next_deadline() - time.monotonic()
+        return max(SWEEP_MIN_S, min(SWEEP_IDLE_MAX_S, due))
+
     async def _sweeper(self) -> None:
-        """Expire leases, end overdue admissions, free quarantined memory, forget idle peers."""
+        """Expire leases, end overdue admissions, free quarantined memory, forget idle peers.
+
+        A deadline is acted on when it passes (not on a fixed 50 ms tick): the sweeper sleeps
+        until the next one, woken early when a lease, renewal, admission, pull or quarantined
+        mapping may bring one nearer (see SWEEP_IDLE_MAX_S).
+        """
         last_idle_sweep = time.monotonic()
         while True:
-            await asyncio.sleep(SWEEP_S)
+            self._sweep_now.clear()
+            try:
+                delay = self._sweep_delay()
+            except Exception:  # the sweeper must survive a bug: round every SWEEP_S then
+                logger.exception("sweep scheduling failed")
+                delay = SWEEP_S
+            self._sweep_at = time.monotonic() + delay
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._sweep_now.wait()
+                    # Woken: a deadline may be nearer, or there is something to poll. A round
+                    # SWEEP_S from now (later wakes are no-ops meanwhile) sees it: a burst of
+                    # holds or pulls costs at most a round every SWEEP_S, as a fixed tick did.
+                    self._sweep_at = time.monotonic() + SWEEP_S
+                    await asyncio.sleep(SWEEP_S)
             try:
                 self.leases.sweep()
                 await self._mem.sweep_quarantine()
@@ -676,13 +728,54 @@ class Daemon(DataPlaneRestarts):
                 logger.exception("sweep failed")
 
     async def _liveness_loop(self) -> None:
-        """An engine process that exited without unregistering is unregistered here."""
-        while True:
-            await asyncio.sleep(LIVENESS_S)
-            for rank in list(self.registry):
-                if rank.engine_pid and not _process_alive(rank.engine_pid):
-                    logger.warning("engine %s rank %d (pid %d) exited", rank.engine_id, rank.tp_rank, rank.engine_pid)
-                    await self._unregister(rank, f"engine process {rank.engine_pid} exited")
+        """An engine process that exited without unregistering is unregistered here.
+
+        Each engine pid is watched through a pidfd, readable once the process exits: the exit is
+        noticed at once, and an idle daemon is not woken every LIVENESS_S to look (issue 19). A
+        pid no pidfd can be opened for (a kernel without pidfd_open) is checked every LIVENESS_S.
+        A registration wakes the loop to watch its pid.
+        """
+        loop = asyncio.get_running_loop()
+        watched: dict[int, int] = {}  # engine pid -> its pidfd (registered with the loop)
+        exited: set[int] = set()  # pids whose pidfd said so, not yet acted on
+
+        def on_exit(pid: int) -> None:
+            fd = watched.pop(pid)
+            loop.remove_reader(fd)
+            os.close(fd)
+            exited.add(pid)
+            self._liveness_now.set()
+
+        try:
+            while True:
+                self._liveness_now.clear()
+                pids = {rank.engine_pid for rank in self.registry if rank.engine_pid}
+                for pid in watched.keys() - pids:  # its ranks are gone
+                    loop.remove_reader(watched[pid])
+                    os.close(watched.pop(pid))
+                gone, polled = set(exited), set()
+                exited.clear()  # an exit seen while this round awaits is left for the next one
+                for pid in pids - watched.keys() - gone:
+                    fd = _open_pidfd(pid)
+                    if fd is None:
+                        polled.add(pid)
+                    elif fd < 0:
+                        gone.add(pid)
+                    else:
+                        watched[pid] = fd
+                        loop.add_reader(fd, on_exit, pid)
+                for rank in list(self.registry):
+                    pid = rank.engine_pid
+                    if pid in gone or (pid in polled and not _process_alive(pid)):
+                        logger.warning("engine %s rank %d (pid %d) exited", rank.engine_id, rank.tp_rank, pid)
+                        await self._unregister(rank, f"engine process {pid} exited")
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(LIVENESS_S if polled else None):
+                        await self._liveness_now.wait()
+        finally:
+            for fd in watched.values():
+                loop.remove_reader(fd)
+                os.close(fd)
 
     # --- peer-facing ----------------------------------------------------------------------------
 
@@ -930,6 +1023,7 @@ class Daemon(DataPlaneRestarts):
             group.spec.validate_block_ids(ids, f"{kv_groups.describe_group(index, group)} local block ids")
         if deadline_s < 0:
             raise InvalidArgument(f"deadline must be >= 0, got {deadline_s}")
+        self._wake_sweeper()  # sweeps every SWEEP_S while pulls are in flight (they may leave stale reads)
         transfer = self.transfers.new(
             request_id=request_id or remote.request_id,
             engine_id=engine_id,
@@ -1066,6 +1160,16 @@ class Daemon(DataPlaneRestarts):
             per_block = rank.spec.total_bytes // max(1, rank.spec.num_blocks)
             out[(rank.engine_id, rank.tp_rank)] = (counts[0] * per_block, counts[1] * per_block, counts[2] * per_block)
         return out
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid``; -1 if no such process is left; None if pidfds are not to be had."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -1
+    except (OSError, AttributeError):  # no pidfd_open (kernel < 5.3, not Linux): poll instead
+        return None
 
 
 def _process_alive(pid: int) -> bool:

@@ -111,6 +111,7 @@ class LeaseTable:
         on_admission_over: AdmissionOver = lambda _: None,
         on_lease_over: LeaseOver = lambda _lease, _end: None,
         admission_margin_s: float = 5.0,
+        on_new_deadline: Callable[[], None] = lambda: None,
     ) -> None:
         self._clock = clock
         self._leases: dict[str, Lease] = {}
@@ -122,6 +123,9 @@ class LeaseTable:
         # with thousands of leases out).
         self._open_admissions = 0
         self._admission_deadline_high = 0.0  # the latest deadline since none was open
+        # Called whenever a deadline may have come nearer (a lease granted or renewed, a read
+        # admitted): the daemon's sweeper sleeps until the next deadline and must be woken.
+        self.on_new_deadline = on_new_deadline
 
     def __len__(self) -> int:
         """Leases held and not draining."""
@@ -134,6 +138,17 @@ class LeaseTable:
     @property
     def open_admissions(self) -> int:
         return self._open_admissions
+
+    def next_deadline(self) -> float:
+        """When :meth:`sweep` next has something to end: the earliest expiry of a live lease or
+        end (deadline + margin) of an open admission; ``inf`` when there is none."""
+        due = float("inf")
+        for lease in self._leases.values():
+            if not lease.draining:
+                due = min(due, lease.expires_at)
+            for admission in lease.admissions.values():
+                due = min(due, admission.deadline + self.admission_margin_s)
+        return due
 
     def latest_admission_deadline(self) -> float:
         """At least the deadline of the open admission that ends last; 0.0 when none is open.
@@ -165,6 +180,7 @@ class LeaseTable:
             soft=soft,
         )
         self._leases[lease.lease_id] = lease
+        self.on_new_deadline()
         return lease
 
     def get(self, lease_id: str) -> Lease:
@@ -181,6 +197,7 @@ class LeaseTable:
             raise InvalidArgument(f"lease ttl must be > 0, got {ttl_s}")
         lease = self.get(lease_id)
         lease.expires_at = self._clock() + ttl_s
+        self.on_new_deadline()
         return lease
 
     def renew_by_own_ttl(self, lease_ids: list[str]) -> list[str]:
@@ -225,6 +242,7 @@ class LeaseTable:
         self._admission_deadline_high = max(self._admission_deadline_high, admission.deadline)
         lease.reader_tp_size = reader_tp_size
         lease.expires_at = max(lease.expires_at, admission.deadline)
+        self.on_new_deadline()
         return admission
 
     def record_read(self, lease_id: str, admission_id: str, part: int, parts: int) -> None:

@@ -31,7 +31,7 @@ import dataclasses
 import enum
 import logging
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvd.core.dataplane import DataPlane, Xfer
@@ -111,6 +111,9 @@ class Memories:
         self._metrics = metrics
         self.quarantine: list[LocalMemory] = []
         self._releasing: set[LocalMemory] = set()
+        # Called when a mapping enters the quarantine: the daemon's sweeper, which frees it once its
+        # stale reads are final, sleeps while there is nothing to sweep and must be woken.
+        self.on_quarantined: Callable[[], None] = lambda: None
 
     async def register(self, regions: Sequence[OpenedRegion], registration_id: int) -> LocalMemory:
         """Register every region with NIXL; all or nothing."""
@@ -247,6 +250,7 @@ class Memories:
                 memory.state = MemoryState.QUARANTINED
                 self.quarantine.append(memory)
                 self._metrics.quarantined_bytes.inc(memory.size_bytes)
+                self.on_quarantined()
                 if not memory.stale:  # no read of ours is built on its lists any more
                     await memory.tables.release()
                 return

@@ -119,6 +119,11 @@ class TransferTable:
     def in_flight(self) -> list[Transfer]:
         return [t for t in self._transfers.values() if not t.state.final]
 
+    def any_in_flight(self) -> bool:
+        """Is a transfer in flight? Newest first: one in flight is found at once, and none in
+        flight costs one pass (the daemon's sweeper asks this on every round)."""
+        return any(not t.state.final for t in reversed(self._transfers.values()))
+
     def _trim(self) -> None:
         if len(self._transfers) <= KEEP_FINISHED:
             return

@@ -53,6 +53,13 @@ POLL_FAST_S = 0.0002
 # a core instead of ~5 %. Any call or a reader's admission wakes the thread at once.
 DORMANT_AFTER_S = 1.0
 POLL_DORMANT_S = 0.05
+# Dormant with no reader admitted at all (the control process sets fast_poll_until to 0.0 once the
+# last admission is over; it stays at a past deadline while an overdue admission is still open, in
+# its read_admission_margin_s, and then a late notification is read within POLL_DORMANT_S): nothing
+# can notify us, so the thread polls once a second only (the control process's heartbeat wakes it
+# about as often anyway). An admission, or any call, wakes it at once. Each poll costs ~0.1 ms
+# (UCX progress): 20 a second were a quarter of an idle worker's CPU (issue 19).
+POLL_UNADMITTED_S = 1.0
 
 
 def _nixl() -> Any:
@@ -181,7 +188,9 @@ class NixlAgent:
         if now < self._fast_poll_until:
             self._active_at = now
             return POLL_FAST_S
-        return POLL_IDLE_S if now - self._active_at < DORMANT_AFTER_S else POLL_DORMANT_S
+        if now - self._active_at < DORMANT_AFTER_S:
+            return POLL_IDLE_S
+        return POLL_DORMANT_S if self._fast_poll_until else POLL_UNADMITTED_S
 
     def _poll(self) -> None:
         if self._xfers:

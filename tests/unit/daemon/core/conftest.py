@@ -14,5 +14,7 @@ def fabric(monkeypatch: pytest.MonkeyPatch) -> Fabric:
     fabric = Fabric()
     monkeypatch.setattr(daemon_module, "DataPlane", fabric.make_dataplane)
     monkeypatch.setattr(daemon_module, "SWEEP_S", 3600.0)
+    monkeypatch.setattr(daemon_module, "SWEEP_MIN_S", 3600.0)  # not even on a passed deadline
+    monkeypatch.setattr(daemon_module, "SWEEP_IDLE_MAX_S", 3600.0)
     monkeypatch.setattr(daemon_module, "LIVENESS_S", 3600.0)
     return fabric

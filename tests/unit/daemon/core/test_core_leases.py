@@ -457,3 +457,30 @@ def test_open_admissions_is_the_count_of_open_admissions_after_any_sequence(ops:
         assert table.open_admissions == _recount(table)
         if not table.open_admissions:
             assert table.latest_admission_deadline() == 0.0
+
+
+# --- the sweeper's schedule ---------------------------------------------------------------------
+
+
+def test_next_deadline_is_the_earliest_expiry_or_admission_end(clock: FakeClock) -> None:
+    """The daemon's sweeper sleeps until next_deadline: a live lease's expiry, or an open
+    admission's deadline plus the margin, whichever comes first; nothing held: never."""
+    woken: list[float] = []
+    table = LeaseTable(clock=clock, admission_margin_s=MARGIN, on_new_deadline=lambda: woken.append(clock.now))
+    assert table.next_deadline() == float("inf")
+    lease = _create(table, ttl=10.0)
+    assert table.next_deadline() == clock.now + 10.0
+    admission = _admit(table, lease)  # HOLD 30 s: the lease lives until the read's deadline
+    assert table.next_deadline() == admission.deadline  # the lease's expiry, stretched to it
+    table.end(lease.lease_id, LeaseEnd.RELEASED)  # draining: only the admission's end is due
+    assert lease.draining
+    assert table.next_deadline() == admission.deadline + MARGIN
+    other = _create(table, ttl=2.0, request="req-2")
+    assert table.next_deadline() == clock.now + 2.0
+    table.renew(other.lease_id, 1.0)  # a renewal may bring the expiry nearer
+    assert table.next_deadline() == clock.now + 1.0
+    assert len(woken) == 4  # create, admit, create, renew: each may bring a deadline nearer
+    clock.advance(1.0)
+    table.sweep()
+    assert table.find(other.lease_id) is None
+    assert table.next_deadline() == admission.deadline + MARGIN
