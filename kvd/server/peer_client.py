@@ -15,7 +15,7 @@ import grpc
 
 from kvd.core.peers import HandshakeInfo, PrepareResult
 from kvd.server import convert
-from kvd.server.peer_stream import PeerStreamCaller
+from kvd.server.peer_stream import PeerStreamCaller, StreamUnsupported
 from kvd_client.channel import PEER_CHANNEL_OPTIONS
 from kvd_client.errors import ErrorCode, KvdError, PeerUnavailable, from_status
 from kvd_client.grpc_errors import error_class_name, rpc_error_code, rpc_error_details
@@ -51,6 +51,7 @@ class GrpcPeerTransport:
         self._channels: dict[str, grpc.aio.Channel] = {}
         # One PeerStream per peer (kvd.server.peer_stream), when calls_on_stream.
         self._streams: dict[str, PeerStreamCaller] = {}
+        self._unary_only: set[str] = set()  # peers that answered the stream UNIMPLEMENTED
         # One stub per channel: building one per call showed in the pull path's profile.
         self._stubs: dict[str, peer_pb2_grpc.PeerServiceStub] = {}
         self.last_contact: dict[str, float] = {}
@@ -88,12 +89,19 @@ class GrpcPeerTransport:
         unary: Callable[[peer_pb2_grpc.PeerServiceStub], Awaitable[T]],
     ) -> T:
         """One call to a peer: a message on its stream, or a unary RPC (``calls_on_stream``)."""
-        if not self._calls_on_stream:
+        if not self._calls_on_stream or address in self._unary_only:
             return await self._call(address, what, unary)
         stream = self._streams.get(address)
         if stream is None:
             stream = self._streams[address] = PeerStreamCaller(address, lambda: self._stub(address))
-        response: T = await stream.call(kind, request, timeout_s, what)
+        try:
+            response: T = await stream.call(kind, request, timeout_s, what)
+        except StreamUnsupported:
+            # An older holder (no PeerStream): it ran nothing; unary calls to it from now on
+            # (until it is dropped: a restarted, upgraded holder gets the stream again).
+            logger.info("peer daemon %s does not serve PeerStream: calling it with unary RPCs", address)
+            self._unary_only.add(address)
+            return await self._call(address, what, unary)
         self.last_contact[address] = time.monotonic()
         return response
 
@@ -102,7 +110,7 @@ class GrpcPeerTransport:
             caller_incarnation=self._own_incarnation(), caller_address=self._own_address()
         )
         response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
-        if self._calls_on_stream and address not in self._streams:
+        if self._calls_on_stream and address not in self._streams and address not in self._unary_only:
             # Opened now, off the first pull's path (a later break reopens it on its next call).
             stream = self._streams[address] = PeerStreamCaller(address, lambda: self._stub(address))
             stream.open()
@@ -214,6 +222,7 @@ class GrpcPeerTransport:
         stream = self._streams.pop(address, None)
         if stream is not None:
             await stream.close()
+        self._unary_only.discard(address)
         self._stubs.pop(address, None)
         channel = self._channels.pop(address, None)
         if channel is not None:

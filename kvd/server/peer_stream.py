@@ -207,6 +207,8 @@ class PeerStreamCaller:
             stream.withdraw(call_id)
             raise
         except _StreamBroken as exc:
+            if exc.error is not None and rpc_error_code(exc.error) is ErrorCode.UNIMPLEMENTED:
+                raise StreamUnsupported(self.address) from None
             raise exc.error_for(self.address, what) from None
         if reply.code:
             raise from_status(
@@ -219,6 +221,14 @@ class PeerStreamCaller:
         stream, self._stream = self._stream, None
         if stream is not None:
             await stream.close()
+
+
+class StreamUnsupported(Exception):
+    """The peer does not serve PeerStream (an older kvd): the call was not run; make it unary."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"peer daemon {address} does not serve PeerStream")
+        self.address = address
 
 
 class _StreamBroken(Exception):

@@ -205,3 +205,50 @@ def test_a_duplicate_call_id_in_flight_is_refused_and_the_holder_answers_the_fir
         assert replies[1].prepare_pull.notif_tag == "tag-x"
 
     _run(scenario)
+
+
+def test_a_holder_without_the_stream_is_called_with_unary_rpcs() -> None:
+    """An older holder answers PeerStream UNIMPLEMENTED before running anything: the transport
+    makes the call (and later ones) unary, and its errors still come back as their classes."""
+    from kvd.server.peer_client import GrpcPeerTransport
+
+    class OldHolder(peer_pb2_grpc.PeerServiceServicer):
+        def __init__(self) -> None:
+            self.unary = 0
+
+        async def PreparePull(
+            self, request: peer_pb2.PreparePullRequest, context: grpc.aio.ServicerContext
+        ) -> peer_pb2.PreparePullResponse:
+            self.unary += 1
+            return await _ok(request)
+
+    async def scenario() -> None:
+        holder = OldHolder()
+        server = grpc.aio.server()
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(holder, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        transport = GrpcPeerTransport(lambda: "reader:1", lambda: "inc")
+        address = f"127.0.0.1:{port}"
+        try:
+            for lease in ("a", "b"):
+                result = await transport.prepare_pull(
+                    address,
+                    lease_id=lease,
+                    engine_id="e",
+                    block_ids=(1,),
+                    num_tokens=16,
+                    reader_tp_rank=0,
+                    reader_tp_size=1,
+                    remote_tp_ranks=(0,),
+                    reader_transfer_id="t",
+                    read_timeout_s=5,
+                    timeout_s=5,
+                )
+                assert result.notif_tag == f"tag-{lease}"
+            assert holder.unary == 2
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    _run(scenario)
