@@ -332,7 +332,7 @@ class AsyncKvdClient:
         for stream in list(self._streams):
             await stream.close()
         if self._owns_channel:
-            await self._channel.close(grace=None)
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncKvdClient:
         return self
