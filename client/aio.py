@@ -1,3 +1,4 @@
+# The source of client/sync.py too: edit here, then run python tools/gen_sync.py.
 """The asyncio client of a kvd daemon, for engines (EngineService) and routers (RouterService).
 
 Every RPC is a snake_case method taking keyword arguments (or a prebuilt ``request=``) and a

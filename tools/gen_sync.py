@@ -43,6 +43,10 @@ HEADER = "# Generated from client/aio.py by tools/gen_sync.py; do not edit.\n"
 
 TEXT: tuple[tuple[str, str], ...] = (
     (
+        "# The source of client/sync.py too: edit here, then run python tools/gen_sync.py.\n",
+        "",  # the generated file gets HEADER instead
+    ),
+    (
         '"""The asyncio client of a kvd daemon',
         '"""The blocking client of a kvd daemon',
     ),
