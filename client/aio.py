@@ -1,3 +1,4 @@
+# The source of client/sync.py too: edit here, then run python tools/gen_sync.py.
 """The asyncio client of a kvd daemon, for engines (EngineService) and routers (RouterService).
 
 Every RPC is a snake_case method taking keyword arguments (or a prebuilt ``request=``) and a
@@ -332,7 +333,7 @@ class AsyncKvdClient:
         for stream in list(self._streams):
             await stream.close()
         if self._owns_channel:
-            await self._channel.close(grace=None)
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncKvdClient:
         return self

@@ -1,3 +1,4 @@
+# Generated from client/aio.py by tools/gen_sync.py; do not edit.
 """The blocking client of a kvd daemon, for engines (EngineService) and routers (RouterService).
 
 Every RPC is a snake_case method taking keyword arguments (or a prebuilt ``request=``) and a
@@ -223,7 +224,8 @@ class KvdClient:
         aborted (e.g. ``errors.Unavailable`` for a peer that died) or did not end in time."""
         timeout = self._timeout(timeout_s)
         deadline = _base.deadline_after(timeout)
-        with contextlib.closing(self.watch_transfer(transfer_id, timeout_s=timeout_s)) as watch:
+        watch = self.watch_transfer(transfer_id, timeout_s=timeout_s)
+        with contextlib.closing(watch):
             for status in watch:
                 if _base.is_terminal(status):
                     return _base.final_status(status)
