@@ -63,6 +63,9 @@ SWEEP_IDLE_MAX_S = 1.0
 SWEEP_MIN_S = 0.001  # never spin, even on a deadline the sweep could not act on
 LIVENESS_S = 0.25  # how often an engine pid without a pidfd is checked (a kill is noticed within this)
 IDLE_PEER_SWEEP_S = 5.0
+# A fast-poll deadline long past but not 0.0: the worker keeps polling every 50 ms, not 1 s (a read
+# that was never proven over may still be served; see Daemon._poll_fast_while_admitted).
+UNPROVEN_READS_DEADLINE = 1e-3
 SCRAPE_WAIT_S = 1.0  # how long a scrape waits for the event loop to compute the lease gauges
 MAX_PULLS_PER_CALL = 1024
 """Most pulls one StartPulls may start: an engine step loads at most a few hundred requests, and a
@@ -592,7 +595,6 @@ class Daemon(DataPlaneRestarts):
     def _admission_over(self, admission: Admission) -> None:
         """LeaseTable callback: an admitted read is over; unpin the holder memory it pinned."""
         assert admission.ended is not None
-        self._poll_fast_while_admitted()
         label = self._reader_labels.pop(admission.admission_id, "")
         if admission.ended is AdmissionEnd.READ:
             self.metrics.transfers.labels(label, "serve", "done").inc()
@@ -619,12 +621,22 @@ class Daemon(DataPlaneRestarts):
         for memory in pinned:
             assert isinstance(memory, LocalMemory)
             self._follow_up(self._mem.unpin(memory, holder=True, clean=clean))
+        self._poll_fast_while_admitted(unproven=bool(pinned) and not clean)
 
-    def _poll_fast_while_admitted(self) -> None:
+    def _poll_fast_while_admitted(self, unproven: bool = False) -> None:
         """NIXL's thread polls fast until the latest open admission's deadline: a READ that
-        carries a notification completes only once the holder has made progress."""
-        if self.dataplane is not None:
-            self.dataplane.fast_poll_until = self.leases.latest_admission_deadline()
+        carries a notification completes only once the holder has made progress.
+
+        With none open, 0.0 lets it poll once a second only, unless a read of an engine's
+        memory here ended without being proven over (tainted): its reader may still be reading
+        (a stalled READ resumes when a partition heals, and over TCP UCX serves it only as the
+        holder makes progress), so it keeps a past, non-zero deadline: a poll every 50 ms."""
+        if self.dataplane is None:
+            return
+        deadline = self.leases.latest_admission_deadline()
+        if not deadline and (unproven or any(rank.memory.tainted for rank in self.registry)):
+            deadline = UNPROVEN_READS_DEADLINE
+        self.dataplane.fast_poll_until = deadline
 
     def _gauges_for_scrape(self) -> None:
         """Metrics hook, run before every collection: set the lease gauges from the tables.

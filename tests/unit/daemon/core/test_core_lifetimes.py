@@ -348,6 +348,7 @@ def test_a_scrape_from_another_thread_reads_the_lease_gauges_computed_on_the_loo
         await ended(transfer)
         await settle(p.holder)
         assert await asyncio.to_thread(registry.get_sample_value, "kvd_admitted_reads", {}) == 0
+        assert p.holder.dataplane.fast_poll_until == 0.0  # proven over, none open: the slowest poll
 
     run(fabric, scenario)
 
@@ -539,6 +540,9 @@ def test_holder_unregister_during_admitted_read_past_deadline_and_margin_retires
         await settle(p.holder)
 
         assert p.holder.metric("kvd_admissions_ended_total", reason="timed_out") == 1
+        # Its reader may still be reading (a stalled READ resumes; over TCP only as the holder
+        # progresses): the worker keeps polling every 50 ms, never the 1 s of "nobody admitted".
+        assert p.holder.dataplane.fast_poll_until != 0.0
         assert memory.state is MemoryState.QUARANTINED and memory.tainted and memory.retired
         assert not any(p.holder.dataplane.deregistered(r) for r in regs)
         assert holder.leases.draining == 0 and holder.status().quarantined_bytes == memory.size_bytes
