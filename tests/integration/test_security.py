@@ -98,6 +98,24 @@ def _calls(lease_id: str) -> dict[str, Callable[[grpc.Channel], Any]]:
         "/kvd.v1.PeerService/AbandonPull": lambda ch: peer(ch).AbandonPull(
             peer_pb2.AbandonPullRequest(lease_id="no-such-lease"), timeout=10
         ),
+        "/kvd.v1.PeerService/PeerStream": lambda ch: list(
+            peer(ch).PeerStream(
+                iter(
+                    [
+                        peer_pb2.PeerCalls(
+                            calls=[
+                                peer_pb2.PeerCall(
+                                    call_id=1,
+                                    timeout_ms=5000,
+                                    prepare_pull=peer_pb2.PreparePullRequest(lease_id="no-such-lease"),
+                                )
+                            ]
+                        )
+                    ]
+                ),
+                timeout=10,
+            )
+        ),
         "/kvd.v1.RouterService/StartPull": lambda ch: router(ch).StartPull(
             router_pb2.StartPullRequest(engine_id="nosuch", request_id="r", local_block_ids=[0]), timeout=10
         ),
@@ -167,6 +185,7 @@ def test_role_matrix_every_rpc_as_every_identity(mtls_pair, pki: Path) -> None:
                     assert f"needs role {needed}" in details, details
     # What an allowed call returns is real: the peer gets metadata, the operator a status.
     assert table[("node-b", "/kvd.v1.PeerService/Handshake")] is grpc.StatusCode.OK
+    assert table[("node-b", "/kvd.v1.PeerService/PeerStream")] is grpc.StatusCode.OK  # its call's error is in the reply
     assert table[("router", "/kvd.v1.RouterService/GetStatus")] is grpc.StatusCode.OK
     assert table[("router", "/kvd.v1.RouterService/RenewLease")] is grpc.StatusCode.OK
     assert table[("operator", "/kvd.v1.RouterService/SelftestHold")] is grpc.StatusCode.OK
