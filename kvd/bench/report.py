@@ -105,15 +105,23 @@ def concurrency_table(rows: list[dict[str, Any]]) -> list[str]:
         f"{'reader':>7} {'r-wkr':>7} {'holder':>7} {'h-wkr':>7} {'client':>7} {'all':>7}",
     ]
     for row in rows:
-        lat, pulls, wall = row["latency_s"], row["pulls"], row["wall_s"]
-        cpu = {k: f"{v / pulls * 1e3:7.2f}" for k, v in row["cpu_s"].items()}
+        pulls, wall = row["pulls"], row["wall_s"]
         out.append(
             f"{row['in_flight']:4d} {pulls:6d} {pulls / wall:8.0f} {pulls * (2 << 20) / wall / GB:6.2f} "
-            f"{_ms(median(lat)):>8} {_ms(percentile(lat, 99)):>8} "
-            f"{cpu['reader']} {cpu.get('reader worker', '      -')} {cpu['holder']} "
-            f"{cpu.get('holder worker', '      -')} {cpu['client']} {cpu['all']}"
+            + _latency_and_cpu(row)
         )
     return out
+
+
+def _latency_and_cpu(row: dict[str, Any]) -> str:
+    """The p50, p99 and CPU-per-pull columns the concurrency and batched tables share."""
+    lat, pulls = row["latency_s"], row["pulls"]
+    cpu = {k: f"{v / pulls * 1e3:7.2f}" for k, v in row["cpu_s"].items()}
+    return (
+        f"{_ms(median(lat)):>8} {_ms(percentile(lat, 99)):>8} "
+        f"{cpu['reader']} {cpu.get('reader worker', '      -')} {cpu['holder']} "
+        f"{cpu.get('holder worker', '      -')} {cpu['client']} {cpu['all']}"
+    )
 
 
 def batched_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -125,14 +133,8 @@ def batched_table(rows: list[dict[str, Any]]) -> list[str]:
         f"{'reader':>7} {'r-wkr':>7} {'holder':>7} {'h-wkr':>7} {'client':>7} {'all':>7}",
     ]
     for row in rows:
-        lat, pulls, wall = row["latency_s"], row["pulls"], row["wall_s"]
-        cpu = {k: f"{v / pulls * 1e3:7.2f}" for k, v in row["cpu_s"].items()}
-        out.append(
-            f"{row['batch']:4d} {row['mode']:>8} {pulls:6d} {pulls / wall:8.0f} "
-            f"{_ms(median(lat)):>8} {_ms(percentile(lat, 99)):>8} "
-            f"{cpu['reader']} {cpu.get('reader worker', '      -')} {cpu['holder']} "
-            f"{cpu.get('holder worker', '      -')} {cpu['client']} {cpu['all']}"
-        )
+        pulls, wall = row["pulls"], row["wall_s"]
+        out.append(f"{row['batch']:4d} {row['mode']:>8} {pulls:6d} {pulls / wall:8.0f} " + _latency_and_cpu(row))
     return out
 
 

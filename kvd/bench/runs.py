@@ -149,11 +149,7 @@ async def concurrency(
 
         latencies = await _in_flight(engine, held, level, tick)
         wall = time.perf_counter() - t0
-        client1 = own_cpu_seconds()
-        cpu1 = session.daemons.cpu()
-        cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
-        cpu["client"] = client1 - client0
-        cpu["all"] = sum(cpu.values())
+        cpu = _cpu_since(session, cpu0, client0)
         for block in range(level):  # every block a pull landed in holds the pattern
             session.verify(block, BLOCK_BYTES)
         out.append(
@@ -192,11 +188,7 @@ async def batched(
                 latencies += await engine.pull_step(held[step * batch : (step + 1) * batch], 0, mode == "batched")
                 progress(f"batched {batch} ({mode})", (n + (m + (step + 1) / steps) / len(modes)) / len(batches))
             wall = time.perf_counter() - t0
-            client1 = own_cpu_seconds()
-            cpu1 = session.daemons.cpu()
-            cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
-            cpu["client"] = client1 - client0
-            cpu["all"] = sum(cpu.values())
+            cpu = _cpu_since(session, cpu0, client0)
             for block in range(batch):
                 session.verify(block, BLOCK_BYTES)
             out.append(
@@ -287,3 +279,12 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def _cpu_since(session: Session, cpu0: dict[str, float], client0: float) -> dict[str, float]:
+    """CPU seconds of each process since ``cpu0`` / ``client0`` was read, and ``all`` of them."""
+    cpu1 = session.daemons.cpu()
+    cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    cpu["client"] = own_cpu_seconds() - client0
+    cpu["all"] = sum(cpu.values())
+    return cpu

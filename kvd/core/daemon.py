@@ -1049,6 +1049,18 @@ class Daemon(DataPlaneRestarts):
         transfer.task = asyncio.get_running_loop().create_task(self._puller.run(transfer, rank, remote))
         return transfer
 
+    def start_order(self, order: PullOrder) -> Transfer:
+        """:meth:`start_pull` with its arguments in one PullOrder (how the server edge reads them)."""
+        return self.start_pull(
+            order.engine_id,
+            order.tp_rank,
+            order.request_id,
+            order.local_block_ids,
+            order.remote,
+            order.deadline_s,
+            order.local_group_block_ids,
+        )
+
     def start_pulls(self, orders: Sequence[PullOrder | KvdError]) -> list[Transfer | KvdError]:
         """Start each pull of a batch on its own, as :meth:`start_pull` would: one result per order,
         in order, a Transfer or the error that pull failed with (it then changed nothing).
@@ -1068,17 +1080,7 @@ class Daemon(DataPlaneRestarts):
                 results.append(order)
                 continue
             try:
-                results.append(
-                    self.start_pull(
-                        order.engine_id,
-                        order.tp_rank,
-                        order.request_id,
-                        order.local_block_ids,
-                        order.remote,
-                        order.deadline_s,
-                        order.local_group_block_ids,
-                    )
-                )
+                results.append(self.start_order(order))
             except KvdError as exc:
                 results.append(exc)
             except Exception:  # a bug in one item must not fail its neighbours

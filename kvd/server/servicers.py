@@ -379,16 +379,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def StartPull(
         self, request: router_pb2.StartPullRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.StartPullResponse:
-        order = _pull_order(request)
-        transfer = self.daemon.start_pull(
-            order.engine_id,
-            order.tp_rank,
-            order.request_id,
-            order.local_block_ids,
-            order.remote,
-            order.deadline_s,
-            order.local_group_block_ids,
-        )
+        transfer = self.daemon.start_order(_pull_order(request))
         return router_pb2.StartPullResponse(transfer_id=transfer.transfer_id)
 
     @rpc
