@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import signal
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 LOCAL = LOCAL_AGENT
 FAST_POLL_SLACK_S = 1.0  # see DataPlane.fast_poll_until
+READS_PER_CALL = 64  # READs posted in one "reads" call (two index arrays each: MAX_BUFFERS bounds it)
 HEARTBEAT_S = 1.0  # how often the worker's NIXL thread is asked to answer (an idle daemon pays for each)
 
 
@@ -81,6 +83,9 @@ class DataPlane:
         self._call_ids = itertools.count(1)
         self._xfer_ids = itertools.count(1)
         self._xfers: dict[int, Xfer] = {}
+        # READs asked for during this turn of the event loop, posted together in one call
+        # ("reads") at its end: one message and one hop to the NIXL thread for all of them.
+        self._reads_to_post: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
         self._identity = AgentIdentity(b"", ())
         self._tasks: list[asyncio.Task[None]] = []
         self._fast_poll_until = 0.0
@@ -369,9 +374,8 @@ class DataPlane:
         xfer_id = next(self._xfer_ids)
         xfer = Xfer(xfer_id, peer, nbytes, 0.0, self._loop.create_future())
         self._xfers[xfer_id] = xfer  # before the call: the worker may settle it right after posting
-        try:
-            state, error = await self._call(
-                "read",
+        post = self._post_with_others(
+            (
                 xfer_id,
                 local_table,
                 np.ascontiguousarray(local_indices, dtype=np.int32),
@@ -381,6 +385,9 @@ class DataPlane:
                 peer,
                 nbytes,
             )
+        )
+        try:
+            state, error = await asyncio.shield(post)
         except KvdError:
             if xfer.final:  # the worker died with it posted or not: its death is the fence
                 return xfer
@@ -393,6 +400,32 @@ class DataPlane:
             xfer.error = decode_error(error)
         self._on_reads_in_flight(len(self._xfers))
         return xfer
+
+    def _post_with_others(self, read: tuple[Any, ...]) -> asyncio.Future[Any]:
+        """Queue one READ to be posted with the others asked for in this loop turn; its future
+        gets the READ's (state, error), or raises as a lone call would (a cancel of the waiter
+        does not retract it: the READ may be posted all the same)."""
+        assert self._loop is not None
+        future: asyncio.Future[Any] = self._loop.create_future()
+        future.add_done_callback(_ignore)
+        if not self._reads_to_post:
+            self._loop.call_soon(self._post_reads)
+        self._reads_to_post.append((read, future))
+        return future
+
+    def _post_reads(self) -> None:
+        """Send the READs queued this turn: one "reads" call per READS_PER_CALL of them."""
+        queued, self._reads_to_post = self._reads_to_post, []
+        for start in range(0, len(queued), READS_PER_CALL):
+            chunk = queued[start : start + READS_PER_CALL]
+            try:
+                call = self._submit("reads", tuple(read for read, _ in chunk))
+            except Exception as exc:  # noqa: BLE001 - not framed: nothing was sent, each READ fails
+                for _, future in chunk:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            call.add_done_callback(functools.partial(_hand_out, [future for _, future in chunk]))
 
     async def wait(self, xfers: Sequence[Xfer]) -> None:
         """Wait until every read is final; raise the first error. Cancelling the wait leaves the
@@ -411,6 +444,26 @@ class DataPlane:
         started = time.monotonic()
         await self._call("ping")
         return time.monotonic() - started
+
+
+def _hand_out(futures: list[asyncio.Future[Any]], call: asyncio.Future[Any]) -> None:
+    """A "reads" call is answered: each READ's own outcome to its waiter (the whole call's
+    error, the worker lost, to every one of them)."""
+    if call.cancelled():
+        error: BaseException | None = Unavailable("the data plane stopped while READs were posted")
+    else:
+        error = call.exception()
+    for index, future in enumerate(futures):
+        if future.done():
+            continue
+        if error is not None:
+            future.set_exception(error)
+            continue
+        outcome = call.result()[index]
+        if outcome[0] == "posted":
+            future.set_result((outcome[1], outcome[2]))
+        else:
+            future.set_exception(decode_error(outcome[1]))
 
 
 def _ignore(future: asyncio.Future[Any]) -> None:

@@ -322,7 +322,46 @@ class NixlAgent:
 
     # --- transfers ----------------------------------------------------------------------------
 
-    async def read(
+    async def read_many(self, reads: Sequence[tuple[Any, ...]]) -> list[Xfer | KvdError]:
+        """Post READs (local list, local indices, remote list, remote indices, notification,
+        peer, bytes), all in one call on the owner thread: for each, its Xfer, or the error
+        that refused it (then nothing of it was posted).
+
+        A READ that NIXL built but failed to post (wholly or in part) is an Xfer with ``error``
+        set: part of it may be on its way, so it is polled to a final state like any other, and
+        its destination must stay pinned until then."""
+        if not reads:
+            return []
+        assert self._loop is not None
+        loop = self._loop
+        prepared = [
+            (
+                local_table,
+                np.ascontiguousarray(local_indices, dtype=np.int32),
+                remote_table,
+                np.ascontiguousarray(remote_indices, dtype=np.int32),
+                notif,
+                peer,
+                nbytes,
+                loop.create_future(),
+            )
+            for local_table, local_indices, remote_table, remote_indices, notif, peer, nbytes in reads
+        ]
+
+        def post_all() -> list[Xfer | KvdError]:
+            out: list[Xfer | KvdError] = []
+            for read in prepared:
+                try:
+                    out.append(self._post(*read))
+                except KvdError as exc:
+                    out.append(exc)
+                except Exception as exc:
+                    out.append(Internal(f"posting a READ from {read[5]} failed: {type(exc).__name__}: {exc}"))
+            return out
+
+        return await self.call(post_all)
+
+    def _post(
         self,
         local_table: Any,
         local_indices: np.ndarray,
@@ -331,45 +370,33 @@ class NixlAgent:
         notif: bytes,
         peer: str,
         nbytes: int,
+        settled: asyncio.Future[None],
     ) -> Xfer:
-        """Post a READ. Raises if NIXL refused to build it (then nothing was posted).
-
-        A READ that NIXL built but failed to post (wholly or in part) is returned with ``error``
-        set: part of it may be on its way, so it is polled to a final state like any other, and
-        its destination must stay pinned until then.
-        """
-        assert self._loop is not None
-        settled: asyncio.Future[None] = self._loop.create_future()
-        local_indices = np.ascontiguousarray(local_indices, dtype=np.int32)
-        remote_indices = np.ascontiguousarray(remote_indices, dtype=np.int32)
-
-        def post() -> Xfer:
-            try:
-                handle = self.agent.make_prepped_xfer(
-                    "READ", local_table, local_indices, remote_table, remote_indices, notif
-                )
-            except Exception as exc:
-                raise self._map(exc, peer) from exc
-            xfer = Xfer(handle, peer, nbytes, time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S, settled)
-            try:
-                state = self.agent.transfer(handle)
-            except Exception as exc:
-                # Some of the read may be posted already: poll it to a final state like any other.
-                xfer.error = self._map(exc, peer)
-                state = "PROC"
-            if state == "DONE" and xfer.error is None:
-                # Done within the post (UCX copied it: shared memory, small reads): final now,
-                # released here, no poll and no later settle message needed.
-                xfer.state = XferState.DONE
-                self._settle(xfer)
-                return xfer
-            self._xfers.append(xfer)
-            self._on_reads_in_flight(len(self._xfers))
-            if state == "ERR" and xfer.error is None:
-                xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
+        """Build and post one READ (owner thread only). Raises if NIXL refused to build it."""
+        try:
+            handle = self.agent.make_prepped_xfer(
+                "READ", local_table, local_indices, remote_table, remote_indices, notif
+            )
+        except Exception as exc:
+            raise self._map(exc, peer) from exc
+        xfer = Xfer(handle, peer, nbytes, time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S, settled)
+        try:
+            state = self.agent.transfer(handle)
+        except Exception as exc:
+            # Some of the read may be posted already: poll it to a final state like any other.
+            xfer.error = self._map(exc, peer)
+            state = "PROC"
+        if state == "DONE" and xfer.error is None:
+            # Done within the post (UCX copied it: shared memory, small reads): final now,
+            # released here, no poll and no later settle message needed.
+            xfer.state = XferState.DONE
+            self._settle(xfer)
             return xfer
-
-        return await self.call(post)
+        self._xfers.append(xfer)
+        self._on_reads_in_flight(len(self._xfers))
+        if state == "ERR" and xfer.error is None:
+            xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
+        return xfer
 
     async def wait(self, xfers: Sequence[Xfer]) -> None:
         """Wait until every read is final; raise the first error. Cancelling the wait leaves the

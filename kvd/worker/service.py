@@ -80,7 +80,7 @@ class WorkerService:
             "remove_remote": self.remove_remote,
             "prepare_table": self.prepare_table,
             "release_tables": self.release_tables,
-            "read": self.read,
+            "reads": self.reads,
         }
 
     # --- the channel --------------------------------------------------------------------------
@@ -217,23 +217,40 @@ class WorkerService:
 
     # --- transfers ----------------------------------------------------------------------------
 
-    async def read(
-        self,
-        xfer_id: int,
-        local_table: int,
-        local_indices: np.ndarray,
-        remote_table: int,
-        remote_indices: np.ndarray,
-        notif: bytes,
-        peer: str,
-        nbytes: int,
-    ) -> tuple[str, WireError | None]:
-        """Post a READ: its state (DONE when it finished within the post: then no SETTLED follows)
-        and its error, if it was posted only in part (then it still settles later)."""
-        local, remote = self._tables.get(local_table), self._tables.get(remote_table)
-        if local is None or remote is None:
-            raise NotFound(f"a READ from {peer} names a descriptor list this worker does not have")
-        xfer = await self.agent.read(local, local_indices, remote, remote_indices, notif, peer, nbytes)
+    async def reads(self, items: tuple[tuple[Any, ...], ...]) -> list[tuple[Any, ...]]:
+        """Post READs, all in one hop to the NIXL thread (DataPlane sends a loop turn's together).
+
+        Each READ's outcome on its own, in order: ("posted", state, error), its state DONE when
+        it finished within the post (then no SETTLED follows) and its error if it was posted
+        only in part (then it still settles later); or ("refused", error): nothing of it posted."""
+        outcomes: list[tuple[Any, ...] | None] = [None] * len(items)
+        posts: list[tuple[Any, ...]] = []
+        for index, (
+            _xfer_id,
+            local_table,
+            local_indices,
+            remote_table,
+            remote_indices,
+            notif,
+            peer,
+            nbytes,
+        ) in enumerate(items):
+            local, remote = self._tables.get(local_table), self._tables.get(remote_table)
+            if local is None or remote is None:
+                error = NotFound(f"a READ from {peer} names a descriptor list this worker does not have")
+                outcomes[index] = ("refused", encode_error(error))
+                continue
+            posts.append((index, local, local_indices, remote, remote_indices, notif, peer, nbytes))
+        posted = await self.agent.read_many([post[1:] for post in posts])
+        for (index, *_), xfer in zip(posts, posted, strict=True):
+            if isinstance(xfer, Exception):
+                outcomes[index] = ("refused", encode_error(xfer))
+                continue
+            outcomes[index] = ("posted", *self._track(items[index][0], xfer))
+        return [outcome for outcome in outcomes if outcome is not None]
+
+    def _track(self, xfer_id: int, xfer: Xfer) -> tuple[str, WireError | None]:
+        """A posted READ's (state, error) for its caller; one not yet final is settled later."""
         error = encode_error(xfer.error) if xfer.error is not None else None
         if xfer.state is XferState.DONE:
             return xfer.state.value, error

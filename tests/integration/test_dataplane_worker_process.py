@@ -26,7 +26,7 @@ import torch
 from kvd.core.dataplane import LOCAL, DataPlane, XferState
 from kvd.core.workers import WorkerLauncher
 from kvd.dataplane_protocol import MappedRegion, MemoryKind, RegionRequest
-from kvd_client.errors import Unavailable
+from kvd_client.errors import NotFound, Unavailable
 from kvd_client.shm import create_shm_tensor, new_shm_name, unlink_shm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -261,5 +261,70 @@ def test_a_worker_that_stops_answering_is_found_hung_killed_and_reaped() -> None
                 await step(hung.plane.ping())
             await asyncio.sleep(HEARTBEAT_WAIT_S)
             assert len(hung.lost) == 1
+
+    asyncio.run(main())
+
+
+def test_reads_asked_for_in_one_loop_turn_are_posted_together_each_with_its_own_outcome(
+    shm_regions: list[tuple[str, torch.Tensor]],
+) -> None:
+    """READs asked for together travel in one call to the worker and one hop to its NIXL thread;
+    each still gets its own Xfer, bytes and notification, and one naming a list the worker does
+    not have fails alone (nothing of it posted) without touching the others."""
+    (holder_shm, holder_memory), (reader_shm, reader_memory) = shm_regions
+    holder_memory.copy_(torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)))
+
+    async def main() -> None:
+        holder, reader = Plane("dptest-holder-many"), Plane("dptest-reader-many")
+        async with planes(holder, reader):
+            held = await expose(holder.plane, holder_shm)
+            landed = await expose(reader.plane, reader_shm)
+            await step(reader.plane.add_remote(holder.plane.identity().metadata))
+            remote = await step(asyncio.to_thread(reader.plane.prepare_table, holder.plane.name, rows(held), "DRAM"))
+            local = await step(asyncio.to_thread(reader.plane.prepare_table, LOCAL, rows(landed), "DRAM"))
+            sent: list[str] = []
+            submit = reader.plane._submit
+
+            def recorded(op: str, *args: Any) -> Any:
+                sent.append(op)
+                return submit(op, *args)
+
+            reader.plane._submit = recorded  # type: ignore[method-assign]
+
+            reads = [
+                reader.plane.read(
+                    local,
+                    np.array([i], np.int32),
+                    remote,
+                    np.array([BLOCKS - 1 - i], np.int32),
+                    b"many-%d" % i,
+                    holder.plane.name,
+                    BLOCK,
+                )
+                for i in range(8)
+            ]
+            refused = reader.plane.read(
+                local, np.array([9], np.int32), 10**9, np.array([0], np.int32), b"refused", holder.plane.name, BLOCK
+            )
+            *xfers, outcome = await step(asyncio.gather(*reads, refused, return_exceptions=True))
+            assert isinstance(outcome, NotFound), outcome
+            # One "reads" call carried all nine (a heartbeat's ping may have gone meanwhile).
+            assert [op for op in sent if op != "ping"] == ["reads"]
+            await step(reader.plane.wait(xfers))
+            assert all(x.final and x.state is XferState.DONE and x.error is None for x in xfers)
+            assert reader.plane.in_flight() == 0
+            for i in range(8):
+                src = BLOCKS - 1 - i
+                assert torch.equal(
+                    reader_memory[i * BLOCK : (i + 1) * BLOCK], holder_memory[src * BLOCK : (src + 1) * BLOCK]
+                )
+            assert not reader_memory[9 * BLOCK : 10 * BLOCK].any()  # the refused READ moved nothing
+            seen: set[bytes] = set()
+            async with asyncio.timeout(STEP_S):
+                while len(seen) < 8:
+                    await holder.notified.wait()
+                    holder.notified.clear()
+                    seen = {m for n in holder.notifications for m in n.get(reader.plane.name, [])}
+            assert seen == {b"many-%d" % i for i in range(8)}
 
     asyncio.run(main())
