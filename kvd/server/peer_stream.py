@@ -211,9 +211,11 @@ class PeerStreamCaller:
                 raise StreamUnsupported(self.address) from None
             raise exc.error_for(self.address, what) from None
         if reply.code:
-            raise from_status(
-                ErrorCode(reply.code), f"peer daemon {self.address}: {reply.error_message}", reply.error_class
-            )
+            code = ErrorCode(reply.code)
+            if code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) and not reply.error_class:
+                # As a unary call's status without a kvd class (the holder gave up at the deadline).
+                raise PeerUnavailable(f"peer daemon {self.address} unreachable during {what}: {reply.error_message}")
+            raise from_status(code, f"peer daemon {self.address}: {reply.error_message}", reply.error_class)
         return getattr(reply, kind)
 
     async def close(self) -> None:

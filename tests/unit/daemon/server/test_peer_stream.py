@@ -252,3 +252,19 @@ def test_a_holder_without_the_stream_is_called_with_unary_rpcs() -> None:
             await server.stop(None)
 
     _run(scenario)
+
+
+def test_the_holder_gives_up_a_call_at_its_timeout_and_answers_as_a_unary_deadline() -> None:
+    async def scenario() -> None:
+        async def hang(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+            await asyncio.sleep(60)
+            raise AssertionError("not reached")
+
+        async def requests() -> AsyncIterator[peer_pb2.PeerCalls]:
+            yield peer_pb2.PeerCalls(calls=[peer_pb2.PeerCall(call_id=3, timeout_ms=50, prepare_pull=_prepare("x"))])
+
+        replies = [r async for m in serve_peer_stream(requests(), {"prepare_pull": hang}, None) for r in m.replies]
+        # DEADLINE_EXCEEDED with no kvd class: the caller maps it to PeerUnavailable, as unary.
+        assert [(r.call_id, r.code, r.error_class) for r in replies] == [(3, 4, "")]
+
+    _run(scenario)
