@@ -158,10 +158,13 @@ class NixlAgent:
 
     def _run(self) -> None:
         while True:
-            if any(active for _, _, active in self._commands):
-                self._active_at = time.monotonic()
+            # Popped one at a time, never iterated: other threads append while this one runs
+            # (iterating the deque raised "deque mutated during iteration" and ended the thread:
+            # its worker was then killed as hung).
             while self._commands:
-                fn, future, _ = self._commands.popleft()
+                fn, future, active = self._commands.popleft()
+                if active:
+                    self._active_at = time.monotonic()
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn())
