@@ -15,7 +15,7 @@ import grpc
 
 from kvd.core.peers import HandshakeInfo, PrepareResult
 from kvd.server import convert
-from kvd.server.peer_stream import PeerStreamCaller, StreamUnsupported
+from kvd.server.peer_stream import OPERATIONS, PeerStreamCaller, StreamUnsupported
 from kvd_client.channel import PEER_CHANNEL_OPTIONS
 from kvd_client.errors import ErrorCode, KvdError, PeerUnavailable, from_status
 from kvd_client.grpc_errors import error_class_name, rpc_error_code, rpc_error_details
@@ -86,16 +86,18 @@ class GrpcPeerTransport:
         kind: str,
         request: Any,
         timeout_s: float,
-        unary: Callable[[peer_pb2_grpc.PeerServiceStub], Awaitable[T]],
-    ) -> T:
-        """One call to a peer: a message on its stream, or a unary RPC (``calls_on_stream``)."""
+    ) -> Any:
+        """One call to a peer: a message on its stream, or the unary RPC of the same name
+        (``calls_on_stream`` false, or a peer without the stream)."""
+
+        def unary(stub: peer_pb2_grpc.PeerServiceStub) -> Awaitable[Any]:
+            return getattr(stub, OPERATIONS[kind])(request, timeout=timeout_s)
+
         if not self._calls_on_stream or address in self._unary_only:
             return await self._call(address, what, unary)
-        stream = self._streams.get(address)
-        if stream is None:
-            stream = self._streams[address] = PeerStreamCaller(address, lambda: self._stub(address))
+        stream = self._stream(address)
         try:
-            response: T = await stream.call(kind, request, timeout_s, what)
+            response = await stream.call(kind, request, timeout_s, what)
         except StreamUnsupported:
             # An older holder (no PeerStream): it ran nothing; unary calls to it from now on
             # (until it is dropped: a restarted, upgraded holder gets the stream again).
@@ -105,6 +107,12 @@ class GrpcPeerTransport:
         self.last_contact[address] = time.monotonic()
         return response
 
+    def _stream(self, address: str) -> PeerStreamCaller:
+        stream = self._streams.get(address)
+        if stream is None:
+            stream = self._streams[address] = PeerStreamCaller(address, lambda: self._stub(address))
+        return stream
+
     async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo:
         request = peer_pb2.HandshakeRequest(
             caller_incarnation=self._own_incarnation(), caller_address=self._own_address()
@@ -112,8 +120,7 @@ class GrpcPeerTransport:
         response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
         if self._calls_on_stream and address not in self._streams and address not in self._unary_only:
             # Opened now, off the first pull's path (a later break reopens it on its next call).
-            stream = self._streams[address] = PeerStreamCaller(address, lambda: self._stub(address))
-            stream.open()
+            self._stream(address).open()
         return convert.handshake_from_pb(response)
 
     async def prepare_pull(
@@ -153,7 +160,6 @@ class GrpcPeerTransport:
             "prepare_pull",
             request,
             timeout_s,
-            lambda stub: stub.PreparePull(request, timeout=timeout_s),
         )
         return PrepareResult(tuple(response.registration_ids), response.notif_tag, response.verify_after_read)
 
@@ -173,7 +179,6 @@ class GrpcPeerTransport:
             "abandon_pull",
             request,
             timeout_s,
-            lambda stub: stub.AbandonPull(request, timeout=timeout_s),
         )
 
     async def finish_read(
@@ -191,7 +196,6 @@ class GrpcPeerTransport:
             "finish_read",
             request,
             timeout_s,
-            lambda stub: stub.FinishRead(request, timeout=timeout_s),
         )
 
     async def renew_leases(self, address: str, lease_ids: list[str], timeout_s: float) -> list[str]:
@@ -202,7 +206,6 @@ class GrpcPeerTransport:
             "renew_leases",
             request,
             timeout_s,
-            lambda stub: stub.RenewLeases(request, timeout=timeout_s),
         )
         return list(response.unknown_lease_ids)
 
@@ -214,7 +217,6 @@ class GrpcPeerTransport:
             "release_leases",
             request,
             timeout_s,
-            lambda stub: stub.ReleaseLeases(request, timeout=timeout_s),
         )
 
     async def forget(self, address: str) -> None:
