@@ -145,7 +145,7 @@ class Puller:
         """After a handshake, off any pull's path: prepare the whole-block lists of the peer's
         engines (what every same-layout pull reads through). Holds no pin: if the agent is removed
         meanwhile its table cache is closed, and a list finished after that is released at once.
-        (UCX endpoints need no warming: loading the agent's metadata connects them.)"""
+        (The UCX connection was started when the agent's metadata was loaded: NixlAgent.add_remote.)"""
         agent = session.agent
         try:
             for engine in list(session.engines.values()):
