@@ -66,6 +66,11 @@ IDLE_PEER_SWEEP_S = 5.0
 # A fast-poll deadline long past but not 0.0: the worker keeps polling every 50 ms, not 1 s (a read
 # that was never proven over may still be served; see Daemon._poll_fast_while_admitted).
 UNPROVEN_READS_DEADLINE = 1e-3
+# After serving a Handshake, the worker polls fast this long: the reader connects its NIXL agent
+# at once (NixlAgent.add_remote), and UCX sets the connection up only as both sides make progress.
+# A dormant holder polls once a second, so the setup waited for the first admission and fell on
+# the first pull's READ instead of overlapping its planning and admission.
+CONNECT_POLL_S = 1.0
 SCRAPE_WAIT_S = 1.0  # how long a scrape waits for the event loop to compute the lease gauges
 MAX_PULLS_PER_CALL = 1024
 """Most pulls one StartPulls may start: an engine step loads at most a few hundred requests, and a
@@ -117,6 +122,8 @@ class Daemon(DataPlaneRestarts):
         self.config = config
         self.metrics = metrics
         self._loop: asyncio.AbstractEventLoop | None = None  # the one every table belongs to (start())
+        self._connecting_until = 0.0  # a reader may be connecting its NIXL agent until then (handshake_info)
+        self._connect_poll_end: asyncio.TimerHandle | None = None
         self.incarnation = uuid.uuid4().hex
         host = socket.gethostname().split(".")[0] or "host"
         self._agent_base = f"{config.agent_name_prefix}-{host}-{self.incarnation}"
@@ -636,6 +643,8 @@ class Daemon(DataPlaneRestarts):
         deadline = self.leases.latest_admission_deadline()
         if not deadline and (unproven or any(rank.memory.tainted for rank in self.registry)):
             deadline = UNPROVEN_READS_DEADLINE
+        if self._connecting_until > time.monotonic():
+            deadline = max(deadline, self._connecting_until)
         self.dataplane.fast_poll_until = deadline
 
     def _gauges_for_scrape(self) -> None:
@@ -808,7 +817,19 @@ class Daemon(DataPlaneRestarts):
         self.require_dataplane()
         assert self.dataplane is not None
         identity = self.dataplane.identity()
+        self._poll_fast_for_connect()
         return HandshakeInfo(self.incarnation, self.agent_name, identity.metadata, engines, identity.regions)
+
+    def _poll_fast_for_connect(self) -> None:
+        """A reader has the metadata and is connecting: poll fast for CONNECT_POLL_S (CONNECT_POLL_S's
+        comment), then as the admissions say. Handshakes are rare (one per peer and re-registration)."""
+        self._connecting_until = time.monotonic() + CONNECT_POLL_S
+        self._poll_fast_while_admitted()
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            if self._connect_poll_end is not None:
+                self._connect_poll_end.cancel()
+            self._connect_poll_end = loop.call_at(loop.time() + CONNECT_POLL_S + 0.01, self._poll_fast_while_admitted)
 
     async def prepare_pull(
         self,

@@ -117,10 +117,11 @@ class GrpcPeerTransport:
         request = peer_pb2.HandshakeRequest(
             caller_incarnation=self._own_incarnation(), caller_address=self._own_address()
         )
-        response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
         if self._calls_on_stream and address not in self._streams and address not in self._unary_only:
-            # Opened now, off the first pull's path (a later break reopens it on its next call).
+            # Opened now, beside the handshake on the new channel, off the first pull's path (a
+            # later break reopens it on its next call; a dropped peer's stream is closed with it).
             self._stream(address).open()
+        response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
         return convert.handshake_from_pb(response)
 
     async def prepare_pull(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 from kvtest import small_spec
 from lifetime_fakes import SAFETY_TIMEOUT_S, Fabric, Gate, Node
 
+from kvd.core import daemon as daemon_module
 from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.local_memory import LocalMemory, MemoryState
 from kvd.core.registry import EngineRank
@@ -332,9 +334,12 @@ def test_reads_cut_off_past_the_fence_are_abandoned_at_the_holder_once_they_end(
     run(fabric, scenario)
 
 
-def test_a_scrape_from_another_thread_reads_the_lease_gauges_computed_on_the_loop(fabric: Fabric) -> None:
+def test_a_scrape_from_another_thread_reads_the_lease_gauges_computed_on_the_loop(
+    fabric: Fabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The lease gauges are computed when collected, not on every admission: a scrape on the
     metrics server's thread (not the loop) still sees an admitted read, then its end."""
+    monkeypatch.setattr(daemon_module, "CONNECT_POLL_S", 0.01)  # the handshake's fast polls end first
 
     async def scenario() -> None:
         p = await make_pair(fabric)
@@ -348,7 +353,39 @@ def test_a_scrape_from_another_thread_reads_the_lease_gauges_computed_on_the_loo
         await ended(transfer)
         await settle(p.holder)
         assert await asyncio.to_thread(registry.get_sample_value, "kvd_admitted_reads", {}) == 0
+        await asyncio.sleep(0.05)
         assert p.holder.dataplane.fast_poll_until == 0.0  # proven over, none open: the slowest poll
+
+    run(fabric, scenario)
+
+
+def test_a_served_handshake_polls_fast_while_the_reader_connects_then_slows_down(
+    fabric: Fabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader connects its NIXL agent right after the handshake and UCX needs the holder's
+    progress for it: the holder's worker polls fast for CONNECT_POLL_S, then (no admission open)
+    at the slowest poll again; an admission inside the window keeps its own deadline."""
+    monkeypatch.setattr(daemon_module, "CONNECT_POLL_S", 0.05)
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder = p.holder.daemon
+        await settle(p.holder)
+        assert p.holder.dataplane.fast_poll_until == 0.0
+        before = time.monotonic()
+        holder.handshake_info()
+        assert p.holder.dataplane.fast_poll_until >= before + 0.05
+        await asyncio.sleep(0.1)
+        assert p.holder.dataplane.fast_poll_until == 0.0
+        transfer, _ = p.pull()  # a handshake, then an admission that outlives the window
+        xfers = await p.reading(transfer)
+        await asyncio.sleep(0.1)
+        assert p.holder.dataplane.fast_poll_until != 0.0  # the admission keeps its own deadline (fabric clock)
+        for xfer in xfers:
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        await settle(p.holder)
+        assert p.holder.dataplane.fast_poll_until == 0.0
 
     run(fabric, scenario)
 
