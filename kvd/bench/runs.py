@@ -84,7 +84,7 @@ async def sizes(session: Session, sizes_mb: list[int], samples: int, progress: P
     for n, size_mb in enumerate(sizes_mb):
         size = size_mb << 20
         held = await session.hold(size, samples + 1)
-        kvd, raw = [], []
+        kvd, raw, transfer_ids = [], [], []
         for i, hold in enumerate(held):
             session.engine.buffer.zero_()
             elapsed = await session.engine.pull(hold.kv_transfer_params, 0)
@@ -93,8 +93,10 @@ async def sizes(session: Session, sizes_mb: list[int], samples: int, progress: P
             if i:  # the first of each size warms up (tables of a new geometry, a new registration)
                 kvd.append(elapsed)
                 raw.append(raw_s)
+                transfer_ids.append(session.engine.last_transfer_id)
             progress(f"sizes {size_mb} MiB", (n + (i + 1) / len(held)) / len(sizes_mb))
-        out.append({"size_bytes": size, "kvd_s": kvd, "raw_s": raw})
+        phases = [dict((await session.local.get_transfer(t)).phase_s) for t in transfer_ids]
+        out.append({"size_bytes": size, "kvd_s": kvd, "raw_s": raw, "phase_s": phases})
     return out
 
 

@@ -53,6 +53,8 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert set(sizes) == {2 << 20, 4 << 20}
     assert all(len(row["kvd_s"]) == len(row["raw_s"]) == 2 for row in sizes.values())
     assert all(s > 0 for row in sizes.values() for s in row["kvd_s"] + row["raw_s"])
+    assert all(len(row["phase_s"]) == 2 for row in sizes.values())  # the post's share of each size's pulls
+    assert all(p["prepared"] <= p["read"] for row in sizes.values() for p in row["phase_s"])
     overhead = data["overhead"]
     assert len(overhead["overhead_s"]) == 4
     assert len(overhead["phase_s"]) == 4  # where each pull's time went, from the daemon's TransferStatus

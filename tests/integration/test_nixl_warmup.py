@@ -10,6 +10,7 @@ test process have crashed later tests.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from typing import Any
@@ -63,8 +64,10 @@ print("read out", read(main, peer, b"out"))
 
 
 @pytest.mark.integration
-def test_a_warmed_agent_reads_and_is_read_with_only_real_notifications() -> None:
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("ucx_tls", ["", "tcp"], ids=["default-transports", "ucx-tcp"])
+def test_a_warmed_agent_reads_and_is_read_with_only_real_notifications(ucx_tls: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"} | ({"UCX_TLS": ucx_tls} if ucx_tls else {})
+    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("read")]
     assert lines == ["read in {'peer': [b'in']}", "read out {'main': [b'out']}"], done.stdout
