@@ -68,9 +68,10 @@ IDLE_PEER_SWEEP_S = 5.0
 UNPROVEN_READS_DEADLINE = 1e-3
 # After serving a Handshake, the worker polls fast this long: the reader connects its NIXL agent
 # at once (NixlAgent.add_remote), and UCX sets the connection up only as both sides make progress.
-# A dormant holder polls once a second, so the setup waited for the first admission and fell on
-# the first pull's READ instead of overlapping its planning and admission.
-CONNECT_POLL_S = 1.0
+# A dormant holder polls once a second, so the set-up waited for the first admission and fell on
+# the first pull's READ instead of overlapping its planning and admission (a few ms). Short: fast
+# polls cost CPU (each ~0.1 ms of UCX progress), and the admission that follows polls fast anyway.
+CONNECT_POLL_S = 0.1
 SCRAPE_WAIT_S = 1.0  # how long a scrape waits for the event loop to compute the lease gauges
 MAX_PULLS_PER_CALL = 1024
 """Most pulls one StartPulls may start: an engine step loads at most a few hundred requests, and a
