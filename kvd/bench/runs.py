@@ -86,7 +86,7 @@ async def sizes(session: Session, sizes_mb: list[int], samples: int, progress: P
         held = await session.hold(size, samples + 1)
         kvd, raw, transfer_ids = [], [], []
         for i, hold in enumerate(held):
-            session.engine.buffer.zero_()
+            session.engine.zero_blocks(0, size // BLOCK_BYTES)
             elapsed = await session.engine.pull(hold.kv_transfer_params, 0)
             session.verify(0, size)
             raw_s = session.raw.read()
