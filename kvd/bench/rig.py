@@ -251,25 +251,26 @@ class Engine:
             for p in params:
                 self._waiters.pop(p.request_id, None)
 
+    def _block_view(self, first_block: int, count: int) -> Any:
+        """Blocks ``first_block..+count`` in the engine's memory: one row per layer and K/V."""
+        layers = self.spec.num_layers * 2
+        per_layer = self.spec.num_blocks * BLOCK_BYTES // layers
+        piece = BLOCK_BYTES // layers
+        return self.buffer.view(layers, per_layer)[:, first_block * piece : (first_block + count) * piece]
+
     def zero_blocks(self, first_block: int, count: int) -> None:
         """Zero blocks ``first_block..+count`` (before a pull into them, so its check proves the
         bytes arrived). Only those: zeroing the whole cache before each pull wrote up to 128 MiB
         just before the clock started, and the pull then ran with every cache cold."""
-        layers = self.spec.num_layers * 2
-        per_layer = self.spec.num_blocks * BLOCK_BYTES // layers
-        piece = BLOCK_BYTES // layers
-        self.buffer.view(layers, per_layer)[:, first_block * piece : (first_block + count) * piece].zero_()
+        self._block_view(first_block, count).zero_()
 
     def blocks(self, first_block: int, count: int) -> Any:
         """The bytes of blocks ``first_block..+count`` as they lie in the engine's memory,
         rearranged into the holder's contiguous order (the scratch's order) for checking."""
         import torch  # noqa: PLC0415
 
-        layers = self.spec.num_layers * 2
-        per_layer = self.spec.num_blocks * BLOCK_BYTES // layers
-        piece = BLOCK_BYTES // layers
-        view = self.buffer.view(layers, per_layer)[:, first_block * piece : (first_block + count) * piece]
-        return torch.cat([view[i] for i in range(layers)])
+        view = self._block_view(first_block, count)
+        return torch.cat([view[i] for i in range(view.shape[0])])
 
 
 class RawReader:

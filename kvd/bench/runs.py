@@ -95,8 +95,7 @@ async def sizes(session: Session, sizes_mb: list[int], samples: int, progress: P
                 raw.append(raw_s)
                 transfer_ids.append(session.engine.last_transfer_id)
             progress(f"sizes {size_mb} MiB", (n + (i + 1) / len(held)) / len(sizes_mb))
-        phases = [dict((await session.local.get_transfer(t)).phase_s) for t in transfer_ids]
-        out.append({"size_bytes": size, "kvd_s": kvd, "raw_s": raw, "phase_s": phases})
+        out.append({"size_bytes": size, "kvd_s": kvd, "raw_s": raw, "phase_s": await _phases(session, transfer_ids)})
     return out
 
 
@@ -116,17 +115,22 @@ async def overhead(session: Session, samples: int, progress: Progress) -> dict[s
             transfer_ids.append(session.engine.last_transfer_id)
         progress("control overhead", (i + 1) / len(held))
     session.verify(0, size)
-    phases: list[dict[str, float]] = []
-    for transfer_id in transfer_ids:  # where each pull's time went, as the reader daemon saw it
-        status = await session.local.get_transfer(transfer_id)
-        phases.append({**dict(status.phase_s), "done": status.elapsed_s})
     return {
         "size_bytes": size,
         "kvd_s": kvd,
         "raw_s": raw,
         "overhead_s": [k - r for k, r in zip(kvd, raw, strict=True)],
-        "phase_s": phases,
+        "phase_s": await _phases(session, transfer_ids),
     }
+
+
+async def _phases(session: Session, transfer_ids: list[str]) -> list[dict[str, float]]:
+    """Where each pull's time went, as the reader daemon saw it (``TransferStatus.phase_s``)."""
+    phases = []
+    for transfer_id in transfer_ids:
+        status = await session.local.get_transfer(transfer_id)
+        phases.append({**dict(status.phase_s), "done": status.elapsed_s})
+    return phases
 
 
 async def concurrency(

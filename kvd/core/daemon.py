@@ -635,6 +635,7 @@ class Daemon(DataPlaneRestarts):
         """NIXL's thread polls fast until the latest open admission's deadline: a READ that
         carries a notification completes only once the holder has made progress.
 
+        A Handshake served in the last CONNECT_POLL_S keeps it fast too (its reader is connecting).
         With none open, 0.0 lets it poll once a second only, unless a read of an engine's
         memory here ended without being proven over (tainted): its reader may still be reading
         (a stalled READ resumes when a partition heals, and over TCP UCX serves it only as the

@@ -299,7 +299,7 @@ class NixlAgent:
                 name = self.agent.add_remote_agent(metadata)
             except Exception as exc:  # NIXL raises its own exception types here
                 raise InvalidArgument(f"peer agent metadata rejected by NIXL: {exc}") from exc
-            name = name.decode() if isinstance(name, bytes) else str(name)
+            name = _agent_name(name)
             try:
                 self.agent.make_connection(name)
             except Exception as exc:  # an optimisation only: the first READ connects anyway
@@ -488,8 +488,7 @@ def _warm_read(initiator: Any, target: Any) -> object:
         undo.callback(target.deregister_memory, registration)
         registration = initiator.register_memory([(destination.ctypes.data, WARMUP_BYTES, 0, "")], "DRAM")
         undo.callback(initiator.deregister_memory, registration)
-        name = initiator.add_remote_agent(target.get_agent_metadata())
-        name = name.decode() if isinstance(name, bytes) else str(name)
+        name = _agent_name(initiator.add_remote_agent(target.get_agent_metadata()))
         undo.callback(initiator.remove_remote_agent, name)
         remote = initiator.prep_xfer_dlist(name, [(source.ctypes.data, WARMUP_BYTES, 0)], "DRAM")
         undo.callback(initiator.release_dlist_handle, remote)
@@ -512,6 +511,11 @@ def _warm_read(initiator: Any, target: Any) -> object:
                 return (source, destination, handle, kept)  # noqa: B012 - deliberate: nothing may be undone
         initiator.release_xfer_handle(handle)
     return None
+
+
+def _agent_name(loaded: bytes | str) -> str:
+    """The agent name ``add_remote_agent`` returns (bytes or str, depending on NIXL's binding)."""
+    return loaded.decode() if isinstance(loaded, bytes) else str(loaded)
 
 
 def _release_table(agent: Any, table: Any) -> None:
