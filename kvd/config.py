@@ -160,6 +160,15 @@ class KvdConfig:
             "without it kvd's own NIXL thread drives progress (fast only while reads are in flight)."
         },
     )
+    prefault_host_memory: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "Fill the page tables of the daemon's mappings of engines' shared memory in the background "
+            "after each registration (MADV_POPULATE_WRITE, Linux 5.14; lowest CPU priority), so a pull's copy "
+            "does not take a page fault on every page it writes first. It touches no bytes, but a sparse shm "
+            "file is then backed in full."
+        },
+    )
     dataplane_heartbeat_timeout_s: float = dataclasses.field(
         default=5.0,
         metadata={

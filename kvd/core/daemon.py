@@ -190,6 +190,7 @@ class Daemon(DataPlaneRestarts):
             self.config.nixl_progress_thread,
             self.config.log_level,
             self.config.gil_switch_interval_s,
+            prefault=self.config.prefault_host_memory,
         )
         dataplane = self._new_dataplane()
         try:

@@ -107,12 +107,14 @@ class WorkerLauncher:
         log_level: str,
         switch_interval_s: float,
         spare: bool = True,
+        prefault: bool = True,
     ) -> None:
         self._agent_base = agent_base
         self._backends = backends
         self._progress_thread = progress_thread
         self._log_level = log_level
         self._switch_interval_s = switch_interval_s
+        self._prefault = prefault
         self._spare_wanted = spare
         self._spare: asyncio.Task[WorkerProcess] | None = None
         self._closed = False
@@ -164,6 +166,7 @@ class WorkerLauncher:
                 repr(self._switch_interval_s),
                 "--parent-pid",
                 str(os.getpid()),
+                *(() if self._prefault else ("--no-prefault",)),
                 pass_fds=(theirs.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
                 # The binary this process runs, whatever path led to it: a daemon started as a

@@ -30,12 +30,12 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-async def _serve(fd: int) -> None:
+async def _serve(fd: int, prefault: bool) -> None:
     from kvd.worker.service import WorkerService  # noqa: PLC0415 - after logging is set up
 
     sock = socket.socket(fileno=fd)
     reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 24)
-    await WorkerService(reader, writer).serve()
+    await WorkerService(reader, writer, prefault=prefault).serve()
     writer.close()
 
 
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--switch-interval", type=float, default=0.0002)
     parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("--no-prefault", dest="prefault", action="store_false")
     args = parser.parse_args(argv)
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     # it, ~10 ms of CPU each, landing on whatever call allocated at that moment (a first pull's
     # metadata load, say).
     gc.freeze()
-    asyncio.run(_serve(args.channel_fd))
+    asyncio.run(_serve(args.channel_fd, args.prefault))
     return 0
 
 

@@ -8,7 +8,9 @@ gets a uint8 tensor over the engine's bytes and its address, and never copies th
 
 Every mapping is named by a region id the control process uses in later calls. The table is
 owned by the worker's event loop; conversions run in its thread pool over tensors looked up on
-the loop first.
+the loop first. Each host mapping (a new one, or a re-map) is handed to the table's
+:class:`~kvd.worker.prefault.Prefaulter`, which fills its page tables in the background so a
+pull's copy does not fault on every page it writes first.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from kvd.dataplane_protocol import CudaIpcSpec, MappedRegion, MemoryKind, RegionRequest
 from kvd.worker import vm
+from kvd.worker.prefault import Prefaulter
 from kvd_client.errors import FailedPrecondition, InvalidArgument, MemoryOpenError, NotFound
 
 logger = logging.getLogger(__name__)
@@ -44,10 +47,11 @@ class _Region:
 class RegionTable:
     """Region id -> the worker's mapping. Event-loop only (conversions get tensors, not ids)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefault: bool = True) -> None:
         self._regions: dict[int, _Region] = {}
         self._ids = itertools.count(1)
         self._cuda_streams: dict[int, Any] = {}
+        self._prefaulter = Prefaulter() if prefault else None
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -55,6 +59,8 @@ class RegionTable:
     def _add(self, tensor: torch.Tensor, mapping: vm.HostMapping | None) -> MappedRegion:
         region_id = next(self._ids)
         self._regions[region_id] = _Region(tensor, mapping)
+        if mapping is not None and self._prefaulter is not None:
+            self._prefaulter.add(mapping)
         vram = tensor.is_cuda
         return MappedRegion(
             region_id,
@@ -107,9 +113,13 @@ class RegionTable:
 
     def retire(self, region_id: int) -> None:
         """Replace the mapping's pages with private ones: a late copy cannot reach the engine."""
-        tensor = self.get(region_id)
-        if not tensor.is_cuda:
-            vm.retire_range(int(tensor.data_ptr()), tensor.numel())
+        region = self._regions.get(region_id)
+        if region is None:
+            raise NotFound(f"the data-plane worker has no region {region_id}")
+        if region.mapping is not None:
+            region.mapping.stop_populating()  # private pages populated after the retire would be real memory
+        if not region.tensor.is_cuda:
+            vm.retire_range(int(region.tensor.data_ptr()), region.tensor.numel())
 
     def close(self, region_id: int) -> None:
         """Drop the worker's mapping (the engine's file and pages are the engine's)."""
@@ -118,6 +128,9 @@ class RegionTable:
             region.mapping.close()
 
     def close_all(self) -> None:
+        """Unmap everything and stop pre-faulting (the worker is ending)."""
+        if self._prefaulter is not None:
+            self._prefaulter.close()
         for region_id in list(self._regions):
             self.close(region_id)
 

@@ -53,11 +53,11 @@ logger = logging.getLogger(__name__)
 class WorkerService:
     """Every call the control process may make; see the module docstring."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prefault: bool = True) -> None:
         self._reader = reader
         self._writer = writer
         self._agent: NixlAgent | None = None
-        self._regions = RegionTable()
+        self._regions = RegionTable(prefault)
         self._registrations: dict[int, Any] = {}
         self._tables: dict[int, Any] = {}
         self._xfers: dict[int, Xfer] = {}

@@ -60,6 +60,10 @@ _libc.mremap.restype = ctypes.c_void_p
 _libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, as a write would, without writing
 
 
 def page_span(address: int, size: int) -> tuple[int, int]:
@@ -138,16 +142,53 @@ class AddressArena:
 ARENA = AddressArena()
 
 
+def populate_writable(address: int, size: int) -> None:
+    """Fault ``[address, address + size)`` in writable (``MADV_POPULATE_WRITE``): page-table
+    entries only, the bytes are not touched. Raises OSError (EINVAL: a kernel before 5.14)."""
+    if _libc.madvise(address, size, MADV_POPULATE_WRITE) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"madvise(MADV_POPULATE_WRITE): {os.strerror(errno)}")
+
+
 class HostMapping:
-    """A second mapping of shared pages, owned by kvd (unmapped by :meth:`close`)."""
+    """A second mapping of shared pages, owned by kvd (unmapped by :meth:`close`).
+
+    It may be populated in the background (kvd.worker.prefault): :meth:`populate_next` faults it
+    in one chunk at a time under the mapping's lock, and :meth:`stop_populating` (called before
+    the range is retired) and :meth:`close` take the same lock, so no chunk is ever populated in
+    a range that was retired or unmapped: private pages populated there would cost real memory,
+    and an unmapped range could by then hold someone else's mapping.
+    """
 
     def __init__(self, address: int, size: int) -> None:
         self.address = address
         self.size = size
         self._closed = False
+        self._lock = threading.Lock()
+        self._populate_stopped = False
+        self.populated = 0  # bytes from the start already faulted in writable
+
+    def populate_next(self, chunk: int) -> bool:
+        """Populate the next ``chunk`` bytes; False once done, stopped or closed. Raises OSError."""
+        with self._lock:
+            if self._closed or self._populate_stopped or self.populated >= self.size:
+                return False
+            length = min(chunk, self.size - self.populated)
+            populate_writable(self.address + self.populated, length)
+            self.populated += length
+            return self.populated < self.size
+
+    def stop_populating(self) -> None:
+        """No chunk is populated after this returns (one in progress is waited for)."""
+        self._populate_stopped = True  # first: the populating thread must not take the lock again
+        with self._lock:
+            pass
 
     def close(self) -> None:
-        if not self._closed:
+        self._populate_stopped = True  # as in stop_populating
+        with self._lock:
+            if self._closed:
+                return
             self._closed = True
             if _libc.munmap(self.address, self.size) != 0:
                 logger.warning("munmap(%#x, %d) failed: %s", self.address, self.size, os.strerror(ctypes.get_errno()))
