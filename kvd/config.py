@@ -165,8 +165,8 @@ class KvdConfig:
         metadata={
             "help": "Fill the page tables of the daemon's mappings of engines' shared memory in the background "
             "after each registration (MADV_POPULATE_WRITE, Linux 5.14; lowest CPU priority), so a pull's copy "
-            "does not take a page fault on every page it writes first. It touches no bytes, but a sparse shm "
-            "file is then backed in full."
+            "does not take a page fault on every page it writes first. Only pages already resident are "
+            "mapped: no byte is touched and nothing is allocated."
         },
     )
     dataplane_heartbeat_timeout_s: float = dataclasses.field(

@@ -11,8 +11,10 @@ fresh mapping costs less (about 10 % more, read faults map 16 pages at once) and
 the same way.
 
 ``MADV_POPULATE_WRITE`` (Linux 5.14) fills the page tables without touching the bytes: about
-0.2 ms per MiB of one core here, paid once per mapping, at the lowest CPU priority. On an older
-kernel the first attempt fails with ``EINVAL`` and the worker stops trying (logged once).
+0.2 ms per MiB of one core here, paid once per mapping, at the lowest CPU priority. Only pages
+already resident are populated (``mincore`` first): a page of a sparse file the engine never
+wrote would be allocated by it, and its first write allocates it anyway. On an older kernel the
+first attempt fails with ``EINVAL`` and the worker stops trying (logged once).
 
 Owner, thread and lifetime: one :class:`Prefaulter` per worker, owned by its
 :class:`~kvd.worker.regions.RegionTable` (event loop). Its thread, ``kvd-prefault``, starts with

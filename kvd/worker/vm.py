@@ -33,6 +33,8 @@ import mmap
 import os
 import threading
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -62,6 +64,8 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, as a write would, without writing
 
@@ -142,6 +146,18 @@ class AddressArena:
 ARENA = AddressArena()
 
 
+def resident_runs(address: int, size: int) -> list[tuple[int, int]]:
+    """The (address, length) runs of resident pages in the page-aligned ``[address, address + size)``
+    of a shared file mapping (``mincore``: pages in the file's page cache, mapped here or not)."""
+    pages = -(-size // PAGE)
+    vector = np.zeros(pages, dtype=np.uint8)
+    if _libc.mincore(address, size, vector.ctypes.data) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mincore: {os.strerror(errno)}")
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], vector & 1, [0])).astype(np.int8)))
+    return [(address + int(a) * PAGE, min(int(b - a) * PAGE, size - int(a) * PAGE)) for a, b in edges.reshape(-1, 2)]
+
+
 def populate_writable(address: int, size: int) -> None:
     """Fault ``[address, address + size)`` in writable (``MADV_POPULATE_WRITE``): page-table
     entries only, the bytes are not touched. Raises OSError (EINVAL: a kernel before 5.14)."""
@@ -166,15 +182,18 @@ class HostMapping:
         self._closed = False
         self._lock = threading.Lock()
         self._populate_stopped = False
-        self.populated = 0  # bytes from the start already faulted in writable
+        self.populated = 0  # bytes from the start already walked: their resident pages faulted in writable
 
     def populate_next(self, chunk: int) -> bool:
-        """Populate the next ``chunk`` bytes; False once done, stopped or closed. Raises OSError."""
+        """Populate the resident pages of the next ``chunk`` bytes (a page the engine never wrote
+        is left alone: populating it would allocate it); False once done, stopped or closed.
+        Raises OSError."""
         with self._lock:
             if self._closed or self._populate_stopped or self.populated >= self.size:
                 return False
             length = min(chunk, self.size - self.populated)
-            populate_writable(self.address + self.populated, length)
+            for address, run in resident_runs(self.address + self.populated, length):
+                populate_writable(address, run)
             self.populated += length
             return self.populated < self.size
 

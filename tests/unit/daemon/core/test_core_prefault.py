@@ -87,6 +87,28 @@ def test_a_new_mapping_is_populated_in_the_background_without_a_byte_changed(eng
         plain.close_all()
 
 
+def test_only_resident_pages_are_populated_a_sparse_file_gains_no_memory(engine_shm) -> None:
+    name, _engine = engine_shm()
+    path = f"/dev/shm/{name}"
+    os.truncate(path, 0)  # drop the engine's pages, then write every other MiB only
+    os.truncate(path, SIZE)
+    with open(path, "r+b") as file:
+        for offset in range(0, SIZE, 2 << 20):
+            file.seek(offset)
+            file.write(b"\x07" * (1 << 20))
+    allocated = os.stat(path).st_blocks
+    assert allocated * 512 == SIZE // 2
+    table = RegionTable(prefault=True)
+    try:
+        region = table.open(_request(name))
+        _wait_for(lambda: _mapped_kb(region.address)[0] == SIZE // 2048, "the resident half was never populated")
+        time.sleep(0.1)
+        assert _mapped_kb(region.address)[0] == SIZE // 2048, "only what the engine wrote is mapped"
+        assert os.stat(path).st_blocks == allocated, "the pre-fault allocated pages the engine never wrote"
+    finally:
+        table.close_all()
+
+
 @pytest.mark.parametrize("ending", ["retire", "close"])
 def test_retiring_or_closing_a_mapping_waits_for_the_chunk_in_progress_and_stops_there(
     engine_shm, monkeypatch: pytest.MonkeyPatch, ending: str
