@@ -467,8 +467,7 @@ def warm_transport(api: Any, agent: Any, backends: Sequence[str]) -> object:
             probes.append(probe)
             initiator, target = (agent, probe) if direction == "out" else (probe, agent)
             leftover = _warm_read(initiator, target)
-            if leftover is not None:
-                logger.warning("NIXL transport warm-up did not finish in %.0f s: left in place", WARMUP_TIMEOUT_S)
+            if leftover is not None:  # _warm_read said why
                 return (probes, leftover)
     except Exception as exc:  # an optimisation only
         logger.warning("NIXL transport warm-up failed (the first pull to each peer will be slower): %s", exc)
@@ -496,6 +495,7 @@ def _warm_read(initiator: Any, target: Any) -> object:
         undo.callback(initiator.release_dlist_handle, local)
         handle = initiator.make_prepped_xfer("READ", local, [0], remote, [0], b"kvd-warmup")
         state = "PROC"
+        failure: Exception | None = None
         try:
             state = initiator.transfer(handle)
             notified = False
@@ -505,10 +505,16 @@ def _warm_read(initiator: Any, target: Any) -> object:
                     state = initiator.check_xfer_state(handle)
                 notified = notified or bool(target.get_new_notifs())
                 time.sleep(0)
-        finally:
-            if state == "PROC":  # may still land: keep every buffer and registration it uses
-                kept = undo.pop_all()
-                return (source, destination, handle, kept)  # noqa: B012 - deliberate: nothing may be undone
+        except Exception as exc:
+            failure = exc
+        if state == "PROC":  # may still land (timed out, or a call failed mid-way): nothing is undone
+            logger.warning(
+                "the NIXL transport warm-up's READ is not final (%s): its buffers stay for the worker's life",
+                failure if failure is not None else f"not done in {WARMUP_TIMEOUT_S:.0f} s",
+            )
+            return (source, destination, handle, undo.pop_all())
+        if failure is not None:
+            raise failure
         initiator.release_xfer_handle(handle)
     return None
 

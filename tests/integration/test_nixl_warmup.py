@@ -10,6 +10,7 @@ test process have crashed later tests.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -147,3 +148,18 @@ def test_a_warm_read_that_never_finishes_keeps_its_memory(monkeypatch: pytest.Mo
     leftover = nixl_agent._warm_read(initiator, target)
     assert leftover is not None  # buffers, handle and registrations stay alive
     assert initiator.calls == ["register"] and target.calls == ["register"]  # nothing released
+
+
+def test_a_warm_read_whose_poll_fails_mid_way_keeps_its_memory_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class _PollFails(_FakeAgent):
+        def check_xfer_state(self, _: Any) -> str:
+            raise RuntimeError("check_xfer_state: backend error")
+
+    initiator, target = _PollFails("initiator"), _FakeAgent("target")
+    with caplog.at_level(logging.WARNING):
+        leftover = nixl_agent._warm_read(initiator, target)
+    assert leftover is not None, "the READ may still land: nothing of it is released"
+    assert initiator.calls == ["register"] and target.calls == ["register"]
+    assert "backend error" in caplog.text and "not final" in caplog.text
