@@ -154,14 +154,6 @@ def idle_table(result: dict[str, Any]) -> list[str]:
     ]
 
 
-def settle_line(result: dict[str, Any]) -> list[str]:
-    how = "quiet" if result["quiet"] else "still busy, measured anyway"
-    return [
-        f"daemons finished starting after {result['waited_s']:.1f} s ({how}: busiest "
-        f"{result['busiest_percent']:.1f} % of a core over the last 0.25 s)"
-    ]
-
-
 def first_contact_table(result: dict[str, Any]) -> list[str]:
     first, later = result["first_s"], result["later_s"]
     return [

@@ -230,31 +230,6 @@ async def _in_flight(
     return latencies
 
 
-async def settle(
-    session: Session, quiet_percent: float, window_s: float, timeout_s: float, progress: Progress
-) -> dict[str, Any]:
-    """Wait until every daemon has finished starting: each process tree below ``quiet_percent``
-    of a core over ``window_s``, or ``timeout_s`` passed.
-
-    A daemon is ready before it is quiet: it then starts its spare data-plane worker (imports
-    torch and NIXL, creates and warms an agent: 1-2 s of a core here), and the bench's engine
-    has just registered (the reader's worker pre-faults its memory). On a small machine a first
-    pull made meanwhile measures that start-up, not the first contact with a peer.
-    """
-    started = time.perf_counter()
-    windows = 0
-    while True:
-        before = session.daemons.every_cpu()
-        await asyncio.sleep(window_s)
-        after = session.daemons.every_cpu()
-        windows += 1
-        busiest = max(100.0 * (after[k] - before[k]) / window_s for k in before)
-        waited = time.perf_counter() - started
-        progress("daemons settling", min(1.0, waited / timeout_s))
-        if busiest < quiet_percent or waited >= timeout_s:
-            return {"waited_s": waited, "quiet": busiest < quiet_percent, "busiest_percent": busiest}
-
-
 async def first_contact(session: Session, fresh: list[Any], later: int, progress: Progress) -> dict[str, Any]:
     """The first pull from each never-contacted holder against later pulls from it (2 MiB)."""
     firsts: list[float] = []

@@ -48,8 +48,6 @@ class BenchConfig:
 
 QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5, 3.0, 1.0)
 FULL = BenchConfig((2, 8, 32, 128, 512), 10, 300, (1, 2, 4, 8, 16, 32, 64), 1000, 2, 20, 1024, 5, 10.0, 1.0)
-SETTLE_QUIET_PERCENT = 5.0  # a daemon's tree below this % of a core over 0.25 s has finished starting
-SETTLE_TIMEOUT_S = 20.0
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,11 +166,7 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
             logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL's import set it to INFO
             try:
                 session = runs.Session(daemons, local, peer, engine, raw)
-                # First contact first: the fresh holders have never been pulled from. Once the
-                # daemons have finished starting (runs.settle), so it measures the contact.
-                result["settle"] = await runs.settle(session, SETTLE_QUIET_PERCENT, 0.25, SETTLE_TIMEOUT_S, bar)
-                lap("settle")
-                _show(bar, report.settle_line(result["settle"]))
+                # First contact first: the fresh holders have never been pulled from.
                 if daemons.fresh:
                     result["first_contact"] = await runs.first_contact(session, daemons.fresh, config.later_pulls, bar)
                     _show(bar, report.first_contact_table(result["first_contact"]))

@@ -81,9 +81,6 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         assert row["cpu_s"]["reader"] > 0 and row["cpu_s"]["client"] > 0
     header = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("N "))
     assert header.split()[-6:] == ["reader", "r-wkr", "holder", "h-wkr", "client", "all"], header
-    settle = data["settle"]  # first contact is measured once the daemons have finished starting
-    assert list(data["section_s"])[1:3] == ["settle", "first contact"] and settle["waited_s"] >= 0.25
-    assert "daemons finished starting after" in result.stdout
     first = data["first_contact"]
     assert len(first["first_s"]) == 1 and len(first["later_s"]) == data["config"]["later_pulls"]
     idle = data["idle"]  # the daemons with no engine pulling, after every other daemon section
