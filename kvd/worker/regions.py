@@ -70,11 +70,14 @@ class RegionTable:
             vram,
         )
 
-    def get(self, region_id: int) -> torch.Tensor:
+    def _region(self, region_id: int) -> _Region:
         region = self._regions.get(region_id)
         if region is None:
             raise NotFound(f"the data-plane worker has no region {region_id}")
-        return region.tensor
+        return region
+
+    def get(self, region_id: int) -> torch.Tensor:
+        return self._region(region_id).tensor
 
     def open(self, request: RegionRequest) -> MappedRegion:
         """Map one engine region; raise MemoryOpenError (nothing mapped) if it cannot be opened."""
@@ -113,12 +116,10 @@ class RegionTable:
 
     def retire(self, region_id: int) -> None:
         """Replace the mapping's pages with private ones: a late copy cannot reach the engine."""
-        region = self._regions.get(region_id)
-        if region is None:
-            raise NotFound(f"the data-plane worker has no region {region_id}")
-        if region.mapping is not None:
-            region.mapping.stop_populating()  # private pages populated after the retire would be real memory
-        if not region.tensor.is_cuda:
+        region = self._region(region_id)
+        if region.mapping is not None:  # under the mapping's lock: a retired range is never populated
+            region.mapping.retire()
+        elif not region.tensor.is_cuda:
             vm.retire_range(int(region.tensor.data_ptr()), region.tensor.numel())
 
     def close(self, region_id: int) -> None:

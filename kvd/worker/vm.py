@@ -170,10 +170,10 @@ class HostMapping:
     """A second mapping of shared pages, owned by kvd (unmapped by :meth:`close`).
 
     It may be populated in the background (kvd.worker.prefault): :meth:`populate_next` faults it
-    in one chunk at a time under the mapping's lock, and :meth:`stop_populating` (called before
-    the range is retired) and :meth:`close` take the same lock, so no chunk is ever populated in
-    a range that was retired or unmapped: private pages populated there would cost real memory,
-    and an unmapped range could by then hold someone else's mapping.
+    in one chunk at a time under the mapping's lock, and :meth:`retire` and :meth:`close` stop it
+    and take the same lock, so no chunk is ever populated in a range that was retired or
+    unmapped: private pages populated there would cost real memory, and an unmapped range could
+    by then hold someone else's mapping.
     """
 
     def __init__(self, address: int, size: int) -> None:
@@ -197,14 +197,15 @@ class HostMapping:
             self.populated += length
             return self.populated < self.size
 
-    def stop_populating(self) -> None:
-        """No chunk is populated after this returns (one in progress is waited for)."""
+    def retire(self) -> None:
+        """:func:`retire_range` over the whole mapping, once a chunk being populated is done
+        (none is populated after it)."""
         self._populate_stopped = True  # first: the populating thread must not take the lock again
         with self._lock:
-            pass
+            retire_range(self.address, self.size)
 
     def close(self) -> None:
-        self._populate_stopped = True  # as in stop_populating
+        self._populate_stopped = True  # as in retire
         with self._lock:
             if self._closed:
                 return
