@@ -166,6 +166,10 @@ class RemoteAgent:
     current: frozenset[NixlRegion] = frozenset()
     current_keys: frozenset[tuple[int, int, int, bool]] = frozenset()
     reloading: bool = False  # being drained for a reload: no new pins
+    # First contact: a new agent's metadata loads in the data-plane worker while the first pull
+    # plans and is admitted by the holder (``Peers._load_first``). Every list over the agent, and
+    # so every READ through it, waits for it (:meth:`wait_loaded`); ``None`` once loaded inline.
+    load: asyncio.Future[None] | None = None
 
     def needs_reload(self, regions: frozenset[NixlRegion]) -> bool:
         """Would merging metadata naming ``regions`` leave a stale region overlapping a named one,
@@ -200,7 +204,18 @@ class RemoteAgent:
             for address, size in zip(engine.region_addresses, engine.region_sizes, strict=True)
         )
 
+    async def wait_loaded(self) -> None:
+        """Return once the agent's metadata is in NIXL; raise why it is not, if its load failed."""
+        if self.load is not None:
+            await asyncio.shield(self.load)
+
+    async def settled(self) -> None:
+        """Return once no load of the agent's metadata is in flight, whatever its outcome."""
+        if self.load is not None and not self.load.done():
+            await asyncio.wait([self.load])
+
     async def table(self, engine: RemoteEngine, geometry: DescGeometry, executor: concurrent.futures.Executor) -> Any:
+        await self.wait_loaded()  # NIXL resolves a list against the agent's loaded metadata
         return await self.tables.get(
             engine.registration_id, geometry, engine.region_addresses, engine.device_index, engine.mem_type, executor
         )
@@ -304,6 +319,9 @@ class Peers:
             raise FailedPrecondition(
                 f"{address} is this daemon itself: a pull reads from a peer daemon (the KV is held on this node)"
             )
+        known = self._agents.get(info.agent_name)
+        if known is not None:
+            await known.settled()  # its first load (through another address of the peer) is over
         current = self._sessions.get(address)
         if current is not None and current.incarnation != info.incarnation:
             await self.drop(address, "incarnation changed")
@@ -313,6 +331,67 @@ class Peers:
         if agent is not None and (agent.reloading or agent.needs_reload(named)):
             await self._unload(agent, address)
             agent = None
+        if agent is None and current is None:
+            session = self._first_contact(address, info, named)
+        else:
+            session = await self._load_inline(address, info, named, agent, current)
+        self._metrics.handshakes.labels(address, "ok").inc()
+        self._gauges()
+        if self._warm is not None:
+            task = asyncio.get_running_loop().create_task(self._warm(session), name=f"kvd-warm-{address}")
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
+        logger.info("handshake with %s: agent %s, %d engine ranks", address, session.agent_name, len(session.engines))
+        return session
+
+    def _first_contact(self, address: str, info: HandshakeInfo, named: frozenset[NixlRegion]) -> PeerSession:
+        """A peer never seen, whose agent is not loaded: cache its session now and load the agent's
+        metadata in the background. The first pull plans and the holder admits it meanwhile (the
+        load is 1.5-2 ms of first contact: a hop to the worker, ``add_remote_agent``, the connect);
+        every list over the agent, so every READ, waits for the load (:meth:`RemoteAgent.wait_loaded`)."""
+        agent = RemoteAgent(info.agent_name, TableCache(self._dataplane, info.agent_name))
+        agent.loaded_metadata(named, fresh=True)  # what the load names; nothing is prepared before it
+        self._agents[info.agent_name] = agent
+        engines = {(e.engine_id, e.view.spec.tp_rank): e for e in info.engines}
+        session = PeerSession(address=address, incarnation=info.incarnation, agent=agent, engines=engines)
+        self._sessions[address] = session
+        load = asyncio.get_running_loop().create_task(self._load_first(session, info), name=f"kvd-load-{address}")
+        load.add_done_callback(_retrieve)  # its error reaches the pulls through wait_loaded()
+        agent.load = load
+        return session
+
+    async def _load_first(self, session: PeerSession, info: HandshakeInfo) -> None:
+        """Load a first-contact agent's metadata. On failure no new pull pins the agent (each plans
+        again and handshakes afresh); the pulls that pinned it fail with the load's error, and the
+        session stays cached until they end, so their holders are told their reads are over."""
+        agent = session.agent
+        try:
+            loaded = await self._dataplane.add_remote(info.agent_metadata)
+            if loaded != info.agent_name:
+                raise PeerUnavailable(
+                    f"peer {session.address} sent metadata of agent {loaded!r}, not of {info.agent_name!r}"
+                )
+        except KvdError as exc:
+            agent.reloading = True
+            logger.warning("loading the NIXL agent of %s failed: %s", session.address, exc.message)
+            raise
+        if agent.removed:
+            if session.plane_lost:  # our data-plane worker was replaced while the metadata loaded
+                raise Unavailable(
+                    f"this daemon's data plane restarted during the handshake with {session.address}: retry"
+                )
+            raise PeerUnavailable(f"peer {session.address} was dropped while its NIXL metadata loaded: retry")
+
+    async def _load_inline(
+        self,
+        address: str,
+        info: HandshakeInfo,
+        named: frozenset[NixlRegion],
+        agent: RemoteAgent | None,
+        current: PeerSession | None,
+    ) -> PeerSession:
+        """Load the metadata of a peer already known (a re-handshake: NIXL merges it into the
+        agent, or loads a replacing agent) before the session changes: pulls already read through it."""
         fresh = agent is None
         if agent is None:
             agent = RemoteAgent(info.agent_name, TableCache(self._dataplane, info.agent_name))
@@ -352,13 +431,6 @@ class Peers:
             await self._maybe_remove(replaced)
         if agent.pins == 0:  # lists of registrations the peer no longer serves
             await agent.tables.release(keep={e.registration_id for e in info.engines})
-        self._metrics.handshakes.labels(address, "ok").inc()
-        self._gauges()
-        if self._warm is not None:
-            task = asyncio.get_running_loop().create_task(self._warm(session), name=f"kvd-warm-{address}")
-            self._warming.add(task)
-            task.add_done_callback(self._warming.discard)
-        logger.info("handshake with %s: agent %s, %d engine ranks", address, agent.name, len(engines))
         return session
 
     # --- pins ---------------------------------------------------------------------------------
@@ -428,7 +500,9 @@ class Peers:
             return
         agent.removed = True
         self._agents.pop(agent.name, None)
-        await self._dataplane.remove_remote(agent.name, agent.tables.close())
+        dataplane = self._dataplane
+        await agent.settled()  # never remove an agent while its metadata loads: the load would follow
+        await dataplane.remove_remote(agent.name, agent.tables.close())
         self._gauges()
         logger.debug("removed NIXL agent %s", agent.name)
 
@@ -462,6 +536,12 @@ class Peers:
     def _gauges(self) -> None:
         self._metrics.peers.set(len(self._sessions))
         self._metrics.remote_agents.set(len(self._agents))
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Mark a background load's outcome as seen: the pulls waiting on it get its error."""
+    if not task.cancelled():
+        task.exception()
 
 
 def unreachable(exc: KvdError) -> bool:

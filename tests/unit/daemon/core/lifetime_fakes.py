@@ -168,6 +168,8 @@ class FakeDataPlane:
         self.register_errors: list[BaseException] = []  # raised, one per register() call, first
         self.refuse_reads: KvdError | None = None
         self.read_gate: Gate | None = None  # set by a test to hold read() calls mid-post
+        self.add_remote_gate: Gate | None = None  # set by a test to hold add_remote() calls
+        self.add_remote_errors: list[BaseException] = []  # raised, one per add_remote() call, first
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -310,6 +312,11 @@ class FakeDataPlane:
         has deregistered since stay loaded), and the same addresses under another registration
         make the load fail and NIXL forget the agent."""
         self._require_started()
+        if self.add_remote_gate is not None:
+            await self.add_remote_gate.passage()
+            self._require_started()  # a call in flight when the worker dies fails
+        if self.add_remote_errors:
+            raise self.add_remote_errors.pop(0)
         prefix, _, rest = metadata.decode().partition("|")
         name, _, listed = rest.partition("|")
         if prefix != "fake-nixl" or not name:
