@@ -361,9 +361,10 @@ def _group(
     """One ReadGroup: every (layer-plane, head group, token chunk) piece, merged into runs."""
     rtab = remote.table(num_heads, shape, length, max_run_blocks)
     ltab = local.table(num_heads, shape, length, max_run_blocks)
+    # Each side keeps its own table (shared by every pull through that side's geometry); the runs
+    # are cut to the shorter run limit, so each index is one both tables hold.
     k_runs = min(rtab.geometry.max_run_log2, ltab.geometry.max_run_log2)
-    rgeo = dataclasses.replace(rtab.geometry, max_run_log2=k_runs)
-    lgeo = dataclasses.replace(ltab.geometry, max_run_log2=k_runs)
+    rgeo, lgeo = rtab.geometry, ltab.geometry
     assert rgeo.unit_bytes == lgeo.unit_bytes, (rgeo, lgeo)
     spec = local.view.spec
     lps = spec.num_layers * (1 if shape.merge_kv else spec.kv_planes)

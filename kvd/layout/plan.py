@@ -10,7 +10,6 @@ KV of rejected draft tokens, which must never leave the holder).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
@@ -90,17 +89,6 @@ def partial_block_geometry(view: EngineView, tokens: int) -> DescGeometry:
     return DescGeometry(planes=planes, num_units=spec.num_blocks, unit_stride=spec.block_stride, unit_bytes=unit)
 
 
-@functools.lru_cache(maxsize=256)
-def _matched_block_geometries(
-    remote: EngineView, local: EngineView, max_run_blocks: int
-) -> tuple[DescGeometry, DescGeometry]:
-    """Both sides' whole-block geometries, cutting runs the same way (the smaller run limit)."""
-    remote_geo = block_geometry(remote, max_run_blocks)
-    local_geo = block_geometry(local, max_run_blocks)
-    k = min(remote_geo.max_run_log2, local_geo.max_run_log2)
-    return dataclasses.replace(remote_geo, max_run_log2=k), dataclasses.replace(local_geo, max_run_log2=k)
-
-
 def _same_layout_group(
     remote_rank: int,
     remote_geo: DescGeometry,
@@ -108,8 +96,14 @@ def _same_layout_group(
     local_geo: DescGeometry,
     local_units: np.ndarray,
 ) -> ReadGroup:
-    """Read units to units across all planes, merging runs of adjacent units."""
-    local_start, remote_start, log2_len, _ = split_runs(local_units, remote_units, local_geo.max_run_log2)
+    """Read units to units across all planes, merging runs of adjacent units.
+
+    Each side keeps its own geometry (its table is the one prepared for its engine, shared by
+    every pull from or into it); the runs are cut to the shorter of the two run limits, so each
+    index is one both tables hold. (Cutting the geometries instead made a third table per engine
+    pair whose limits differ, prepared on that pair's first pull.)"""
+    max_run_log2 = min(local_geo.max_run_log2, remote_geo.max_run_log2)
+    local_start, remote_start, log2_len, _ = split_runs(local_units, remote_units, max_run_log2)
     pieces = log2_len.size
     plane = np.repeat(np.arange(len(local_geo.planes), dtype=np.int64), pieces)
     local_idx = local_geo.index(
@@ -176,7 +170,7 @@ def _plan_same_layout(
     rank = remote.spec.tp_rank
     groups = []
     if full_blocks:
-        remote_geo, local_geo = _matched_block_geometries(remote, local, max_run_blocks)
+        remote_geo, local_geo = block_geometry(remote, max_run_blocks), block_geometry(local, max_run_blocks)
         groups.append(
             _same_layout_group(rank, remote_geo, remote_ids[:full_blocks], local_geo, local_ids[:full_blocks])
         )

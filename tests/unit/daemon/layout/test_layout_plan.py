@@ -6,10 +6,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvd.layout.plan import EngineView, PullPlan, Target, plan_pull, validate_pull
+from kvd.layout.plan import EngineView, PullPlan, Target, block_geometry, plan_pull, validate_pull
 from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec, contiguous_placements
 from kvd_client.errors import IncompatibleLayout, InvalidArgument
 
@@ -101,6 +101,22 @@ def test_partial_last_block_is_read_token_exact(layout: KvLayout) -> None:
     assert tail.nbytes == 8 * LLAMA_TOKEN_BYTES * LLAMA_PLANES
 
 
+def test_engines_of_different_sizes_read_through_the_tables_prepared_for_each() -> None:
+    """A holder of 4096 blocks and a reader of 16 have different run limits in their whole-block
+    tables: each read group still names each engine's own table (the one registration and the
+    peer warm-up prepared), and runs are cut to the shorter limit, so no pair needs a table of its
+    own."""
+    holder, reader = _view(num_blocks=4096), _view(num_blocks=16)
+    plan = plan_pull({0: holder}, reader, list(range(100, 116)), list(range(16)), 256)
+    (group,) = plan.reads
+    assert group.remote_geometry == block_geometry(holder, 64)
+    assert group.local_geometry == block_geometry(reader, 64)
+    assert group.remote_geometry.max_run_log2 == 6 and group.local_geometry.max_run_log2 == 4
+    assert plan.num_descriptors == LLAMA_PLANES  # one run of 16 blocks per plane
+    remote, local = _rows(plan)[0]
+    assert np.array_equal(remote[:, 1], local[:, 1]) and set(local[:, 1]) == {16 * 16 * LLAMA_TOKEN_BYTES}
+
+
 def test_max_run_blocks_caps_runs() -> None:
     """With max_run_blocks 16, 64 adjacent blocks are 4 runs per plane."""
     view = _view()
@@ -145,30 +161,33 @@ def test_same_layout_plan_moves_exactly_the_committed_tokens(
     """Executing the plan copies every committed token's bytes to the right place, and nothing else.
 
     Bytes past num_tokens in the last remote block (rejected draft tokens) are never read, and the
-    local engine's other bytes are never written.
+    local engine's other bytes are never written. The two engines may have different numbers of
+    blocks, so different run limits in their tables.
     """
-    kw = dict(layers=2, heads=2, head_dim=4, block_size=block_size, num_blocks=32, dtype="float16")
-    remote_view = _view(kv_format, layout, **kw)  # type: ignore[arg-type]
-    local_view = _view(kv_format, layout, **kw)  # type: ignore[arg-type]
-    spec = local_view.spec
+    kw = dict(layers=2, heads=2, head_dim=4, block_size=block_size, dtype="float16")
+    remote_blocks, local_blocks = (data.draw(st.sampled_from([8, 32]), label=side) for side in ("remote", "local"))
+    remote_view = _view(kv_format, layout, num_blocks=remote_blocks, **kw)  # type: ignore[arg-type]
+    local_view = _view(kv_format, layout, num_blocks=local_blocks, **kw)  # type: ignore[arg-type]
+    spec, remote_spec = local_view.spec, remote_view.spec
     need = spec.blocks_for(num_tokens)
+    assume(need <= min(remote_blocks, local_blocks))
 
-    def block_ids() -> list[int]:
+    def block_ids(blocks: int) -> list[int]:
         # Adjacent runs (merged into power-of-two pieces) or scattered blocks.
         if data.draw(st.booleans(), label="adjacent"):
-            first = data.draw(st.integers(0, 32 - need), label="first")
+            first = data.draw(st.integers(0, blocks - need), label="first")
             return list(range(first, first + need))
-        return data.draw(st.permutations(range(32)), label="scattered")[:need]
+        return data.draw(st.permutations(range(blocks)), label="scattered")[:need]
 
-    local_ids = block_ids()
-    remote_ids = block_ids()
+    local_ids = block_ids(local_blocks)
+    remote_ids = block_ids(remote_blocks)
     plan = plan_pull({0: remote_view}, local_view, remote_ids, local_ids, num_tokens, max_run_blocks=max_run)
     assert plan.direct
 
     rng = np.random.default_rng(0)
-    remote_mem = rng.integers(1, 256, spec.total_bytes, dtype=np.uint8)
+    remote_mem = rng.integers(1, 256, remote_spec.total_bytes, dtype=np.uint8)
     local_mem = np.zeros(spec.total_bytes, dtype=np.uint8)
-    read = np.zeros(spec.total_bytes, dtype=bool)
+    read = np.zeros(remote_spec.total_bytes, dtype=bool)
     written = np.zeros(spec.total_bytes, dtype=bool)
     for remote_rows, local_rows in _rows(plan):
         assert np.array_equal(remote_rows[:, 1], local_rows[:, 1])  # each pair moves equal lengths
@@ -178,7 +197,7 @@ def test_same_layout_plan_moves_exactly_the_committed_tokens(
             read[ra : ra + length] = True
             written[la : la + length] = True
 
-    remote_slices = _token_slices(spec, remote_view, remote_ids, num_tokens)
+    remote_slices = _token_slices(remote_spec, remote_view, remote_ids, num_tokens)
     local_slices = _token_slices(spec, local_view, local_ids, num_tokens)
     expected_read = np.zeros_like(read)
     expected_written = np.zeros_like(written)
