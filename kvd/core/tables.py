@@ -68,7 +68,7 @@ class TableCache:
         return await asyncio.shield(pending)
 
     def _prepare(self, geometry: DescGeometry, addresses: list[int], device_index: int, mem_type: str) -> Any:
-        rows = geometry.descriptors(addresses, device_index)
+        rows = geometry.strided(addresses, device_index)  # compressed: a few rows per plane
         return self._dataplane.prepare_table(self._agent_name, rows, mem_type)
 
     def take(self, keep: set[Hashable] | None = None) -> list[Any]:

@@ -17,6 +17,7 @@ Everything here is pure numpy: the same functions build the tables and the index
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,42 +47,89 @@ class DescGeometry:
     def table_size(self) -> int:
         return len(self.planes) * self.run_classes * self.num_units
 
+    # --- where each run sits in the table ------------------------------------------------------
+    #
+    # Within one (plane, run class 2**c) block of ``num_units`` descriptors, the runs are ordered by
+    # residue ``j = unit mod 2**c``, then by ``unit div 2**c``: the runs of one residue do not
+    # overlap (they start 2**c units apart), so each residue is one strided row of NIXL's
+    # compressed (Nx5) list form, plus one row for its last run when that is cut short by the end
+    # of the plane. A table is then a few rows per plane instead of one per descriptor.
+
+    def _residue_offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first position, runs) of each residue of each class, flat: class c's residue j at
+        ``2**c - 1 + j``; positions count from the start of the class's block."""
+        return _residue_offsets(self.num_units, self.max_run_log2)
+
     def index(self, plane: np.ndarray, start: np.ndarray, log2_len: np.ndarray) -> np.ndarray:
         """Table indices of the runs ``(plane, first unit, log2 of length)`` (int32 for NIXL)."""
-        idx = (plane.astype(np.int64) * self.run_classes + log2_len) * self.num_units + start
+        first, _ = self._residue_offsets()
+        log2 = np.asarray(log2_len, dtype=np.int64)
+        units = np.asarray(start, dtype=np.int64)
+        residue = units & ((np.int64(1) << log2) - 1)
+        position = first[(np.int64(1) << log2) - 1 + residue] + (units >> log2)
+        idx = (np.asarray(plane, dtype=np.int64) * self.run_classes + log2) * self.num_units + position
         return idx.astype(np.int32)
 
-    def descriptors(self, region_addresses: Sequence[int], device_id: int = 0) -> np.ndarray:
-        """The table's (address, length, device) rows, in :meth:`index` order."""
+    def _runs_at(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(plane, first unit, log2 of length) of table indices: the inverse of :meth:`index`."""
+        idx = np.asarray(indices, dtype=np.int64)
+        position = idx % self.num_units
+        rest = idx // self.num_units
+        log2 = rest % self.run_classes
+        plane = rest // self.run_classes
+        first, _ = self._residue_offsets()
+        flat_class = np.repeat(np.arange(self.run_classes, dtype=np.int64), np.int64(1) << np.arange(self.run_classes))
+        keys = flat_class * self.num_units + first  # increasing: classes in order, positions within
+        flat = np.searchsorted(keys, log2 * self.num_units + position, side="right") - 1
+        residue = flat - ((np.int64(1) << log2) - 1)
+        units = residue + ((position - first[flat]) << log2)
+        return plane, units, log2
+
+    def strided(self, region_addresses: Sequence[int], device_id: int = 0) -> np.ndarray:
+        """The whole table in NIXL's compressed form: rows (address, length, device, stride, count),
+        each ``count`` descriptors ``stride`` bytes apart, in :meth:`index` order."""
+        first, runs = self._residue_offsets()
+        classes = np.repeat(np.arange(self.run_classes, dtype=np.int64), np.int64(1) << np.arange(self.run_classes))
+        run = np.int64(1) << classes
+        residue = np.arange(first.size, dtype=np.int64) - (run - 1)
+        last_unit = residue + (runs - 1) * run
+        cut = last_unit + run > self.num_units  # the residue's last run ends past the plane
+        # Per residue: its whole runs as one row, then its cut run (if any) as a row of one.
+        whole = runs - cut
+        lengths = np.stack([run * self.unit_bytes, (self.num_units - last_unit) * self.unit_bytes], axis=1)
+        starts = np.stack([residue, last_unit], axis=1) * self.unit_stride
+        counts = np.stack([whole, cut.astype(np.int64)], axis=1)
+        keep = counts.reshape(-1) > 0
+        template = np.empty((keep.sum(), 4), dtype=np.int64)  # offset in plane, length, stride, count
+        template[:, 0] = starts.reshape(-1)[keep]
+        template[:, 1] = lengths.reshape(-1)[keep]
+        template[:, 2] = np.repeat(run * self.unit_stride, 2)[keep]
+        template[:, 3] = counts.reshape(-1)[keep]
+        # Row order within a plane: classes in order, residues in order (``first`` is increasing).
         region_of_plane = np.array([region for region, _ in self.planes], dtype=np.int64)
         plane_base = np.asarray(region_addresses, dtype=np.int64)[region_of_plane] + np.array(
             [offset for _, offset in self.planes], dtype=np.int64
         )
-        units = np.arange(self.num_units, dtype=np.int64)
-        run_len = np.minimum(
-            (np.int64(1) << np.arange(self.run_classes, dtype=np.int64))[:, None], self.num_units - units[None, :]
-        )  # [classes, units]: a run may not cross the end of the plane
-        addr = plane_base[:, None, None] + (units * self.unit_stride)[None, None, :]
-        addr = np.broadcast_to(addr, (len(self.planes), self.run_classes, self.num_units))
-        length = np.broadcast_to((run_len * self.unit_bytes)[None], addr.shape)
-        rows = np.empty((self.table_size, 3), dtype=np.int64)
-        rows[:, 0] = addr.reshape(-1)
-        rows[:, 1] = length.reshape(-1)
+        rows = np.empty((len(self.planes) * template.shape[0], 5), dtype=np.int64)
+        rows[:, 0] = (plane_base[:, None] + template[None, :, 0]).reshape(-1)
+        rows[:, 1] = np.tile(template[:, 1], len(self.planes))
         rows[:, 2] = device_id
+        rows[:, 3] = np.tile(template[:, 2], len(self.planes))
+        rows[:, 4] = np.tile(template[:, 3], len(self.planes))
         return rows
+
+    def descriptors(self, region_addresses: Sequence[int], device_id: int = 0) -> np.ndarray:
+        """The table's (address, length, device) rows, in :meth:`index` order (:meth:`strided`, expanded)."""
+        return expand_strided(self.strided(region_addresses, device_id))
 
     def rows_for(self, indices: np.ndarray, region_addresses: Sequence[int], device_id: int = 0) -> np.ndarray:
         """The (address, length, device) rows of just these table indices (for one-off lists)."""
-        idx = np.asarray(indices, dtype=np.int64)
-        start = idx % self.num_units
-        rest = idx // self.num_units
-        log2_len = rest % self.run_classes
-        plane = rest // self.run_classes
+        plane, start, log2_len = self._runs_at(indices)
         region_of_plane = np.array([region for region, _ in self.planes], dtype=np.int64)
         plane_offset = np.array([offset for _, offset in self.planes], dtype=np.int64)
         base = np.asarray(region_addresses, dtype=np.int64)[region_of_plane[plane]] + plane_offset[plane]
         length = np.minimum(np.int64(1) << log2_len, self.num_units - start) * self.unit_bytes
-        rows = np.empty((idx.size, 3), dtype=np.int64)
+        rows = np.empty((start.size, 3), dtype=np.int64)
         rows[:, 0] = base + start * self.unit_stride
         rows[:, 1] = length
         rows[:, 2] = device_id
@@ -90,6 +138,33 @@ class DescGeometry:
     def nbytes_of(self, log2_len: np.ndarray) -> int:
         """Bytes moved by runs of these lengths."""
         return int(((np.int64(1) << log2_len.astype(np.int64)) * self.unit_bytes).sum())
+
+
+@functools.lru_cache(maxsize=256)
+def _residue_offsets(num_units: int, max_run_log2: int) -> tuple[np.ndarray, np.ndarray]:
+    """See :meth:`DescGeometry._residue_offsets` (cached: a pure function of two ints)."""
+    firsts, runs = [], []
+    for c in range(max_run_log2 + 1):
+        run = 1 << c
+        count = (num_units - np.arange(run, dtype=np.int64) + run - 1) // run  # units of each residue
+        firsts.append(np.cumsum(count) - count)
+        runs.append(count)
+    first, count = np.concatenate(firsts), np.concatenate(runs)
+    first.flags.writeable = count.flags.writeable = False
+    return first, count
+
+
+def expand_strided(rows: np.ndarray) -> np.ndarray:
+    """NIXL's compressed rows (address, length, device, stride, count) as one (address, length,
+    device) row per descriptor: for a NIXL without the compressed form, and for tests."""
+    counts = rows[:, 4]
+    which = np.repeat(np.arange(rows.shape[0]), counts)
+    step = np.arange(which.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    out = np.empty((which.size, 3), dtype=np.int64)
+    out[:, 0] = rows[which, 0] + step * rows[which, 3]
+    out[:, 1] = rows[which, 1]
+    out[:, 2] = rows[which, 2]
+    return out
 
 
 # A run table holds planes * (k + 1) * units descriptors; NIXL keeps each one in memory per

@@ -35,6 +35,7 @@ from kvd.core.metrics import Metrics
 from kvd.core.peers import HandshakeInfo, PrepareResult
 from kvd.core.registry import EngineRank
 from kvd.dataplane_protocol import MappedRegion
+from kvd.layout.geometry import expand_strided
 from kvd.layout.spec import LayoutSpec, contiguous_placements
 from kvd.worker.regions import RegionTable
 from kvd_client.errors import InvalidArgument, KvdError, PeerUnavailable, Unavailable
@@ -353,6 +354,8 @@ class FakeDataPlane:
     def prepare_table(self, agent_name: str, rows: np.ndarray, mem_type: str) -> FakeTable:
         if not self.alive:
             raise Unavailable("the NIXL data plane is not started (or its worker is gone)")
+        if rows.shape[1] == 5:  # NIXL's compressed form
+            rows = expand_strided(rows)
         lo = int(rows[:, 0].min()) if len(rows) else 0
         hi = int((rows[:, 0] + rows[:, 1]).max()) if len(rows) else 0
         if agent_name != LOCAL:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.layout.geometry import DescGeometry, max_run_log2_for, split_runs
+from kvd.layout.geometry import DescGeometry, expand_strided, max_run_log2_for, split_runs
 
 # --- split_runs ---------------------------------------------------------------------------------
 
@@ -153,6 +153,29 @@ def test_index_names_the_row_of_each_run(geo: DescGeometry) -> None:
     expected_len = np.minimum(1 << c.ravel(), geo.num_units - s.ravel()) * geo.unit_bytes
     assert np.array_equal(rows[:, 0], expected_addr)
     assert np.array_equal(rows[:, 1], expected_len)
+
+
+@settings(max_examples=200, deadline=None)
+@given(geo=_geometries(), device=st.integers(0, 7))
+def test_the_compressed_table_is_the_table_in_a_few_rows_none_overlapping(geo: DescGeometry, device: int) -> None:
+    """strided() (NIXL's Nx5 form) expands to exactly descriptors(); each row's descriptors are
+    at least their length apart (NIXL refuses overlapping ones), and a plane takes at most two
+    rows per residue of each run class, whatever its number of units."""
+    rows = geo.strided(REGIONS, device)
+    assert rows.shape[1] == 5 and np.all(rows[:, 4] >= 1)
+    assert np.array_equal(expand_strided(rows), geo.descriptors(REGIONS, device))
+    assert np.all(rows[:, 3] >= rows[:, 1])
+    assert rows.shape[0] <= len(geo.planes) * 2 * ((1 << geo.run_classes) - 1)
+
+
+def test_a_large_engine_table_is_compressed_to_rows_per_plane() -> None:
+    """Llama-8B-shaped, 10,000 blocks, runs up to 32 blocks: 3.84 million descriptors in 7,680 rows
+    (per plane and run class of 2**c blocks: one row per residue, and one for each of the 2**c - 1
+    residues whose last run the end of the plane cuts short)."""
+    geo = DescGeometry(tuple((0, i * (10_000 << 15)) for i in range(64)), 10_000, 1 << 15, 1 << 15, 5)
+    rows = geo.strided([1 << 40])
+    assert geo.table_size == 64 * 6 * 10_000 and int(rows[:, 4].sum()) == geo.table_size
+    assert rows.shape[0] == 64 * sum((1 << c) + (1 << c) - 1 for c in range(6)) == 7680
 
 
 @settings(max_examples=200, deadline=None)
