@@ -331,7 +331,9 @@ class Peers:
         if agent is not None and (agent.reloading or agent.needs_reload(named)):
             await self._unload(agent, address)
             agent = None
-        if agent is None and current is None:
+        if agent is None and known is None and current is None:
+            # Never seen through any address: nothing reads through the agent yet. (A reload, or
+            # another address of the same peer, loads inline: its sessions move to the new agent.)
             session = self._first_contact(address, info, named)
         else:
             session = await self._load_inline(address, info, named, agent, current)
