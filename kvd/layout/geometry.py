@@ -167,8 +167,11 @@ def expand_strided(rows: np.ndarray) -> np.ndarray:
     return out
 
 
-# A run table holds planes * (k + 1) * units descriptors; NIXL keeps each one in memory per
-# backend, so long runs are given up (smaller k) before a table outgrows this.
+# A run table holds planes * (k + 1) * units descriptors; a NIXL that takes lists only one
+# descriptor per row keeps each one in memory per backend, so long runs are given up (smaller k)
+# before a table outgrows this. (Compressed, as kvd sends them now, 13.4 million descriptors were
+# 15,808 rows, +3 MiB and 1.4 ms to prepare: the budget could count rows once every supported
+# NIXL takes the compressed form, giving large engines their longest runs back.)
 TABLE_DESCRIPTOR_BUDGET = 1 << 22
 
 
