@@ -47,7 +47,7 @@ from kvd import __version__
 from kvd.config import KvdConfig
 from kvd.core.daemon import Daemon
 from kvd.core.metrics import Metrics
-from kvd.server import startup
+from kvd.server import startup, warmup
 from kvd.server.authz import TCP, UNIX, AuthInterceptor, Policy
 from kvd.server.client_versions import ClientVersionInterceptor
 from kvd.server.notify import Notifier, watchdog
@@ -80,6 +80,8 @@ class Running:
     metrics_server: _MetricsHttpServer | None
     health_server: grpc.aio.Server | None = None
     health_address: str = ""
+    # The TCP listener's first call, made by the daemon itself (kvd.server.warmup); cancelled at stop.
+    warmup: asyncio.Task[bool] | None = None
 
 
 def _credentials(config: KvdConfig) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
@@ -246,6 +248,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         health_server,
         health_address,
     )
+    running.warmup = warmup.start(daemon.advertise_address, channel_creds)
     if config.ready_file:
         _write_ready_file(config.ready_file, running)
     logger.info(
@@ -340,6 +343,8 @@ def _write_ready_file(path: str, running: Running) -> None:
 
 async def stop(running: Running, grace_s: float) -> None:
     """Graceful shutdown (see module docstring)."""
+    if running.warmup is not None:
+        running.warmup.cancel()
     await running.health.enter_graceful_shutdown()
     running.daemon.metrics.serving.set(0)  # scraped until the metrics server stops, at the end
     await running.daemon.shutdown(grace_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,23 @@ def test_selftest_and_status_check_a_daemon_that_serves_only_mtls(spawn_daemon, 
 
     half = _kvd("selftest", "--peer", peer.tcp, "--tls-cert", str(pki / "node-a.pem"), timeout=30)
     assert half.returncode == 2 and "--tls-cert and --tls-key go together" in half.stderr
+
+
+def _log_says(daemon: object, text: str, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in daemon.log_path.read_text(errors="replace"):  # type: ignore[attr-defined]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["mtls", "plaintext-loopback"])
+def test_a_daemon_warms_its_own_tcp_listener_once_it_serves(spawn_daemon, pki: Path, tls: bool) -> None:
+    """kvd.server.warmup: right after it serves, the daemon calls its own TCP listener once (a
+    health check, with the credentials it calls peers with), so a reader's first Handshake does
+    not pay the listener's first call. It must get through mutual TLS as peers do."""
+    flags = [*_tls_flags(pki, "node-a")] if tls else []
+    daemon = spawn_daemon(*flags, "--log-level", "DEBUG", name="warm")
+    assert _log_says(daemon, f"warmed the TCP listener through {daemon.tcp}"), daemon.log_tail(40)
+    assert "warming the TCP listener" not in daemon.log_path.read_text(errors="replace")
