@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_fresh_blocks import _pull
 from kvtest import ShmEngine, llama_spec
 
 from kvd.cli.spawn import start_daemon
-from kvd_client.v1 import common_pb2
 
 PULL_BLOCKS = 64
 
@@ -43,25 +43,6 @@ def _raw_registration_ms(engine: ShmEngine, agent: object) -> float:
     )
     elapsed = (time.perf_counter() - started) * 1e3
     agent.deregister_memory(registration)  # type: ignore[attr-defined]
-    return elapsed
-
-
-def _pull(holder: ShmEngine, reader: ShmEngine, request: str, first: int) -> float:
-    blocks = list(range(first, first + PULL_BLOCKS))
-    tokens = 16 * PULL_BLOCKS
-    params = holder.client.hold_blocks(
-        engine_id=holder.engine_id, request_id=request, block_ids=blocks, num_tokens=tokens
-    ).kv_transfer_params
-    started_at = time.perf_counter()
-    started = reader.client.start_pull(
-        engine_id=reader.engine_id, tp_rank=0, request_id=request, local_block_ids=blocks, remote=params
-    )
-    status = reader.client.wait_transfer(started.transfer_id, timeout_s=120)
-    elapsed = (time.perf_counter() - started_at) * 1e3
-    if status.state != common_pb2.TRANSFER_STATE_DONE:
-        raise SystemExit(f"pull {request} ended {status.state}")
-    if not reader.token_bytes(blocks, tokens).equal(holder.token_bytes(blocks, tokens)):
-        raise SystemExit(f"pull {request} delivered wrong bytes")
     return elapsed
 
 
@@ -90,8 +71,11 @@ def main() -> None:
                 f"{name} registration: {took:8.1f} ms; a bare NIXL registration of the same memory "
                 f"{_raw_registration_ms(engine, raw):6.1f} ms"
             )
-        first = _pull(holder, reader, "first", 0)
-        later = [_pull(holder, reader, f"later-{i}", PULL_BLOCKS * (i + 1)) for i in range(args.pulls)]
+        first = _pull(holder, reader, "first", list(range(PULL_BLOCKS)))
+        later = [
+            _pull(holder, reader, f"later-{i}", list(range(PULL_BLOCKS * (i + 1), PULL_BLOCKS * (i + 2))))
+            for i in range(args.pulls)
+        ]
         print(
             f"pull of {PULL_BLOCKS} blocks: first {first:8.1f} ms, later p50 {statistics.median(later):6.1f} ms "
             f"(first contact +{first - statistics.median(later):.1f} ms)"

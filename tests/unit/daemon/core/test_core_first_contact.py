@@ -29,6 +29,7 @@ from test_core_lifetimes import (
 
 from kvd.core.dataplane import LOCAL
 from kvd.core.events import FinishedRecving, LoadFailed
+from kvd.core.transfers import Transfer
 from kvd_client.errors import ErrorCode, InvalidArgument, PeerUnavailable
 
 
@@ -38,6 +39,19 @@ async def _until(condition: object, what: str) -> None:
         while not condition():  # type: ignore[operator]
             await asyncio.sleep(0)
     assert condition(), what  # type: ignore[operator]
+
+
+async def _pulling_while_the_load_is_held(fabric: Fabric) -> tuple[Pair, Gate, Transfer, str]:
+    """A pair, the reader's add_remote held by a gate, and one pull the holder has admitted
+    while the first contact's metadata load waits at that gate."""
+    p = await make_pair(fabric)
+    p.reader.dataplane.add_remote_gate = gate = Gate()
+    transfer, lease_id = p.pull()
+    await _until(
+        lambda: p.holder.daemon.leases.open_admissions == 1 and gate.arrived.count == 1,
+        "the holder admitted the read while the metadata loads",
+    )
+    return p, gate, transfer, lease_id
 
 
 async def _finish(p: Pair, transfer: object, reads: int = 2) -> None:
@@ -54,14 +68,8 @@ def test_the_holder_admits_the_first_pull_while_the_metadata_loads_and_no_read_s
     peer's agent and no READ is posted until the load is over; then the pull reads and ends DONE."""
 
     async def scenario() -> None:
-        p = await make_pair(fabric)
+        p, gate, transfer, _ = await _pulling_while_the_load_is_held(fabric)
         dp = p.reader.dataplane
-        dp.add_remote_gate = gate = Gate()
-        transfer, _ = p.pull()
-        await _until(
-            lambda: p.holder.daemon.leases.open_admissions == 1 and gate.arrived.count == 1,
-            "the holder admitted the read while the metadata loads",
-        )
         for _ in range(10):  # whatever else could run meanwhile has run
             await asyncio.sleep(0)
         assert dp.remotes == {}  # the load is still in flight
@@ -192,14 +200,8 @@ def test_a_worker_lost_while_the_first_load_runs_fails_the_pull_and_the_new_work
     the new worker and reads."""
 
     async def scenario() -> None:
-        p = await make_pair(fabric)
+        p, gate, transfer, lease_id = await _pulling_while_the_load_is_held(fabric)
         old_dp = p.reader.dataplane
-        old_dp.add_remote_gate = gate = Gate()
-        transfer, lease_id = p.pull()
-        await _until(
-            lambda: p.holder.daemon.leases.open_admissions == 1 and gate.arrived.count == 1,
-            "the holder admitted the read while the metadata loads",
-        )
         old_dp.lose("SIGKILL")
         gate.open()
         await ended(transfer)
