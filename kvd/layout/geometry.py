@@ -55,14 +55,14 @@ class DescGeometry:
     # compressed (Nx5) list form, plus one row for its last run when that is cut short by the end
     # of the plane. A table is then a few rows per plane instead of one per descriptor.
 
-    def _residue_offsets(self) -> tuple[np.ndarray, np.ndarray]:
-        """(first position, runs) of each residue of each class, flat: class c's residue j at
-        ``2**c - 1 + j``; positions count from the start of the class's block."""
+    def _residue_offsets(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(first position, runs, run class) of each residue of each class, flat: class c's
+        residue j at ``2**c - 1 + j``; positions count from the start of the class's block."""
         return _residue_offsets(self.num_units, self.max_run_log2)
 
     def index(self, plane: np.ndarray, start: np.ndarray, log2_len: np.ndarray) -> np.ndarray:
         """Table indices of the runs ``(plane, first unit, log2 of length)`` (int32 for NIXL)."""
-        first, _ = self._residue_offsets()
+        first, _, _ = self._residue_offsets()
         log2 = np.asarray(log2_len, dtype=np.int64)
         units = np.asarray(start, dtype=np.int64)
         residue = units & ((np.int64(1) << log2) - 1)
@@ -77,9 +77,8 @@ class DescGeometry:
         rest = idx // self.num_units
         log2 = rest % self.run_classes
         plane = rest // self.run_classes
-        first, _ = self._residue_offsets()
-        flat_class = np.repeat(np.arange(self.run_classes, dtype=np.int64), np.int64(1) << np.arange(self.run_classes))
-        keys = flat_class * self.num_units + first  # increasing: classes in order, positions within
+        first, _, classes = self._residue_offsets()
+        keys = classes * self.num_units + first  # increasing: classes in order, positions within
         flat = np.searchsorted(keys, log2 * self.num_units + position, side="right") - 1
         residue = flat - ((np.int64(1) << log2) - 1)
         units = residue + ((position - first[flat]) << log2)
@@ -88,8 +87,7 @@ class DescGeometry:
     def strided(self, region_addresses: Sequence[int], device_id: int = 0) -> np.ndarray:
         """The whole table in NIXL's compressed form: rows (address, length, device, stride, count),
         each ``count`` descriptors ``stride`` bytes apart, in :meth:`index` order."""
-        first, runs = self._residue_offsets()
-        classes = np.repeat(np.arange(self.run_classes, dtype=np.int64), np.int64(1) << np.arange(self.run_classes))
+        first, runs, classes = self._residue_offsets()
         run = np.int64(1) << classes
         residue = np.arange(first.size, dtype=np.int64) - (run - 1)
         last_unit = residue + (runs - 1) * run
@@ -141,7 +139,7 @@ class DescGeometry:
 
 
 @functools.lru_cache(maxsize=256)
-def _residue_offsets(num_units: int, max_run_log2: int) -> tuple[np.ndarray, np.ndarray]:
+def _residue_offsets(num_units: int, max_run_log2: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """See :meth:`DescGeometry._residue_offsets` (cached: a pure function of two ints)."""
     firsts, runs = [], []
     for c in range(max_run_log2 + 1):
@@ -150,8 +148,10 @@ def _residue_offsets(num_units: int, max_run_log2: int) -> tuple[np.ndarray, np.
         firsts.append(np.cumsum(count) - count)
         runs.append(count)
     first, count = np.concatenate(firsts), np.concatenate(runs)
-    first.flags.writeable = count.flags.writeable = False
-    return first, count
+    classes = np.repeat(np.arange(max_run_log2 + 1, dtype=np.int64), np.int64(1) << np.arange(max_run_log2 + 1))
+    for array in (first, count, classes):
+        array.flags.writeable = False
+    return first, count, classes
 
 
 def expand_strided(rows: np.ndarray) -> np.ndarray:
