@@ -84,6 +84,10 @@ class HandshakeInfo:
     # Exactly the regions agent_metadata names; () from a peer that does not list them.
     regions: tuple[NixlRegion, ...] = ()
 
+    def engines_by_rank(self) -> dict[tuple[str, int], RemoteEngine]:
+        """The peer's engines keyed as a session keeps them: (engine id, TP rank)."""
+        return {(e.engine_id, e.view.spec.tp_rank): e for e in self.engines}
+
     def named_regions(self) -> frozenset[NixlRegion]:
         """The regions the metadata names (a peer that does not list them: its engines' regions)."""
         if self.regions:
@@ -346,16 +350,22 @@ class Peers:
         logger.info("handshake with %s: agent %s, %d engine ranks", address, session.agent_name, len(session.engines))
         return session
 
+    def _new_agent(self, name: str) -> RemoteAgent:
+        """A peer agent known from now on, with its own list cache (its metadata is loaded by the caller)."""
+        agent = RemoteAgent(name, TableCache(self._dataplane, name))
+        self._agents[name] = agent
+        return agent
+
     def _first_contact(self, address: str, info: HandshakeInfo, named: frozenset[NixlRegion]) -> PeerSession:
         """A peer never seen, whose agent is not loaded: cache its session now and load the agent's
         metadata in the background. The first pull plans and the holder admits it meanwhile (the
         load is 1.5-2 ms of first contact: a hop to the worker, ``add_remote_agent``, the connect);
         every list over the agent, so every READ, waits for the load (:meth:`RemoteAgent.wait_loaded`)."""
-        agent = RemoteAgent(info.agent_name, TableCache(self._dataplane, info.agent_name))
+        agent = self._new_agent(info.agent_name)
         agent.loaded_metadata(named, fresh=True)  # what the load names; nothing is prepared before it
-        self._agents[info.agent_name] = agent
-        engines = {(e.engine_id, e.view.spec.tp_rank): e for e in info.engines}
-        session = PeerSession(address=address, incarnation=info.incarnation, agent=agent, engines=engines)
+        session = PeerSession(
+            address=address, incarnation=info.incarnation, agent=agent, engines=info.engines_by_rank()
+        )
         self._sessions[address] = session
         load = asyncio.get_running_loop().create_task(self._load_first(session, info), name=f"kvd-load-{address}")
         load.add_done_callback(_retrieve)  # its error reaches the pulls through wait_loaded()
@@ -368,11 +378,7 @@ class Peers:
         session stays cached until they end, so their holders are told their reads are over."""
         agent = session.agent
         try:
-            loaded = await self._dataplane.add_remote(info.agent_metadata)
-            if loaded != info.agent_name:
-                raise PeerUnavailable(
-                    f"peer {session.address} sent metadata of agent {loaded!r}, not of {info.agent_name!r}"
-                )
+            _require_agent(info, await self._dataplane.add_remote(info.agent_metadata), session.address)
         except KvdError as exc:
             agent.reloading = True
             logger.warning("loading the NIXL agent of %s failed: %s", session.address, exc.message)
@@ -396,8 +402,7 @@ class Peers:
         agent, or loads a replacing agent) before the session changes: pulls already read through it."""
         fresh = agent is None
         if agent is None:
-            agent = RemoteAgent(info.agent_name, TableCache(self._dataplane, info.agent_name))
-            self._agents[info.agent_name] = agent
+            agent = self._new_agent(info.agent_name)
         try:
             loaded = await self._dataplane.add_remote(info.agent_metadata)
         except KvdError:
@@ -407,13 +412,12 @@ class Peers:
                 agent.reloading = True
                 await self.drop(address, "metadata rejected")
             raise
-        if loaded != info.agent_name:
-            raise PeerUnavailable(f"peer {address} sent metadata of agent {loaded!r}, not of {info.agent_name!r}")
+        _require_agent(info, loaded, address)
         if agent.removed:  # our data-plane worker was replaced while the metadata loaded (rebind)
             raise Unavailable(f"this daemon's data plane restarted during the handshake with {address}: retry")
         agent.loaded_metadata(named, fresh)
         agent.live = True
-        engines = {(e.engine_id, e.view.spec.tp_rank): e for e in info.engines}
+        engines = info.engines_by_rank()
         for other in self._sessions.values():  # a reload replaced the agent every session of it uses
             if other.agent.name == agent.name:
                 other.agent = agent
@@ -538,6 +542,12 @@ class Peers:
     def _gauges(self) -> None:
         self._metrics.peers.set(len(self._sessions))
         self._metrics.remote_agents.set(len(self._agents))
+
+
+def _require_agent(info: HandshakeInfo, loaded: str, address: str) -> None:
+    """The metadata NIXL loaded must be of the agent the handshake named."""
+    if loaded != info.agent_name:
+        raise PeerUnavailable(f"peer {address} sent metadata of agent {loaded!r}, not of {info.agent_name!r}")
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:
