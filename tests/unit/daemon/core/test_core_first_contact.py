@@ -11,6 +11,7 @@ happen meanwhile, and what a failed or interrupted load leaves behind.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from lifetime_fakes import Fabric, Gate
 from test_core_dataplane_restart import restarted
@@ -33,12 +34,12 @@ from kvd.core.transfers import Transfer
 from kvd_client.errors import ErrorCode, InvalidArgument, PeerUnavailable
 
 
-async def _until(condition: object, what: str) -> None:
+async def _until(condition: Callable[[], bool], what: str) -> None:
     """Let the loop run until ``condition()`` holds (the fakes never block on real time)."""
     async with asyncio.timeout(5.0):
-        while not condition():  # type: ignore[operator]
+        while not condition():
             await asyncio.sleep(0)
-    assert condition(), what  # type: ignore[operator]
+    assert condition(), what
 
 
 async def _pulling_while_the_load_is_held(fabric: Fabric) -> tuple[Pair, Gate, Transfer, str]:
@@ -54,11 +55,11 @@ async def _pulling_while_the_load_is_held(fabric: Fabric) -> tuple[Pair, Gate, T
     return p, gate, transfer, lease_id
 
 
-async def _finish(p: Pair, transfer: object, reads: int = 2) -> None:
-    xfers = await p.reading(transfer, reads)  # type: ignore[arg-type]
+async def _finish(p: Pair, transfer: Transfer, reads: int = 2) -> None:
+    xfers = await p.reading(transfer, reads)
     for xfer in xfers:
         p.reader.dataplane.finish(xfer)
-    await ended(transfer)  # type: ignore[arg-type]
+    await ended(transfer)
 
 
 def test_the_holder_admits_the_first_pull_while_the_metadata_loads_and_no_read_starts_before_it(
@@ -132,12 +133,9 @@ def test_a_first_load_that_fails_fails_the_pulls_waiting_for_it_and_the_next_pul
     the agent afresh and reads."""
 
     async def scenario() -> None:
-        p = await make_pair(fabric)
+        p, gate, transfer, lease_id = await _pulling_while_the_load_is_held(fabric)
         dp = p.reader.dataplane
-        dp.add_remote_gate = gate = Gate()
         dp.add_remote_errors.append(InvalidArgument("peer agent metadata rejected by NIXL: NIXL_ERR_BACKEND (test)"))
-        transfer, lease_id = p.pull()
-        await _until(lambda: p.holder.daemon.leases.open_admissions == 1, "the holder admitted the read")
         gate.open()
         await ended(transfer)
         await settle(p.reader, p.holder)
