@@ -35,7 +35,9 @@ import dataclasses
 import enum
 import pickle
 import struct
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from kvd_client.errors import Internal, KvdError, error_class_named
 
@@ -60,6 +62,23 @@ class XferState(enum.Enum):
     IN_PROGRESS = "PROC"
     DONE = "DONE"
     ERROR = "ERR"
+
+
+class ReadOrder(NamedTuple):
+    """One READ the control process asks its worker to post (a ``reads`` call carries several).
+
+    The descriptor lists are named by the ids the worker gave them (``prepare_table``); the two
+    index arrays travel out of band. ``xfer_id`` is the control process's name for the READ: its
+    ``SETTLED`` message carries it."""
+
+    xfer_id: int
+    local_table: int
+    local_indices: np.ndarray
+    remote_table: int
+    remote_indices: np.ndarray
+    notif: bytes
+    peer: str
+    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)

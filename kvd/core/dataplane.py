@@ -40,6 +40,7 @@ from kvd.dataplane_protocol import (
     AgentIdentity,
     MappedRegion,
     NixlRegion,
+    ReadOrder,
     RegionRequest,
     WireError,
     Xfer,
@@ -85,7 +86,7 @@ class DataPlane:
         self._xfers: dict[int, Xfer] = {}
         # READs asked for during this turn of the event loop, posted together in one call
         # ("reads") at its end: one message and one hop to the NIXL thread for all of them.
-        self._reads_to_post: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+        self._reads_to_post: list[tuple[ReadOrder, asyncio.Future[Any]]] = []
         self._identity = AgentIdentity(b"", ())
         self._tasks: list[asyncio.Task[None]] = []
         self._fast_poll_until = 0.0
@@ -375,15 +376,15 @@ class DataPlane:
         xfer = Xfer(xfer_id, peer, nbytes, 0.0, self._loop.create_future())
         self._xfers[xfer_id] = xfer  # before the call: the worker may settle it right after posting
         post = self._post_with_others(
-            (
-                xfer_id,
-                local_table,
-                np.ascontiguousarray(local_indices, dtype=np.int32),
-                remote_table,
-                np.ascontiguousarray(remote_indices, dtype=np.int32),
-                notif,
-                peer,
-                nbytes,
+            ReadOrder(
+                xfer_id=xfer_id,
+                local_table=local_table,
+                local_indices=np.ascontiguousarray(local_indices, dtype=np.int32),
+                remote_table=remote_table,
+                remote_indices=np.ascontiguousarray(remote_indices, dtype=np.int32),
+                notif=notif,
+                peer=peer,
+                nbytes=nbytes,
             )
         )
         try:
@@ -401,7 +402,7 @@ class DataPlane:
         self._on_reads_in_flight(len(self._xfers))
         return xfer
 
-    def _post_with_others(self, read: tuple[Any, ...]) -> asyncio.Future[Any]:
+    def _post_with_others(self, read: ReadOrder) -> asyncio.Future[Any]:
         """Queue one READ to be posted with the others asked for in this loop turn; its future
         gets the READ's (state, error), or raises as a lone call would (a cancel of the waiter
         does not retract it: the READ may be posted all the same)."""

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -73,6 +73,19 @@ def _nixl() -> Any:
     from nixl import _api  # noqa: PLC0415
 
     return _api
+
+
+class NixlRead(NamedTuple):
+    """One READ for the owner thread to build and post: the prepared lists (NIXL's objects,
+    owned by the worker's table ids) and the indices into each, one run per index."""
+
+    local_table: Any
+    local_indices: np.ndarray
+    remote_table: Any
+    remote_indices: np.ndarray
+    notif: bytes
+    peer: str
+    nbytes: int
 
 
 class NixlAgent:
@@ -343,9 +356,8 @@ class NixlAgent:
 
     # --- transfers ----------------------------------------------------------------------------
 
-    async def read_many(self, reads: Sequence[tuple[Any, ...]]) -> list[Xfer | KvdError]:
-        """Post READs (local list, local indices, remote list, remote indices, notification,
-        peer, bytes), all in one call on the owner thread: for each, its Xfer, or the error
+    async def read_many(self, reads: Sequence[NixlRead]) -> list[Xfer | KvdError]:
+        """Post READs, all in one call on the owner thread: for each, its Xfer, or the error
         that refused it (then nothing of it was posted).
 
         A READ that NIXL built but failed to post (wholly or in part) is an Xfer with ``error``
@@ -357,46 +369,34 @@ class NixlAgent:
         loop = self._loop
         prepared = [
             (
-                local_table,
-                np.ascontiguousarray(local_indices, dtype=np.int32),
-                remote_table,
-                np.ascontiguousarray(remote_indices, dtype=np.int32),
-                notif,
-                peer,
-                nbytes,
+                read._replace(
+                    local_indices=np.ascontiguousarray(read.local_indices, dtype=np.int32),
+                    remote_indices=np.ascontiguousarray(read.remote_indices, dtype=np.int32),
+                ),
                 loop.create_future(),
             )
-            for local_table, local_indices, remote_table, remote_indices, notif, peer, nbytes in reads
+            for read in reads
         ]
 
         def post_all() -> list[Xfer | KvdError]:
             out: list[Xfer | KvdError] = []
-            for read in prepared:
+            for read, settled in prepared:
                 try:
-                    out.append(self._post(*read))
+                    out.append(self._post(read, settled))
                 except KvdError as exc:
                     out.append(exc)
                 except Exception as exc:
-                    out.append(Internal(f"posting a READ from {read[5]} failed: {type(exc).__name__}: {exc}"))
+                    out.append(Internal(f"posting a READ from {read.peer} failed: {type(exc).__name__}: {exc}"))
             return out
 
         return await self.call(post_all)
 
-    def _post(
-        self,
-        local_table: Any,
-        local_indices: np.ndarray,
-        remote_table: Any,
-        remote_indices: np.ndarray,
-        notif: bytes,
-        peer: str,
-        nbytes: int,
-        settled: asyncio.Future[None],
-    ) -> Xfer:
+    def _post(self, read: NixlRead, settled: asyncio.Future[None]) -> Xfer:
         """Build and post one READ (owner thread only). Raises if NIXL refused to build it."""
+        peer, nbytes = read.peer, read.nbytes
         try:
             handle = self.agent.make_prepped_xfer(
-                "READ", local_table, local_indices, remote_table, remote_indices, notif
+                "READ", read.local_table, read.local_indices, read.remote_table, read.remote_indices, read.notif
             )
         except Exception as exc:
             raise self._map(exc, peer) from exc

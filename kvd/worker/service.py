@@ -36,6 +36,7 @@ from kvd.dataplane_protocol import (
     SETTLED,
     AgentIdentity,
     MappedRegion,
+    ReadOrder,
     RegionRequest,
     WireError,
     XferState,
@@ -43,7 +44,7 @@ from kvd.dataplane_protocol import (
     frame,
     read_frame,
 )
-from kvd.worker.nixl_agent import NixlAgent, Xfer
+from kvd.worker.nixl_agent import NixlAgent, NixlRead, Xfer
 from kvd.worker.regions import RegionTable
 from kvd_client.errors import FailedPrecondition, NotFound, Unavailable
 
@@ -217,36 +218,36 @@ class WorkerService:
 
     # --- transfers ----------------------------------------------------------------------------
 
-    async def reads(self, items: tuple[tuple[Any, ...], ...]) -> list[tuple[Any, ...]]:
+    async def reads(self, orders: tuple[ReadOrder, ...]) -> list[tuple[Any, ...]]:
         """Post READs, all in one hop to the NIXL thread (DataPlane sends a loop turn's together).
 
         Each READ's outcome on its own, in order: ("posted", state, error), its state DONE when
         it finished within the post (then no SETTLED follows) and its error if it was posted
         only in part (then it still settles later); or ("refused", error): nothing of it posted."""
-        outcomes: list[tuple[Any, ...] | None] = [None] * len(items)
-        posts: list[tuple[Any, ...]] = []
-        for index, (
-            _xfer_id,
-            local_table,
-            local_indices,
-            remote_table,
-            remote_indices,
-            notif,
-            peer,
-            nbytes,
-        ) in enumerate(items):
-            local, remote = self._tables.get(local_table), self._tables.get(remote_table)
+        outcomes: list[tuple[Any, ...] | None] = [None] * len(orders)
+        posts: list[tuple[int, NixlRead]] = []
+        for index, order in enumerate(orders):
+            local, remote = self._tables.get(order.local_table), self._tables.get(order.remote_table)
             if local is None or remote is None:
-                error = NotFound(f"a READ from {peer} names a descriptor list this worker does not have")
+                error = NotFound(f"a READ from {order.peer} names a descriptor list this worker does not have")
                 outcomes[index] = ("refused", encode_error(error))
                 continue
-            posts.append((index, local, local_indices, remote, remote_indices, notif, peer, nbytes))
-        posted = await self.agent.read_many([post[1:] for post in posts])
-        for (index, *_), xfer in zip(posts, posted, strict=True):
+            read = NixlRead(
+                local_table=local,
+                local_indices=order.local_indices,
+                remote_table=remote,
+                remote_indices=order.remote_indices,
+                notif=order.notif,
+                peer=order.peer,
+                nbytes=order.nbytes,
+            )
+            posts.append((index, read))
+        posted = await self.agent.read_many([read for _, read in posts])
+        for (index, _), xfer in zip(posts, posted, strict=True):
             if isinstance(xfer, Exception):
                 outcomes[index] = ("refused", encode_error(xfer))
                 continue
-            outcomes[index] = ("posted", *self._track(items[index][0], xfer))
+            outcomes[index] = ("posted", *self._track(orders[index].xfer_id, xfer))
         return [outcome for outcome in outcomes if outcome is not None]
 
     def _track(self, xfer_id: int, xfer: Xfer) -> tuple[str, WireError | None]:
