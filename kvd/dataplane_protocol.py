@@ -35,11 +35,12 @@ import dataclasses
 import enum
 import pickle
 import struct
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvd_client.errors import Internal, KvdError, error_class_named
+
+if TYPE_CHECKING:
+    import numpy as np
 
 HEADER = struct.Struct("<IQ")  # body length, number of out-of-band buffers
 BUFFER = struct.Struct("<Q")

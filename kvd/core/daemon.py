@@ -19,17 +19,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvd.config import KvdConfig
-from kvd.core import notif
 from kvd.core.commits import CommitTracker
 from kvd.core.dataplane import DataPlane
 from kvd.core.events import FinishedSending
 from kvd.core.holdchecks import HoldChecks, SchedulerChannel
-from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseEnd, LeaseTable
-from kvd.core.local_memory import LocalMemory, Memories
+from kvd.core.holder import HolderReads
+from kvd.core.leases import Lease, LeaseEnd, LeaseTable
+from kvd.core.local_memory import Memories
 from kvd.core.memory import RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import HandshakeInfo, Peers, PeerSession, PeerTransport, PrepareResult, RemoteEngine
+from kvd.core.peers import Peers, PeerSession, PeerTransport
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.restarts import DataPlaneRestarts
@@ -40,17 +40,12 @@ from kvd.layout.plan import EngineView, block_geometry
 from kvd.layout.spec import LayerPlacement, LayoutSpec
 from kvd_client.errors import (
     FailedPrecondition,
-    HeldKvEvicted,
     Internal,
     InvalidArgument,
     KvdError,
     Unavailable,
-    UnknownEngine,
-    UnknownLease,
-    UnsupportedModelFeature,
 )
 from kvd_client.group_blocks import flatten_groups
-from kvd_client.v1.schema import HoldCheckAction
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +58,6 @@ SWEEP_IDLE_MAX_S = 1.0
 SWEEP_MIN_S = 0.001  # never spin, even on a deadline the sweep could not act on
 LIVENESS_S = 0.25  # how often an engine pid without a pidfd is checked (a kill is noticed within this)
 IDLE_PEER_SWEEP_S = 5.0
-# A fast-poll deadline long past but not 0.0: the worker keeps polling every 50 ms, not 1 s (a read
-# that was never proven over may still be served; see Daemon._poll_fast_while_admitted).
-UNPROVEN_READS_DEADLINE = 1e-3
-# After serving a Handshake, the worker polls fast this long: the reader connects its NIXL agent
-# at once (NixlAgent.add_remote), and UCX sets the connection up only as both sides make progress.
-# A dormant holder polls once a second, so the set-up waited for the first admission and fell on
-# the first pull's READ instead of overlapping its planning and admission (a few ms). Short: fast
-# polls cost CPU (each ~0.1 ms of UCX progress), and the admission that follows polls fast anyway.
-CONNECT_POLL_S = 0.1
 SCRAPE_WAIT_S = 1.0  # how long a scrape waits for the event loop to compute the lease gauges
 MAX_PULLS_PER_CALL = 1024
 """Most pulls one StartPulls may start: an engine step loads at most a few hundred requests, and a
@@ -116,7 +102,7 @@ class DaemonStatus:
     dataplane_last_restart: str = ""  # why the last worker was replaced ("" if never)
 
 
-class Daemon(DataPlaneRestarts):
+class Daemon(HolderReads, DataPlaneRestarts):
     """Registry, memory, data plane, peers, commits, leases and transfers of one daemon."""
 
     def __init__(self, config: KvdConfig, transport: PeerTransport, metrics: Metrics) -> None:
@@ -601,55 +587,6 @@ class Daemon(DataPlaneRestarts):
         self.holds_ended[how.value] = self.holds_ended.get(how.value, 0) + 1
         logger.debug("lease %s on %s/%s ended: %s", lease.lease_id, lease.engine_id, lease.request_id, how.value)
 
-    def _admission_over(self, admission: Admission) -> None:
-        """LeaseTable callback: an admitted read is over; unpin the holder memory it pinned."""
-        assert admission.ended is not None
-        label = self._reader_labels.pop(admission.admission_id, "")
-        if admission.ended is AdmissionEnd.READ:
-            self.metrics.transfers.labels(label, "serve", "done").inc()
-        elif admission.ended is AdmissionEnd.TIMED_OUT:
-            logger.warning(
-                "read of lease %s by %s (rank %d) was not proven over by its deadline: its memory will be retired",
-                admission.lease_id,
-                admission.reader,
-                admission.reader_rank,
-            )
-        self.metrics.admissions_ended.labels(admission.ended.value).inc()
-        if admission.soft_pinned:  # the engine pinned the soft hold's blocks for this read
-            admission.soft_pinned = False
-            lease = self.leases.find(admission.lease_id)
-            engine_id, request_id = self._soft_pins.pop(admission.admission_id, ("", ""))
-            if lease is not None:
-                engine_id, request_id = lease.engine_id, lease.request_id
-            if engine_id:
-                self.holdchecks.unpin(engine_id, request_id, admission.lease_id, admission.admission_id)
-        else:
-            self._soft_pins.pop(admission.admission_id, None)
-        pinned, admission.pinned = list(admission.pinned), []
-        clean = admission.ended.clean
-        for memory in pinned:
-            assert isinstance(memory, LocalMemory)
-            self._follow_up(self._mem.unpin(memory, holder=True, clean=clean))
-        self._poll_fast_while_admitted(unproven=bool(pinned) and not clean)
-
-    def _poll_fast_while_admitted(self, unproven: bool = False) -> None:
-        """NIXL's thread polls fast until the latest open admission's deadline: a READ that
-        carries a notification completes only once the holder has made progress.
-
-        A Handshake served in the last CONNECT_POLL_S keeps it fast too (its reader is connecting).
-        With none open, 0.0 lets it poll once a second only, unless a read of an engine's
-        memory here ended without being proven over (tainted): its reader may still be reading
-        (a stalled READ resumes when a partition heals, and over TCP UCX serves it only as the
-        holder makes progress), so it keeps a past, non-zero deadline: a poll every 50 ms."""
-        if self.dataplane is None:
-            return
-        deadline = self.leases.latest_admission_deadline()
-        if not deadline and (unproven or any(rank.memory.tainted for rank in self.registry)):
-            deadline = UNPROVEN_READS_DEADLINE
-        if self._connecting_until > time.monotonic():
-            deadline = max(deadline, self._connecting_until)
-        self.dataplane.fast_poll_until = deadline
-
     def _gauges_for_scrape(self) -> None:
         """Metrics hook, run before every collection: set the lease gauges from the tables.
 
@@ -683,18 +620,6 @@ class Daemon(DataPlaneRestarts):
         self.metrics.leases_held.set(len(self.leases))
         self.metrics.leases_draining.set(self.leases.draining)
         self.metrics.admitted_reads.set(self.leases.open_admissions)
-
-    def _on_notifications(self, notifications: dict[str, list[bytes]]) -> None:
-        """READ notifications from readers (delivered by the data plane's thread, on the loop)."""
-        for agent, messages in notifications.items():
-            for message in messages:
-                read = notif.decode(message)
-                if read is None:
-                    logger.debug("ignoring NIXL notification from %s: %r", agent, message[:64])
-                    continue
-                label = self._reader_labels.get(read.admission_id, agent)
-                self.metrics.transfer_bytes.labels(label, "serve").inc(read.nbytes)
-                self.leases.record_read(read.lease_id, read.admission_id, read.part, read.parts)
 
     def _wake_sweeper(self) -> None:
         """Have the sweeper recompute its sleep, if it sleeps longer than SWEEP_S (a round due
@@ -800,215 +725,6 @@ class Daemon(DataPlaneRestarts):
             for fd in watched.values():
                 loop.remove_reader(fd)
                 os.close(fd)
-
-    # --- peer-facing ----------------------------------------------------------------------------
-
-    def handshake_info(self) -> HandshakeInfo:
-        engines = tuple(
-            RemoteEngine(
-                engine_id=rank.engine_id,
-                view=rank.view,
-                extra_groups=rank.extra_groups,
-                region_addresses=tuple(rank.region_addresses),
-                region_sizes=tuple(region.size_bytes for region in rank.regions),
-                vram=rank.mem_type == "VRAM",
-                device_index=rank.device_index,
-                registration_id=rank.registration_id,
-            )
-            for rank in self.registry
-        )
-        self.require_dataplane()
-        assert self.dataplane is not None
-        identity = self.dataplane.identity()
-        self._poll_fast_for_connect()
-        return HandshakeInfo(self.incarnation, self.agent_name, identity.metadata, engines, identity.regions)
-
-    def _poll_fast_for_connect(self) -> None:
-        """A reader has the metadata and is connecting: poll fast for CONNECT_POLL_S (CONNECT_POLL_S's
-        comment), then as the admissions say. Handshakes are rare (one per peer and re-registration)."""
-        self._connecting_until = time.monotonic() + CONNECT_POLL_S
-        self._poll_fast_while_admitted()
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            if self._connect_poll_end is not None:
-                self._connect_poll_end.cancel()
-            self._connect_poll_end = loop.call_at(loop.time() + CONNECT_POLL_S + 0.01, self._poll_fast_while_admitted)
-
-    async def prepare_pull(
-        self,
-        *,
-        lease_id: str,
-        engine_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        reader_tp_rank: int,
-        reader_tp_size: int,
-        remote_tp_ranks: Sequence[int],
-        reader_address: str = "",
-        reader_incarnation: str = "",
-        reader_transfer_id: str = "",
-        read_timeout_s: float = 0.0,
-        group_block_ids: Sequence[Sequence[int]] = (),
-    ) -> PrepareResult:
-        """Admit a reader's read of a lease, after waiting (bounded) for committed tokens.
-
-        The admission pins the holder ranks' memory until the read is over (see kvd.core.leases).
-        """
-        self.require_serving()
-        lease = self.leases.get(lease_id)
-        if lease.engine_id != engine_id:
-            raise InvalidArgument(f"lease {lease_id!r} holds engine {lease.engine_id!r}, not {engine_id!r}")
-        if tuple(block_ids) != lease.block_ids[: len(block_ids)] or not block_ids:
-            raise InvalidArgument(f"block ids {list(block_ids)[:8]} are not a prefix of lease {lease_id!r}'s blocks")
-        if not 1 <= num_tokens <= lease.num_tokens:
-            raise InvalidArgument(f"the read asks for {num_tokens} tokens, lease {lease_id!r} holds {lease.num_tokens}")
-        self._check_group_read(lease, group_block_ids, num_tokens)
-        hold_s = read_timeout_s or self.config.transfer_deadline_s
-        if hold_s > self.config.max_lease_ttl_s:
-            raise InvalidArgument(
-                f"the read asks to be admitted for {hold_s:.1f}s, longer than max_lease_ttl_s "
-                f"{self.config.max_lease_ttl_s}s: use a shorter pull deadline"
-            )
-        if reader_tp_size < 1 or not 0 <= reader_tp_rank < reader_tp_size:
-            raise InvalidArgument(f"reader tp_rank {reader_tp_rank} / tp_size {reader_tp_size} is not a rank")
-        if lease.reader_tp_size and lease.reader_tp_size != reader_tp_size:
-            raise InvalidArgument(
-                f"lease {lease_id!r} is being read by a TP-{lease.reader_tp_size} engine, not TP-{reader_tp_size}"
-            )
-        ranks = self._holder_ranks(engine_id, remote_tp_ranks)
-        for r in remote_tp_ranks:
-            if not ranks[r].require_commits:
-                continue
-            if not await self.commits.wait_for(engine_id, r, lease.request_id, num_tokens, self.config.commit_wait_s):
-                have = self.commits.watermark(engine_id, r, lease.request_id)
-                raise FailedPrecondition(
-                    f"request {lease.request_id!r} on engine {engine_id!r} rank {r}: only {have} of {num_tokens} "
-                    f"tokens committed after {self.config.commit_wait_s}s (no post-forward signal yet?)"
-                )
-        # The wait yielded: the lease and the ranks may have changed meanwhile. From here to the
-        # return nothing awaits, so what is checked is what is pinned.
-        self.require_serving()
-        self.require_dataplane()
-        ranks = self._holder_ranks(engine_id, remote_tp_ranks)
-        reader = f"{reader_incarnation or reader_address or 'unknown'}/{reader_transfer_id}"
-        admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, hold_s)
-        memories = self._mem
-        for r in remote_tp_ranks:
-            memories.pin(ranks[r].memory, holder=True)
-            admission.pinned.append(ranks[r].memory)
-        self._poll_fast_while_admitted()
-        if reader_address:
-            self._reader_labels[admission.admission_id] = reader_address
-        if lease.soft:
-            await self._pin_soft(lease, admission)
-        return PrepareResult(
-            registration_ids=tuple(ranks[r].registration_id for r in remote_tp_ranks),
-            notif_tag=notif.tag(lease_id, admission.admission_id),
-            verify_after_read=lease.soft,
-        )
-
-    def _check_group_read(self, lease: Lease, group_block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
-        """A read of a hybrid model's lease reads the lease's own group blocks, all its tokens."""
-        if tuple(tuple(ids) for ids in group_block_ids) != lease.group_block_ids:
-            raise InvalidArgument(
-                f"the read names {len(group_block_ids)} KV cache groups' block ids that are not lease "
-                f"{lease.lease_id!r}'s ({len(lease.group_block_ids)} groups after group 0)"
-            )
-        if not lease.group_block_ids or num_tokens == lease.num_tokens:
-            return
-        ranks = self.registry.ranks_of(lease.engine_id)
-        for index, group in enumerate(next(iter(ranks.values())).groups) if ranks else ():
-            if group.kind is not kv_groups.KvGroupKind.FULL_ATTENTION:
-                raise UnsupportedModelFeature(
-                    f"{kv_groups.describe_group(index, group)}: a {group.kind.name.lower()} group holds the state "
-                    f"after all {lease.num_tokens} held tokens; a read of {num_tokens} tokens cannot use it"
-                )
-
-    async def _pin_soft(self, lease: Lease, admission: Admission) -> None:
-        """Have the engine verify the soft hold's blocks and pin them for this read, or refuse it.
-
-        The admission is open meanwhile (its memory pinned like any read's); a refusal ends it
-        (nothing was posted) and the lease with it: the blocks are gone for every reader.
-        """
-        self._soft_pins[admission.admission_id] = (lease.engine_id, lease.request_id)
-        ok, why = await self.holdchecks.check(
-            lease.engine_id,
-            HoldCheckAction.PIN,
-            lease.request_id,
-            lease.lease_id,
-            admission.admission_id,
-            self.config.hold_check_timeout_s,
-        )
-        if ok and admission.ended is None:
-            admission.soft_pinned = True
-            return
-        if ok:  # the read ended while the engine pinned (the lease was released): drop the pin
-            self.holdchecks.unpin(lease.engine_id, lease.request_id, lease.lease_id, admission.admission_id)
-        self._soft_pins.pop(admission.admission_id, None)
-        self.leases.finish_read(lease.lease_id, admission, verified=False)
-        raise HeldKvEvicted(
-            f"request {lease.request_id!r} on engine {lease.engine_id!r}: its blocks no longer hold its KV "
-            f"({why or 'the read ended'}); recompute"
-        )
-
-    async def finish_read(
-        self, lease_id: str, reader_tp_rank: int, reader_incarnation: str = "", reader_transfer_id: str = ""
-    ) -> None:
-        """A soft lease's reader's READs are final: verify the blocks again and unpin them.
-
-        HeldKvEvicted when they no longer carry the request's KV (the reader must not report the
-        pull done); the lease then ends as evicted.
-        """
-        reader = f"{reader_incarnation or 'unknown'}/{reader_transfer_id}"
-        admission = self.leases.admission_of(lease_id, reader, reader_tp_rank)
-        lease = self.leases.find(lease_id)
-        if admission is None or lease is None:
-            raise UnknownLease(f"lease {lease_id!r} has no read admitted for rank {reader_tp_rank} of that reader")
-        if not lease.soft:
-            raise FailedPrecondition(f"lease {lease_id!r} is a hard hold: its reads end with their notifications")
-        ok, why = False, "the engine's pin of the blocks was lost"
-        if admission.soft_pinned:
-            admission.soft_pinned = False
-            self._soft_pins.pop(admission.admission_id, None)
-            ok, why = await self.holdchecks.check(
-                lease.engine_id,
-                HoldCheckAction.VERIFY_UNPIN,
-                lease.request_id,
-                lease_id,
-                admission.admission_id,
-                self.config.hold_check_timeout_s,
-            )
-            if not ok:  # a silent scheduler: drop the pin anyway (the verdict is "not verified")
-                self.holdchecks.unpin(lease.engine_id, lease.request_id, lease_id, admission.admission_id)
-        self.leases.finish_read(lease_id, admission, verified=ok)
-        if not ok:
-            raise HeldKvEvicted(
-                f"request {lease.request_id!r} on engine {lease.engine_id!r}: its blocks changed during the read "
-                f"({why}); the pulled bytes must not be used"
-            )
-
-    def _holder_ranks(self, engine_id: str, remote_tp_ranks: Sequence[int]) -> dict[int, EngineRank]:
-        ranks = self.registry.ranks_of(engine_id)
-        missing = [r for r in remote_tp_ranks if r not in ranks]
-        if missing or not remote_tp_ranks:
-            raise UnknownEngine(f"engine {engine_id!r} has no ranks {missing or '[]'} registered here")
-        return ranks
-
-    def abandon_pull(
-        self,
-        lease_id: str,
-        reader_tp_rank: int,
-        reason: str,
-        reader_incarnation: str = "",
-        reader_transfer_id: str = "",
-    ) -> None:
-        """The reader's READs of the lease are final and it gave up: its admission ends cleanly."""
-        reader = f"{reader_incarnation or 'unknown'}/{reader_transfer_id}"
-        if self.leases.abandon(lease_id, reader, reader_tp_rank):
-            logger.info("reader rank %d abandoned its read of lease %s: %s", reader_tp_rank, lease_id, reason)
-            return
-        self.leases.get(lease_id)  # NOT_FOUND / DEADLINE_EXCEEDED for a gone lease
-        raise UnknownLease(f"lease {lease_id!r} has no read admitted for rank {reader_tp_rank} of that reader")
 
     # --- pulls -----------------------------------------------------------------------------------
 

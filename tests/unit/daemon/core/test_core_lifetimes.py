@@ -22,7 +22,7 @@ import pytest
 from kvtest import small_spec
 from lifetime_fakes import SAFETY_TIMEOUT_S, Fabric, Gate, Node
 
-from kvd.core import daemon as daemon_module
+from kvd.core import holder as holder_module
 from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.local_memory import LocalMemory, MemoryState
 from kvd.core.registry import EngineRank
@@ -339,7 +339,7 @@ def test_a_scrape_from_another_thread_reads_the_lease_gauges_computed_on_the_loo
 ) -> None:
     """The lease gauges are computed when collected, not on every admission: a scrape on the
     metrics server's thread (not the loop) still sees an admitted read, then its end."""
-    monkeypatch.setattr(daemon_module, "CONNECT_POLL_S", 0.01)  # the handshake's fast polls end first
+    monkeypatch.setattr(holder_module, "CONNECT_POLL_S", 0.01)  # the handshake's fast polls end first
 
     async def scenario() -> None:
         p = await make_pair(fabric)
@@ -365,7 +365,7 @@ def test_a_served_handshake_polls_fast_while_the_reader_connects_then_slows_down
     """The reader connects its NIXL agent right after the handshake and UCX needs the holder's
     progress for it: the holder's worker polls fast for CONNECT_POLL_S, then (no admission open)
     at the slowest poll again; an admission inside the window keeps its own deadline."""
-    monkeypatch.setattr(daemon_module, "CONNECT_POLL_S", 0.05)
+    monkeypatch.setattr(holder_module, "CONNECT_POLL_S", 0.05)
 
     async def scenario() -> None:
         p = await make_pair(fabric)
