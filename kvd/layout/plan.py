@@ -10,8 +10,10 @@ KV of rejected draft tokens, which must never leave the holder).
 
 from __future__ import annotations
 
+import collections
 import functools
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -47,6 +49,44 @@ __all__ = [
 ]
 
 
+VIEW_CACHE_SIZE = 1024  # views remembered by identity (engine ranks and groups, local and peers')
+
+
+def _by_view_identity(
+    function: Callable[[EngineView, int], DescGeometry],
+) -> Callable[[EngineView, int], DescGeometry]:
+    """Look ``function(view, n)`` up by the view's identity before its value.
+
+    Every pull asks for its two engines' geometries, and the views it passes are the same
+    objects pull after pull (the registry's, the cached handshake's). Looking an EngineView up by
+    value hashes each layer's placement in Python (2 lookups per plan were about half of a small
+    pull's planning); by identity it costs a dict lookup. Each entry holds its view, so an id is
+    never reused while its entry lives; a view not seen before (a re-registration, a fresh
+    handshake) goes to ``function``, which is cached by value. Thread-safe: large pulls plan in
+    the daemon's pool."""
+    entries: collections.OrderedDict[tuple[int, Hashable], tuple[EngineView, DescGeometry]] = collections.OrderedDict()
+    lock = threading.Lock()
+
+    @functools.wraps(function)
+    def cached(view: EngineView, n: int) -> DescGeometry:
+        key = (id(view), n)
+        with lock:
+            entry = entries.get(key)
+            if entry is not None and entry[0] is view:
+                entries.move_to_end(key)
+                return entry[1]
+        geometry = function(view, n)
+        with lock:
+            entries[key] = (view, geometry)
+            entries.move_to_end(key)
+            while len(entries) > VIEW_CACHE_SIZE:
+                entries.popitem(last=False)
+        return geometry
+
+    return cached
+
+
+@_by_view_identity
 @functools.lru_cache(maxsize=256)
 def block_geometry(view: EngineView, max_run_blocks: int) -> DescGeometry:
     """Whole blocks of every plane of every layer, with runs up to ``max_run_blocks``.
@@ -69,6 +109,7 @@ def block_geometry(view: EngineView, max_run_blocks: int) -> DescGeometry:
     )
 
 
+@_by_view_identity
 @functools.lru_cache(maxsize=1024)
 def partial_block_geometry(view: EngineView, tokens: int) -> DescGeometry:
     """The first ``tokens`` tokens of any block, every plane (and every head for HND); cached

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -157,6 +158,9 @@ def validate_pull(
         raise InvalidArgument("local block ids repeat a block: two token ranges cannot land in one block")
 
 
+@functools.lru_cache(maxsize=1024)
 def same_layout(remote: LayoutSpec, local: LayoutSpec) -> bool:
-    """True when bytes can be copied block for block (only block counts may differ)."""
+    """True when bytes can be copied block for block (only block counts may differ).
+
+    Cached (a spec hashes its fields in one call): every pull asks, with the same two specs."""
     return dataclasses.replace(remote, num_blocks=1, tp_rank=0) == dataclasses.replace(local, num_blocks=1, tp_rank=0)

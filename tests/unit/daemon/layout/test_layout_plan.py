@@ -263,3 +263,27 @@ def test_plan_pull_validates_before_planning() -> None:
     view = _view(num_blocks=10)
     with pytest.raises(InvalidArgument, match="repeat a block"):
         plan_pull({0: view}, view, [0, 1], [3, 3], 20)
+
+
+def test_a_view_is_looked_up_by_identity_and_a_new_view_never_gets_an_old_views_geometry() -> None:
+    """block_geometry answers the same view object from its identity cache (no hashing of every
+    layer's placement per pull), an equal view built anew gets an equal geometry, and a view made
+    after another one was dropped (so possibly at the same address) gets its own geometry: each
+    entry keeps its view alive, so an id is never reused under it."""
+    import gc  # noqa: PLC0415
+
+    from kvd.layout.plan import partial_block_geometry  # noqa: PLC0415
+
+    view = _view(num_blocks=64)
+    first = block_geometry(view, 64)
+    assert block_geometry(view, 64) is first
+    assert block_geometry(view, 8) != first and block_geometry(view, 8).max_run_log2 == 3
+    assert block_geometry(_view(num_blocks=64), 64) == first
+    assert partial_block_geometry(view, 5) is partial_block_geometry(view, 5)
+    for blocks in (32, 48, 96, 200):
+        del view
+        gc.collect()
+        view = _view(num_blocks=blocks)
+        geometry = block_geometry(view, 64)
+        assert geometry.num_units == blocks
+        assert partial_block_geometry(view, 3).num_units == blocks
