@@ -156,8 +156,9 @@ class KvdConfig:
     nixl_progress_thread: bool = dataclasses.field(
         default=False,
         metadata={
-            "help": "Run NIXL's own progress thread. It busy-polls (a whole core per daemon, idle or not); "
-            "without it kvd's own NIXL thread drives progress (fast only while reads are in flight)."
+            "help": "Run NIXL's own progress thread, waiting on UCX's event fd between rounds (it wakes when a "
+            "peer's request or a notification arrives): admitted readers' READs progress as they arrive, and "
+            "kvd's NIXL thread no longer polls fast for them. Off: kvd's NIXL thread drives all progress."
         },
     )
     prefault_host_memory: bool = dataclasses.field(

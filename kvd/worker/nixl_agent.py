@@ -63,6 +63,13 @@ POLL_DORMANT_S = 0.05
 # about as often anyway). An admission, or any call, wakes it at once. Each poll costs ~0.1 ms
 # (UCX progress): 20 a second were a quarter of an idle worker's CPU (issue 19).
 POLL_UNADMITTED_S = 1.0
+# NIXL's own progress thread (nixl_progress_thread), when it runs, sleeps in poll() on the UCX
+# worker's event fd between rounds and wakes when the worker has something to progress (a
+# notification, a peer's request over TCP, a connection), or after this long at most. NIXL's
+# Python API starts it with no timeout, and then it busy-polls a whole core (see
+# create_agent_with_progress_wait). With it, the owner thread no longer polls fast for admitted
+# readers: their READs progress as their packets arrive.
+PROGRESS_THREAD_WAIT_S = 0.1
 # The transport warm-up at agent creation (see warm_transport) gives up after this long.
 WARMUP_TIMEOUT_S = 5.0
 WARMUP_BYTES = 4096
@@ -138,7 +145,10 @@ class NixlAgent:
             backends=self._backends,
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self.agent = api.nixl_agent(self.name, config)
+        if self._nixl_progress_thread:
+            self.agent = create_agent_with_progress_wait(api, self.name, config, PROGRESS_THREAD_WAIT_S)
+        else:
+            self.agent = api.nixl_agent(self.name, config)
         missing = [b for b in self._backends if b not in self.agent.backends]
         if missing:
             raise Internal(
@@ -211,7 +221,9 @@ class NixlAgent:
             return 0.0 if any(now < x.spin_until for x in self._xfers) else POLL_SLOW_S
         if now < self._fast_poll_until:
             self._active_at = now
-            return POLL_FAST_S
+            # NIXL's progress thread serves admitted readers as their requests arrive: only the
+            # notifications are left to poll, and they need no hurry (they end admissions).
+            return POLL_IDLE_S if self._nixl_progress_thread else POLL_FAST_S
         if now - self._active_at < DORMANT_AFTER_S:
             return POLL_IDLE_S
         return POLL_DORMANT_S if self._fast_poll_until else POLL_UNADMITTED_S
@@ -440,6 +452,35 @@ class NixlAgent:
         if isinstance(exc, bindings.nixlInvalidParamError):
             return Internal(f"NIXL rejected a transfer built by kvd: {exc}")
         return Internal(f"NIXL error reading from {peer}: {type(exc).__name__}: {exc}")
+
+
+_CREATE_LOCK = threading.Lock()
+
+
+def create_agent_with_progress_wait(api: Any, name: str, config: Any, wait_s: float) -> Any:
+    """``api.nixl_agent(name, config)`` with its progress thread waiting on UCX's event fd.
+
+    The C++ agent's config has the thread's poll timeout (``pthrDelay``, microseconds), but NIXL's
+    Python API sets it to 0 itself, and with 0 the thread busy-polls a whole core (measured with
+    NIXL 1.5.1 on an idle agent: 99.9 % of a core; with 100 ms, 0.08 %, and a notification or a
+    request from a peer still wakes it at once). So the agent is created with the bindings'
+    constructor wrapped to set the timeout: public fields of the public bindings, nothing else
+    changed. A NIXL whose bindings lack the field is refused: its thread would busy-poll."""
+    bindings = api.nixlBind
+    construct = bindings.nixlAgent
+    if not hasattr(bindings.nixlAgentConfig(), "pthrDelay"):
+        raise Internal("this NIXL's agent config has no progress-thread timeout: set nixl_progress_thread = false")
+
+    def with_wait(agent_name: str, agent_config: Any) -> Any:
+        agent_config.pthrDelay = max(1, round(wait_s * 1e6))
+        return construct(agent_name, agent_config)
+
+    with _CREATE_LOCK:  # agents are created one at a time anyway (the owner thread)
+        bindings.nixlAgent = with_wait
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            bindings.nixlAgent = construct
 
 
 def warm_transport(api: Any, agent: Any, backends: Sequence[str]) -> object:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import numpy as np
@@ -9,7 +10,15 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvd.layout.plan import EngineView, PullPlan, Target, block_geometry, plan_pull, validate_pull
+from kvd.layout.plan import (
+    EngineView,
+    PullPlan,
+    Target,
+    block_geometry,
+    partial_block_geometry,
+    plan_pull,
+    validate_pull,
+)
 from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec, contiguous_placements
 from kvd_client.errors import IncompatibleLayout, InvalidArgument
 
@@ -270,10 +279,6 @@ def test_a_view_is_looked_up_by_identity_and_a_new_view_never_gets_an_old_views_
     layer's placement per pull), an equal view built anew gets an equal geometry, and a view made
     after another one was dropped (so possibly at the same address) gets its own geometry: each
     entry keeps its view alive, so an id is never reused under it."""
-    import gc  # noqa: PLC0415
-
-    from kvd.layout.plan import partial_block_geometry  # noqa: PLC0415
-
     view = _view(num_blocks=64)
     first = block_geometry(view, 64)
     assert block_geometry(view, 64) is first
