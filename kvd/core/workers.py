@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from kvd.dataplane_protocol import CALL, HELLO, REPLY, AgentIdentity, decode_error, frame, read_frame
@@ -29,6 +30,7 @@ from kvd_client.errors import KvdError, Unavailable
 logger = logging.getLogger(__name__)
 
 PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting
+REAP_WARN_S = 5.0  # a worker not gone this long after it ended or was killed is logged, and again each time
 HELLO_TIMEOUT_S = 60.0  # a worker that has not imported NIXL by then is not coming
 
 
@@ -63,8 +65,39 @@ class WorkerProcess:
         return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
     async def reap(self) -> int:
-        """Wait for the process to be gone (its mappings and endpoints with it); its exit status."""
-        return await self.process.wait()
+        """Wait for the process to be gone (its mappings and endpoints with it); its exit status.
+
+        A process killed inside an uninterruptible kernel call dies only when the call returns,
+        and nothing of it may be reused before (it is the fence: docs/lifetimes.md). So this
+        waits as long as it takes, and says every REAP_WARN_S that it still waits and on what."""
+        waiting = asyncio.ensure_future(self.process.wait())
+        started = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=REAP_WARN_S)
+                if done:
+                    return waiting.result()
+                logger.warning(
+                    "data-plane worker %d has not exited %.0f s after it ended or was killed (%s); "
+                    "its memory and endpoints stay fenced until it does",
+                    self.pid,
+                    time.monotonic() - started,
+                    self.kernel_state(),
+                )
+        finally:
+            waiting.cancel()
+
+    def kernel_state(self) -> str:
+        """What the kernel says the process is doing: its state letter and the call it waits in."""
+        proc = Path(f"/proc/{self.pid}")
+        try:
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "no longer in /proc"
+        wchan = ""
+        with contextlib.suppress(OSError):
+            wchan = (proc / "wchan").read_text().strip()
+        return f"state {state}" + (f", waiting in {wchan}" if wchan and wchan != "0" else "")
 
     async def end(self, grace_s: float = 5.0) -> int:
         """Close its channel (it releases everything and exits), reap it; SIGKILL it after

@@ -1,0 +1,56 @@
+"""WorkerProcess.reap: a worker that does not exit is waited for, and said so, with its kernel state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import pytest
+
+from kvd.core import workers
+from kvd.core.workers import WorkerProcess
+
+
+def test_a_worker_that_does_not_exit_is_waited_for_and_logged_with_its_kernel_state(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """reap() waits as long as the process lives (it is the fence), warning every REAP_WARN_S
+    with the process's state from /proc; once the process is killed, reap() returns its status."""
+    monkeypatch.setattr(workers, "REAP_WARN_S", 0.2)
+
+    async def main() -> None:
+        process = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
+        worker = WorkerProcess(process, asyncio.StreamReader(), None)  # type: ignore[arg-type]
+        reaping = asyncio.ensure_future(worker.reap())
+        await asyncio.sleep(0.7)
+        assert not reaping.done(), "reap() returned while the process still lives"
+        process.send_signal(signal.SIGKILL)
+        async with asyncio.timeout(10):
+            assert await reaping == -signal.SIGKILL
+        assert worker.kernel_state() == "no longer in /proc"
+
+    with caplog.at_level(logging.WARNING, logger="kvd.core.workers"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if "has not exited" in r.getMessage()]
+    assert len(warnings) >= 2, caplog.text
+    assert "state S" in warnings[0] and "stay fenced" in warnings[0]
+
+
+def test_reap_cancelled_leaves_no_waiter_behind() -> None:
+    """A reap cut short (WorkerProcess.end's grace period) cancels its wait; a later reap works."""
+
+    async def main() -> None:
+        process = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
+        worker = WorkerProcess(process, asyncio.StreamReader(), None)  # type: ignore[arg-type]
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await worker.reap()
+        process.kill()
+        async with asyncio.timeout(10):
+            assert await worker.reap() == -signal.SIGKILL
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert not pending, pending
+
+    asyncio.run(main())
