@@ -56,11 +56,17 @@ class WorkerProcess:
         with contextlib.suppress(ProcessLookupError):
             self.process.kill()
 
+    def _stat(self) -> list[str] | None:
+        """The fields of ``/proc/<pid>/stat`` after the command name (state first); None once gone."""
+        try:
+            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+
     def exiting(self) -> bool:
         """Whether the process is already on its way out (the kernel's PF_EXITING, or gone)."""
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+        fields = self._stat()
+        if not fields:
             return self.exited
         return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
@@ -89,15 +95,13 @@ class WorkerProcess:
 
     def kernel_state(self) -> str:
         """What the kernel says the process is doing: its state letter and the call it waits in."""
-        proc = Path(f"/proc/{self.pid}")
-        try:
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        fields = self._stat()
+        if not fields:
             return "no longer in /proc"
         wchan = ""
         with contextlib.suppress(OSError):
-            wchan = (proc / "wchan").read_text().strip()
-        return f"state {state}" + (f", waiting in {wchan}" if wchan and wchan != "0" else "")
+            wchan = Path(f"/proc/{self.pid}/wchan").read_text().strip()
+        return f"state {fields[0]}" + (f", waiting in {wchan}" if wchan and wchan != "0" else "")
 
     async def end(self, grace_s: float = 5.0) -> int:
         """Close its channel (it releases everything and exits), reap it; SIGKILL it after

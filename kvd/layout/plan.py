@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -64,7 +64,7 @@ def _by_view_identity(
     never reused while its entry lives; a view not seen before (a re-registration, a fresh
     handshake) goes to ``function``, which is cached by value. Thread-safe: large pulls plan in
     the daemon's pool."""
-    entries: collections.OrderedDict[tuple[int, Hashable], tuple[EngineView, DescGeometry]] = collections.OrderedDict()
+    entries: collections.OrderedDict[tuple[int, int], tuple[EngineView, DescGeometry]] = collections.OrderedDict()
     lock = threading.Lock()
 
     @functools.wraps(function)

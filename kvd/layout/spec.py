@@ -186,7 +186,7 @@ class LayoutSpec:
     def validate_block_ids(self, block_ids: Sequence[int], what: str) -> None:
         """Raise InvalidArgument unless every id names a block of this cache.
 
-        Every pull checks its ids (at StartPull and in the plan): min and max are one pass in C;
+        Every pull checks its ids (at StartPull and in the plan): min and max run in C;
         the ids at fault are listed only when there are some."""
         if not len(block_ids) or (min(block_ids) >= 0 and max(block_ids) < self.num_blocks):
             return

@@ -7,6 +7,7 @@ import random
 import pytest
 from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 
+from kvd.bench.rig import cpu_seconds
 from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.integration
@@ -128,15 +129,6 @@ def test_a_pull_from_the_readers_own_daemon_is_failed_precondition_not_retryable
         reader.close()
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    import os
-    from pathlib import Path
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @pytest.mark.parametrize("transports", ["default", "tcp"])
 def test_with_nixls_progress_thread_pulls_are_exact_and_an_idle_worker_does_not_spin(
     spawn_daemon, transports: str
@@ -176,9 +168,9 @@ def test_with_nixls_progress_thread_pulls_are_exact_and_an_idle_worker_does_not_
         time.sleep(1.5)  # past the worker's fast polls
         for engine in engines.values():
             pid = engine.client.get_status().dataplane_pid
-            before, started_at = _cpu_s(pid), time.monotonic()
+            before, started_at = cpu_seconds(pid), time.monotonic()
             time.sleep(2.0)
-            share = (_cpu_s(pid) - before) / (time.monotonic() - started_at)
+            share = (cpu_seconds(pid) - before) / (time.monotonic() - started_at)
             assert share < 0.25, f"an idle data-plane worker used {share:.0%} of a core (a spinning progress thread?)"
     finally:
         for engine in engines.values():
