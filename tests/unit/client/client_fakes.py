@@ -61,6 +61,7 @@ class FakeEngineService(engine_pb2_grpc.EngineServiceServicer):
         self.requests: dict[str, Any] = {}
         self.streams: list[FakeStream] = []
         self._stream_added = threading.Condition()
+        self.reads_held: threading.Event | None = None  # set by a test: streams read nothing until it is set
 
     def RegisterKvCache(
         self, request: engine_pb2.RegisterKvCacheRequest, context: grpc.ServicerContext
@@ -115,6 +116,8 @@ class FakeEngineService(engine_pb2_grpc.EngineServiceServicer):
 
         def read() -> None:
             try:
+                if self.reads_held is not None:
+                    self.reads_held.wait()
                 for message in request_iterator:
                     stream.received.append(message)
             except Exception:  # noqa: BLE001 - background thread of a test fake: the RPC died

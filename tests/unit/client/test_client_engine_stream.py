@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -61,7 +62,7 @@ def test_poll_is_non_blocking_and_returns_daemon_messages(daemon: FakeDaemon) ->
         stream = kvd.open_engine_stream("e0", 0)
         started = time.monotonic()
         assert stream.poll() == []
-        assert time.monotonic() - started < 0.05
+        assert time.monotonic() - started < 2  # a poll that waited would wait for ever: nothing is sent yet
         fake = daemon.engine.wait_stream()
         for rid in ("a", "b", "c"):
             fake.outbound.put(finished_recving(rid))
@@ -159,18 +160,26 @@ def test_bad_values_are_dropped_not_fatal(daemon: FakeDaemon) -> None:
     assert stream.error is None
 
 
-def test_sending_costs_microseconds(daemon: FakeDaemon) -> None:
-    """The engine's step loop pays for a send: it must be a queue put, not a network round trip."""
+def test_sending_never_waits_for_the_daemon(daemon: FakeDaemon) -> None:
+    """The engine's step loop pays for a send: it must be a queue put, not a round trip to the
+    daemon. So sends complete while the daemon's handler reads none of them (its event loop busy
+    elsewhere), and every one arrives, in order, once it reads. (What a send costs is not timed
+    here: a bound on a shared CI machine fails on load, not on a regression.)"""
+    daemon.engine.reads_held = threading.Event()
     with KvdClient(daemon.unix) as kvd:
         stream = kvd.open_engine_stream("e0", 0)
+        fake = daemon.engine.wait_stream()
         n = 20_000
-        started = time.perf_counter()
-        for i in range(n):
-            stream.send_commit("request-0001", i)
-        per_send_us = (time.perf_counter() - started) / n * 1e6
+        sent: list[bool] = []
+        sender = threading.Thread(target=lambda: sent.extend(stream.send_commit("r-1", i) for i in range(n)))
+        sender.start()
+        sender.join(30)  # (a send that waited for the daemon would hold the sender here)
+        assert not sender.is_alive() and len(sent) == n and all(sent)
+        assert fake.received == []  # every send returned while the daemon had read none
+        daemon.engine.reads_held.set()
+        received = fake.wait_received(n + 1, timeout_s=30)
         stream.close()
-    # Typically well under 1 us; the bound leaves room for a loaded CI machine.
-    assert per_send_us < 20, per_send_us
+    assert [m.commit.committed_tokens for m in received[1:]] == list(range(n))
 
 
 def batch(*messages: engine_pb2.DaemonMessage) -> engine_pb2.DaemonMessage:

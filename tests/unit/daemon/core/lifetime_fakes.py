@@ -367,19 +367,24 @@ class FakeDataPlane:
 
     def _check_remote_lookup(self, agent_name: str, lo: int, hi: int) -> None:
         """NIXL resolves a remote list by looking each descriptor's region up among the regions
-        loaded for the agent, assuming they do not overlap: a list over memory that overlaps a
-        region the peer has deregistered since is resolved wrongly or not at all."""
+        loaded for the agent, assuming they do not overlap: a list over memory where a region the
+        peer has deregistered since overlaps another loaded region is resolved wrongly or not at
+        all. A list over a deregistered region alone resolves against its metadata, which stays
+        loaded (a warm-up that raced the peer's unregistration); posting a READ on it is what
+        must never happen (:meth:`read` checks that)."""
         with self._lock:
             loaded = set(self.loaded.get(agent_name, ()))
         if agent_name not in self.remotes:
             raise RuntimeError(f"NIXL_ERR_NOT_FOUND (fake): metadata for remote agent {agent_name[-8:]} not found")
         holder = self.fabric.dataplanes.get(agent_name)
         live = {r.reg_id for r in holder.live_registrations()} if holder is not None else set()
-        stale = [
-            reg_id for reg_id, address, size in loaded if reg_id not in live and lo < address + size and address < hi
-        ]
-        if stale:
-            self._violation(f"a list over agent {agent_name[-8:]} prepared while stale regions {stale} overlap it")
+        overlapping = [reg_id for reg_id, address, size in loaded if lo < address + size and address < hi]
+        stale = [reg_id for reg_id in overlapping if reg_id not in live]
+        if stale and len(overlapping) > 1:
+            self._violation(
+                f"a list over agent {agent_name[-8:]} prepared while stale regions {stale} overlap it "
+                f"and other loaded regions ({sorted(set(overlapping) - set(stale))} live)"
+            )
             raise RuntimeError("NIXL_ERR_NOT_FOUND (fake): failed to prepare the descriptors for any backend")
         if not any(address <= lo and hi <= address + size for _, address, size in loaded):
             raise RuntimeError("NIXL_ERR_NOT_FOUND (fake): no loaded region covers the list")
@@ -431,6 +436,13 @@ class FakeDataPlane:
             r.overlaps(local_table.lo, local_table.hi) for r in self.live_registrations()
         ):
             self._violation("READ posted into memory that is not registered")
+        holder = self.fabric.dataplanes.get(remote_table.agent)
+        if (
+            holder is not None
+            and holder.alive
+            and not any(r.overlaps(remote_table.lo, remote_table.hi) for r in holder.live_registrations())
+        ):
+            self._violation(f"READ posted over memory agent {remote_table.agent[-8:]} has deregistered")
         xfer = Xfer(object(), peer, nbytes, 0.0, self._loop.create_future())
         self.reads[xfer] = FakeRead(
             xfer, local_table, remote_table, notif_message, np.array(local_indices), np.array(remote_indices)

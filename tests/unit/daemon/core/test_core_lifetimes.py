@@ -23,6 +23,7 @@ from kvtest import small_spec
 from lifetime_fakes import SAFETY_TIMEOUT_S, Fabric, Gate, Node
 
 from kvd.core import holder as holder_module
+from kvd.core.dataplane import LOCAL_AGENT
 from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.local_memory import LocalMemory, MemoryState
 from kvd.core.registry import EngineRank
@@ -711,6 +712,61 @@ def test_a_holder_that_replaced_memory_is_reloaded_once_the_reads_through_it_end
         await settle(p.holder)
         assert transfer_b.state is DONE
         assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_warm_up_list_that_raced_the_holders_unregistration_is_never_read(fabric: Fabric) -> None:
+    """The warm-up after a handshake prepares the peer's lists holding no pin, so the peer may
+    deregister an engine while its list is being prepared (seen once in CI, where it happened by
+    chance). That list is over the old registration, which NIXL still has loaded: it may be
+    prepared, but no READ is ever posted on it; the engine's next pull reads through its fresh
+    registration, and the stale list is released with the rest."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
+        before = set(p.holder.dataplane.live_registrations())
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        (old_b,) = [r for r in p.holder.dataplane.live_registrations() if r not in before]
+        entered, release = threading.Event(), threading.Event()
+        prepare_table = dp.prepare_table
+
+        def prepare_held_over_b(agent_name: str, rows: Any, mem_type: str) -> Any:
+            if agent_name != LOCAL_AGENT and int(rows[:, 0].min()) >= old_b.address:
+                entered.set()  # the warm-up's list over eng-b: hold it until eng-b is replaced
+                assert release.wait(SAFETY_TIMEOUT_S)
+            return prepare_table(agent_name, rows, mem_type)
+
+        dp.prepare_table = prepare_held_over_b  # type: ignore[method-assign]
+        transfer_a, _ = p.pull()  # from eng-h: its handshake starts the warm-up
+        xfers_a = await p.reading(transfer_a)
+        async with asyncio.timeout(SAFETY_TIMEOUT_S):
+            while not entered.is_set():
+                await asyncio.sleep(0.001)
+
+        await holder.unregister_engine("eng-b", 0)
+        assert p.holder.dataplane.deregistered(old_b)
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        release.set()
+        await settle(p.reader)
+        dp.prepare_table = prepare_table  # type: ignore[method-assign]
+
+        _, params = holder.hold("eng-b", "req-b", HOLD_BLOCKS, NUM_TOKENS)
+        transfer_b = reader.start_pull("eng-r", 0, "req-b", [6, 7, 0], params)
+        xfers_b = await p.reading(transfer_b)
+        for xfer in xfers_a + xfers_b:
+            dp.finish(xfer)
+        await ended(transfer_a)
+        await ended(transfer_b)
+        await settle(p.holder)
+        assert transfer_a.state is DONE and transfer_b.state is DONE
+        assert_settled(p.reader, p.holder)
+
+        (agent,) = reader.peers.agents()
+        await reader.peers.refresh(HOLDER, "no pull reads through the agent: lists of gone engines are released")
+        over_old_b = [t for t in dp.tables if t.agent == agent.name and old_b.overlaps(t.lo, t.hi)]
+        assert over_old_b and all(t.released for t in over_old_b)
 
     run(fabric, scenario)
 
