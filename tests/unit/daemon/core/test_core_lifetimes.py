@@ -141,6 +141,17 @@ async def settle(*nodes: Node) -> None:
             await node.daemon.peers.warmed()
 
 
+async def finish_reads(p: Pair, xfers: list[Any], *transfers: Transfer) -> None:
+    """NIXL ends each READ of ``xfers`` DONE; each of ``transfers`` must then end DONE, and the
+    holder's unpins run."""
+    for xfer in xfers:
+        p.reader.dataplane.finish(xfer)
+    for transfer in transfers:
+        await ended(transfer)
+    await settle(p.holder)
+    assert all(t.state is DONE for t in transfers), [t.state for t in transfers]
+
+
 async def sweep_round(node: Node) -> None:
     """One round of the daemon's sweeper (which the fixture keeps from running on its own)."""
     daemon = node.daemon
@@ -754,13 +765,7 @@ def test_a_warm_up_list_that_raced_the_holders_unregistration_is_never_read(fabr
 
         _, params = holder.hold("eng-b", "req-b", HOLD_BLOCKS, NUM_TOKENS)
         transfer_b = reader.start_pull("eng-r", 0, "req-b", [6, 7, 0], params)
-        xfers_b = await p.reading(transfer_b)
-        for xfer in xfers_a + xfers_b:
-            dp.finish(xfer)
-        await ended(transfer_a)
-        await ended(transfer_b)
-        await settle(p.holder)
-        assert transfer_a.state is DONE and transfer_b.state is DONE
+        await finish_reads(p, xfers_a + await p.reading(transfer_b), transfer_a, transfer_b)
         assert_settled(p.reader, p.holder)
 
         (agent,) = reader.peers.agents()
@@ -793,12 +798,7 @@ def test_a_holder_that_replaced_memory_in_its_arena_needs_no_reload(fabric: Fabr
         transfer_b = reader.start_pull("eng-r", 0, "req-b", [6, 7, 0], params)
         xfers_b = await p.reading(transfer_b)
         assert reader.peers.agents() == [agent] and not agent.reloading and dp.removals(agent.name) == 0
-        for xfer in xfers_a + xfers_b:
-            dp.finish(xfer)
-        await ended(transfer_a)
-        await ended(transfer_b)
-        await settle(p.holder)
-        assert transfer_a.state is DONE and transfer_b.state is DONE
+        await finish_reads(p, xfers_a + xfers_b, transfer_a, transfer_b)
         assert p.reader.metric("kvd_agent_reloads_total") == 0
         assert_settled(p.reader, p.holder)
 
