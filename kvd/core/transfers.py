@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kvd_client.errors import KvdError, UnknownTransfer
 
@@ -66,6 +66,8 @@ class Transfer:
     # logged at DEBUG when the transfer ends, to see where a slow pull spent its time.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    # Called once, when the transfer ends: its table keeps the live ones apart (TransferTable).
+    _on_final: Callable[[Transfer], None] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def elapsed_s(self) -> float:
@@ -85,6 +87,8 @@ class Transfer:
             self.error = error
         if state.final:
             self.finished = time.monotonic()
+            if self._on_final is not None:
+                self._on_final(self)
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -99,16 +103,26 @@ class Transfer:
 
 
 class TransferTable:
-    """Live and recently finished transfers by id."""
+    """Live and recently finished transfers by id.
+
+    The live ones are also kept apart, in start order: the sweeper asks whether any is in flight
+    on every round, and a pass over the finished ones kept (up to KEEP_FINISHED) cost about a
+    millisecond each time none was (it showed in profiles of one pull at a time).
+    """
 
     def __init__(self) -> None:
         self._transfers: dict[str, Transfer] = {}
+        self._live: dict[str, Transfer] = {}
 
     def new(self, **fields: object) -> Transfer:
-        transfer = Transfer(transfer_id=uuid.uuid4().hex, **fields)  # type: ignore[arg-type]
+        transfer = Transfer(transfer_id=uuid.uuid4().hex, _on_final=self._ended, **fields)  # type: ignore[arg-type]
         self._transfers[transfer.transfer_id] = transfer
+        self._live[transfer.transfer_id] = transfer
         self._trim()
         return transfer
+
+    def _ended(self, transfer: Transfer) -> None:
+        self._live.pop(transfer.transfer_id, None)
 
     def get(self, transfer_id: str) -> Transfer:
         transfer = self._transfers.get(transfer_id)
@@ -117,12 +131,11 @@ class TransferTable:
         return transfer
 
     def in_flight(self) -> list[Transfer]:
-        return [t for t in self._transfers.values() if not t.state.final]
+        """The transfers not ended yet, oldest first."""
+        return list(self._live.values())
 
     def any_in_flight(self) -> bool:
-        """Is a transfer in flight? Newest first: one in flight is found at once, and none in
-        flight costs one pass (the daemon's sweeper asks this on every round)."""
-        return any(not t.state.final for t in reversed(self._transfers.values()))
+        return bool(self._live)
 
     def _trim(self) -> None:
         if len(self._transfers) <= KEEP_FINISHED:

@@ -214,6 +214,29 @@ def test_table_new_get_and_in_flight() -> None:
     assert table.in_flight() == [b]
 
 
+@pytest.mark.parametrize(("path"), [[R, D], [R, PP, D], [F], [A], [R, FE, F], [R, PP, FE, A]])
+def test_table_in_flight_follows_each_transfer_to_its_end(
+    monkeypatch: pytest.MonkeyPatch, path: list[TransferState]
+) -> None:
+    """in_flight / any_in_flight (kept apart, not found by a pass over the finished ones) list a
+    transfer, oldest first, until its path ends, whatever the path and however many finished
+    ones are kept or forgotten meanwhile."""
+    monkeypatch.setattr(transfers, "KEEP_FINISHED", 2)
+    table = TransferTable()
+    assert not table.any_in_flight() and table.in_flight() == []
+    old, new = table.new(**_fields()), table.new(**_fields())
+    for _ in range(5):  # finished ones come and go (trimmed past KEEP_FINISHED)
+        table.new(**_fields()).advance(A)
+    for state in path:
+        assert table.any_in_flight() and table.in_flight() == [old, new]
+        old.advance(state)
+    assert table.in_flight() == [new]
+    old.advance(R)  # an ended transfer never moves again, nor comes back
+    assert table.in_flight() == [new]
+    new.advance(F)
+    assert not table.any_in_flight() and table.in_flight() == []
+
+
 def test_table_get_unknown() -> None:
     """An unknown transfer id is NOT_FOUND (UnknownTransfer), naming it."""
     with pytest.raises(UnknownTransfer, match="nope"):
