@@ -303,6 +303,10 @@ class FakeDataPlane:
     def live_registrations(self) -> list[FakeRegistration]:
         return [r for r in self.registrations if r.live]
 
+    def registered(self, table: FakeTable) -> bool:
+        """Whether a live registration of this data plane overlaps the list's memory."""
+        return any(r.overlaps(table.lo, table.hi) for r in self.live_registrations())
+
     def deregistered(self, registration: Any) -> bool:
         return ("deregister", registration) in self.log
 
@@ -432,16 +436,10 @@ class FakeDataPlane:
             self._violation("READ posted on a released list")
         if remote_table.agent not in self.remotes:
             self._violation(f"READ posted through agent {remote_table.agent[-8:]}, which is not loaded")
-        if local_table.agent == LOCAL and not any(
-            r.overlaps(local_table.lo, local_table.hi) for r in self.live_registrations()
-        ):
+        if local_table.agent == LOCAL and not self.registered(local_table):
             self._violation("READ posted into memory that is not registered")
         holder = self.fabric.dataplanes.get(remote_table.agent)
-        if (
-            holder is not None
-            and holder.alive
-            and not any(r.overlaps(remote_table.lo, remote_table.hi) for r in holder.live_registrations())
-        ):
+        if holder is not None and holder.alive and not holder.registered(remote_table):
             self._violation(f"READ posted over memory agent {remote_table.agent[-8:]} has deregistered")
         xfer = Xfer(object(), peer, nbytes, 0.0, self._loop.create_future())
         self.reads[xfer] = FakeRead(

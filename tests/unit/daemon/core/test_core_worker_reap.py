@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
+from asyncio.subprocess import PIPE
 
 import pytest
 
@@ -21,7 +22,11 @@ def test_a_worker_that_does_not_exit_is_waited_for_and_logged_with_its_kernel_st
     monkeypatch.setattr(workers, "REAP_WARN_S", 0.2)
 
     async def main() -> None:
-        process = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import time; print('sleeping', flush=True); time.sleep(60)", stdout=PIPE
+        )
+        assert process.stdout is not None
+        await process.stdout.readline()  # asleep from now on (state S), not still starting up (R)
         worker = WorkerProcess(process, asyncio.StreamReader(), None)  # type: ignore[arg-type]
         reaping = asyncio.ensure_future(worker.reap())
         await asyncio.sleep(0.7)
