@@ -17,17 +17,31 @@ when no admitted reader can still read them:
 asking for rank r gets FAILED_PRECONDITION; the same reader asking again (a re-handshake before
 it posted anything) replaces its admission. A rank that has read the lease cannot read it again.
 Every reader rank is counted, so a TP-2 reader ends the lease only once both ranks read it.
+
+**Deadlines** are kept in a heap (:class:`LeaseTable`): the daemon's sweeper asks for the next
+one and sweeps on every round, and a pass over every lease and admission each time cost
+milliseconds of the holder's event loop with thousands of leases out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
+import itertools
+import logging
 import secrets
 import time
 from collections.abc import Callable
 
 from kvd_client.errors import FailedPrecondition, InvalidArgument, LeaseExpired, UnknownLease
+
+logger = logging.getLogger(__name__)
+
+# The deadline heap is rebuilt once it holds more than 3 entries per lease and open admission plus
+# this many: stale entries (renewed, ended, draining) then outnumber the live ones more than 2 to
+# 1. The slack keeps a table of a few leases from rebuilding on every renewal.
+HEAP_SLACK = 64
 
 
 class LeaseEnd(enum.Enum):
@@ -59,7 +73,8 @@ class Admission:
     lease_id: str
     reader: str  # "<reader incarnation>/<reader transfer id>"
     reader_rank: int
-    deadline: float  # monotonic
+    # Monotonic. Set only by LeaseTable: its deadline heap holds deadline + margin (see _push).
+    deadline: float
     parts_seen: set[int] = dataclasses.field(default_factory=set)
     parts: int = 0  # how many parts the reader posts (learned from its notifications)
     # Holder memory pinned for this read (kvd.core.local_memory.LocalMemory), owned by the daemon.
@@ -80,7 +95,8 @@ class Lease:
     request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
-    expires_at: float  # monotonic clock
+    # Monotonic clock. Set only by LeaseTable: its deadline heap follows every change (see _push).
+    expires_at: float
     # Block ids of the KV cache groups after group 0 (hybrid models), one tuple per group.
     group_block_ids: tuple[tuple[int, ...], ...] = ()
     reader_tp_size: int = 0  # learned from the first reader
@@ -91,6 +107,9 @@ class Lease:
     # A soft hold: the engine did not keep the blocks; each read is verified (and the blocks
     # pinned) by the engine's scheduler, and the reader ends its read with FinishRead.
     soft: bool = False
+    # The table's count of leases created before this one: sweep() ends due leases in this order
+    # (the order of the table's dict, which a pass over every lease followed).
+    created_seq: int = dataclasses.field(default=0, repr=False)
 
     @property
     def draining(self) -> bool:
@@ -99,11 +118,22 @@ class Lease:
 
 AdmissionOver = Callable[[Admission], None]
 LeaseOver = Callable[[Lease, LeaseEnd], None]
+# A deadline heap entry: when, a sequence number (ties are never compared further), and what is
+# due then: a live lease's expiry or an open admission's end (its deadline plus the margin).
+_Entry = tuple[float, int, "Lease | Admission"]
 
 
 class LeaseTable:
     """All leases of one daemon. Event-loop only. Ends are reported through the callbacks, each
-    exactly once: ``on_admission_over`` (unpin the holder memory), then ``on_lease_over``."""
+    exactly once: ``on_admission_over`` (unpin the holder memory), then ``on_lease_over``.
+
+    Deadlines live in a min-heap of ``(when, seq, lease or admission)`` entries, so that
+    :meth:`next_deadline` and :meth:`sweep` cost O(log n) per change and per thing ended rather
+    than a pass over every lease on each sweeper round. Every change of a deadline pushes a new
+    entry; the old one is not searched for but left *stale*: an entry counts only while what it
+    names is still open (a lease in the table and not draining, an admission in its lease's open
+    ones) and still due exactly then. Stale entries are dropped as they reach the top, and the heap
+    is rebuilt from the table when they outnumber the live ones (see HEAP_SLACK)."""
 
     def __init__(
         self,
@@ -117,7 +147,10 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self.on_admission_over = on_admission_over
         self.on_lease_over = on_lease_over
-        self.admission_margin_s = admission_margin_s
+        self._admission_margin_s = admission_margin_s
+        self._heap: list[_Entry] = []  # the deadlines, with stale entries (see the class docstring)
+        self._heap_seq = itertools.count()  # ties between equal deadlines: first pushed first
+        self._created = itertools.count()  # Lease.created_seq
         # Kept as admissions open and end, not counted over every lease: the holder asks for them
         # on every admission and every READ notification (O(leases) each was most of its CPU
         # with thousands of leases out).
@@ -139,16 +172,28 @@ class LeaseTable:
     def open_admissions(self) -> int:
         return self._open_admissions
 
+    @property
+    def admission_margin_s(self) -> float:
+        """How long past its deadline an open admission is kept before it times out."""
+        return self._admission_margin_s
+
+    @admission_margin_s.setter
+    def admission_margin_s(self, value: float) -> None:
+        # The heap holds each admission's deadline plus the margin: a new margin moves them all.
+        self._admission_margin_s = value
+        self._rebuild_heap()
+
     def next_deadline(self) -> float:
         """When :meth:`sweep` next has something to end: the earliest expiry of a live lease or
-        end (deadline + margin) of an open admission; ``inf`` when there is none."""
-        due = float("inf")
-        for lease in self._leases.values():
-            if not lease.draining:
-                due = min(due, lease.expires_at)
-            for admission in lease.admissions.values():
-                due = min(due, admission.deadline + self.admission_margin_s)
-        return due
+        end (deadline + margin) of an open admission; ``inf`` when there is none.
+
+        The top of the deadline heap, once the stale entries above it are dropped: O(1) when
+        nothing changed, O(log n) per stale entry dropped (each is dropped once)."""
+        self._compact_heap_if_sparse()
+        heap = self._heap
+        while heap and self._lease_of_entry(heap[0]) is None:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else float("inf")
 
     def latest_admission_deadline(self) -> float:
         """At least the deadline of the open admission that ends last; 0.0 when none is open.
@@ -178,8 +223,10 @@ class LeaseTable:
             expires_at=self._clock() + ttl_s,
             ttl_s=ttl_s,
             soft=soft,
+            created_seq=next(self._created),
         )
         self._leases[lease.lease_id] = lease
+        self._push(lease.expires_at, lease)
         self.on_new_deadline()
         return lease
 
@@ -196,7 +243,10 @@ class LeaseTable:
         if ttl_s <= 0:
             raise InvalidArgument(f"lease ttl must be > 0, got {ttl_s}")
         lease = self.get(lease_id)
-        lease.expires_at = self._clock() + ttl_s
+        expires_at = self._clock() + ttl_s
+        if expires_at != lease.expires_at:
+            lease.expires_at = expires_at
+            self._push(expires_at, lease)
         self.on_new_deadline()
         return lease
 
@@ -209,7 +259,10 @@ class LeaseTable:
             if lease is None or lease.draining or lease.expires_at <= now:
                 unknown.append(lease_id)
                 continue
-            lease.expires_at = max(lease.expires_at, now + lease.ttl_s)
+            expires_at = now + lease.ttl_s
+            if expires_at > lease.expires_at:  # only ever later (an admission may have stretched it)
+                lease.expires_at = expires_at
+                self._push(expires_at, lease)
         return unknown
 
     def find(self, lease_id: str) -> Lease | None:
@@ -240,8 +293,11 @@ class LeaseTable:
         lease.admissions[admission.admission_id] = admission
         self._open_admissions += 1
         self._admission_deadline_high = max(self._admission_deadline_high, admission.deadline)
+        self._push(admission.deadline + self._admission_margin_s, admission)
         lease.reader_tp_size = reader_tp_size
-        lease.expires_at = max(lease.expires_at, admission.deadline)
+        if admission.deadline > lease.expires_at:  # the lease lives at least as long as its read
+            lease.expires_at = admission.deadline
+            self._push(lease.expires_at, lease)
         self.on_new_deadline()
         return admission
 
@@ -330,17 +386,37 @@ class LeaseTable:
         self.on_lease_over(lease, how)
 
     def sweep(self) -> None:
-        """Expire due leases and end admissions past their deadline plus the margin."""
+        """Expire due leases and end admissions past their deadline plus the margin.
+
+        The due entries are popped off the deadline heap, and the leases they concern are then
+        taken in the table's order (creation), each exactly as a pass over every lease took it:
+        its due admissions in the order they were admitted, then its own expiry. So the ends are
+        reported in the same order as before the heap, at O(k log n) for k entries due."""
         now = self._clock()
-        for lease in list(self._leases.values()):
+        heap = self._heap
+        popped: list[_Entry] = []
+        due: dict[int, Lease] = {}  # Lease.created_seq -> a lease with something due
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            lease = self._lease_of_entry(entry)
+            if lease is not None:
+                popped.append(entry)
+                due[lease.created_seq] = lease
+        for seq in sorted(due):
+            lease = due[seq]
             for admission in list(lease.admissions.values()):
-                if admission.deadline + self.admission_margin_s <= now:
+                if admission.deadline + self._admission_margin_s <= now:
                     # A soft lease's reader that never said FinishRead: if every part arrived,
                     # its READs are over (clean); otherwise not proven over.
                     how = AdmissionEnd.ABANDONED if admission.reads_seen else AdmissionEnd.TIMED_OUT
                     self._end_admission(lease, admission, how)
             if lease.lease_id in self._leases and not lease.draining and lease.expires_at <= now:
                 self._request_end(lease, LeaseEnd.EXPIRED)
+        for entry in popped:
+            # Ended above, unless a callback undid that: then it stays due for the next sweep.
+            if self._lease_of_entry(entry) is not None:
+                heapq.heappush(heap, entry)
+        self._compact_heap_if_sparse()
 
     def end_all(self, how: LeaseEnd, engine_id: str | None = None) -> None:
         """End every lease (of one engine): they drain while reads are admitted."""
@@ -379,3 +455,54 @@ class LeaseTable:
 
     def remaining_s(self, lease: Lease) -> float:
         return lease.expires_at - self._clock()
+
+    # --- the deadline heap ----------------------------------------------------------------------
+
+    def _push(self, when: float, item: Lease | Admission) -> None:
+        """Schedule ``item`` (a lease's expiry, or an admission's end at deadline + margin) at
+        ``when``, after setting the field it follows: a lease's ``expires_at`` or an admission's
+        ``deadline``. Any entry it had goes stale. A NaN deadline (a NaN ttl or hold passes the
+        checks) is never due, as no comparison with it is true: it gets no entry."""
+        if when != when:
+            return
+        heapq.heappush(self._heap, (when, next(self._heap_seq), item))
+        self._compact_heap_if_sparse()
+
+    def _lease_of_entry(self, entry: _Entry) -> Lease | None:
+        """The lease a heap entry concerns, if the entry is live: its lease (or admission) is still
+        open, not draining (a draining lease does not expire; it ends with its last admission),
+        and due exactly at the entry's time. None if the entry is stale."""
+        when, _, item = entry
+        if isinstance(item, Lease):
+            live = self._leases.get(item.lease_id) is item and item.ending is None and item.expires_at == when
+            return item if live else None
+        lease = self._leases.get(item.lease_id)
+        if lease is None or lease.admissions.get(item.admission_id) is not item:
+            return None
+        return lease if item.deadline + self._admission_margin_s == when else None
+
+    def _compact_heap_if_sparse(self) -> None:
+        """Rebuild the heap when stale entries outnumber live ones more than 2 to 1: each lease
+        and open admission has one live entry (or two equal ones, should a renewal bring a deadline
+        back to the very value it had: harmless, they are popped together), so beyond 3 per such
+        (plus HEAP_SLACK) about twice as many are stale. A rebuild is O(n) and needs as many pushes
+        or ends first, so it costs O(1) per push or end: the heap stays O(leases + admissions)."""
+        if len(self._heap) > 3 * (len(self._leases) + self._open_admissions) + HEAP_SLACK:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """One live entry per live lease's expiry and per open admission's end, in table order."""
+        before = len(self._heap)
+        heap: list[_Entry] = []
+        seq = self._heap_seq
+        margin = self._admission_margin_s
+        for lease in self._leases.values():
+            if lease.ending is None and lease.expires_at == lease.expires_at:
+                heap.append((lease.expires_at, next(seq), lease))
+            for admission in lease.admissions.values():
+                when = admission.deadline + margin
+                if when == when:
+                    heap.append((when, next(seq), admission))
+        heapq.heapify(heap)
+        self._heap = heap
+        logger.debug("lease deadline heap rebuilt: %d entries, %d live", before, len(heap))

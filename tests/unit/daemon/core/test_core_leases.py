@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lifetime_fakes import FakeClock
 
+from kvd.core import leases as leases_module
 from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseEnd, LeaseTable
 from kvd_client.errors import FailedPrecondition, InvalidArgument, LeaseExpired, UnknownLease
 
@@ -484,3 +485,221 @@ def test_next_deadline_is_the_earliest_expiry_or_admission_end(clock: FakeClock)
     table.sweep()
     assert table.find(other.lease_id) is None
     assert table.next_deadline() == admission.deadline + MARGIN
+
+
+# --- the deadline heap, against a pass over every lease ---------------------------------------------
+
+
+class Events:
+    """Every end the table reports, admissions and leases in one list, in order."""
+
+    def __init__(self) -> None:
+        self.ends: list[tuple[str, str, str]] = []
+
+    def admission_over(self, admission: Admission) -> None:
+        assert admission.ended is not None
+        self.ends.append(("admission", admission.admission_id, admission.ended.value))
+
+    def lease_over(self, lease: Lease, how: LeaseEnd) -> None:
+        self.ends.append(("lease", lease.lease_id, how.value))
+
+
+def _oracle_next_deadline(table: LeaseTable) -> float:
+    """next_deadline as a pass over every lease computes it (the table's answer before its heap)."""
+    due = float("inf")
+    for lease in table.every():
+        if not lease.draining:
+            due = min(due, lease.expires_at)
+        for admission in lease.admissions.values():
+            due = min(due, admission.deadline + table.admission_margin_s)
+    return due
+
+
+def _oracle_sweep_ends(table: LeaseTable, now: float) -> list[tuple[str, str, str]]:
+    """What a sweep at ``now`` ends, in order, as a pass over every lease finds it: lease by lease
+    (creation order), its due admissions in admission order (a draining lease ends with its last
+    one), then its expiry (it ends now, or drains while admissions stay open)."""
+    ends: list[tuple[str, str, str]] = []
+    for lease in table.every():
+        open_ = list(lease.admissions.values())
+        ended = False
+        for admission in list(open_):
+            if admission.deadline + table.admission_margin_s <= now:
+                how = AdmissionEnd.ABANDONED if admission.reads_seen else AdmissionEnd.TIMED_OUT
+                ends.append(("admission", admission.admission_id, how.value))
+                open_.remove(admission)
+                if lease.ending is not None and not open_:
+                    ends.append(("lease", lease.lease_id, lease.ending.value))
+                    ended = True
+        if not ended and lease.ending is None and lease.expires_at <= now and not open_:
+            ends.append(("lease", lease.lease_id, LeaseEnd.EXPIRED.value))
+    return ends
+
+
+def _live_heap_items(table: LeaseTable) -> set[int]:
+    """ids of the leases and admissions the heap has a live entry for."""
+    return {id(entry[2]) for entry in table._heap if table._lease_of_entry(entry) is not None}
+
+
+def _due_items(table: LeaseTable) -> set[int]:
+    """ids of what should have a live entry: every lease not draining, every open admission."""
+    items = {id(lease) for lease in table.every() if not lease.draining}
+    return items | {id(admission) for lease in table.every() for admission in lease.admissions.values()}
+
+
+def _random_step(table: LeaseTable, clock: FakeClock, rng: random.Random) -> str:
+    """One random operation on the table; which one, for the failure message."""
+    leases = table.every()
+    lease = rng.choice(leases) if leases else None
+    ttl = rng.choice([0.5, 1.0, 2.0, 5.0, 10.0, 20.0, rng.uniform(0.1, 20.0)])  # repeats: equal deadlines
+    op = rng.choices(
+        ["create", "renew", "heartbeat", "admit", "read", "finish", "abandon", "end", "end_all", "lost", "tick"],
+        weights=[30, 16, 12, 28, 16, 8, 8, 8, 1, 1, 24],
+    )[0]
+    errors = (FailedPrecondition, InvalidArgument, LeaseExpired, UnknownLease)
+    if op == "create" or lease is None:
+        table.create(f"eng-{rng.randrange(3)}", f"r{rng.randrange(10**6)}", (1, 2), 20, ttl, soft=rng.random() < 0.3)
+        return "create"
+    if op == "renew":
+        with contextlib.suppress(*errors):
+            table.renew(lease.lease_id, ttl)
+    elif op == "heartbeat":
+        table.renew_by_own_ttl([le.lease_id for le in rng.sample(leases, k=min(len(leases), 5))] + ["gone"])
+    elif op == "admit":
+        tp = lease.reader_tp_size or rng.choice([1, 2])
+        rank = rng.randrange(tp)
+        hold = rng.choice([0.5, 1.0, 2.0, 5.0, 10.0, rng.uniform(0.1, 12.0)])
+        with contextlib.suppress(*errors):
+            table.admit(lease.lease_id, f"inc-{rng.randrange(2)}/t{rank}", rank, tp, hold)
+    elif op == "read" and lease.admissions:
+        admission = rng.choice(list(lease.admissions.values()))
+        parts = rng.choice([1, 2])
+        for part in rng.sample(range(parts), k=rng.randint(1, parts)):
+            table.record_read(lease.lease_id, admission.admission_id, part, parts)
+    elif op == "finish" and lease.admissions and lease.soft:
+        table.finish_read(lease.lease_id, rng.choice(list(lease.admissions.values())), verified=rng.random() < 0.6)
+    elif op == "abandon" and lease.admissions:
+        admission = rng.choice(list(lease.admissions.values()))
+        table.abandon(lease.lease_id, admission.reader, admission.reader_rank)
+    elif op == "end":
+        with contextlib.suppress(UnknownLease):
+            table.end(lease.lease_id, rng.choice([LeaseEnd.RELEASED, LeaseEnd.ABORTED]))
+    elif op == "end_all":
+        table.end_all(LeaseEnd.ENGINE_GONE, f"eng-{rng.randrange(3)}")
+    elif op == "lost":
+        rank = rng.randrange(2)
+        table.end_admissions_if(lambda a: a.reader_rank == rank, AdmissionEnd.WORKER_LOST)
+    elif op == "tick":
+        due = table.next_deadline()
+        if due != float("inf") and rng.random() < 0.1:
+            clock.now = max(clock.now, due)  # land exactly on a deadline: due means <=
+        else:
+            clock.advance(rng.choice([0.0, 0.05, 0.2, 0.5, 1.0]))
+    return op
+
+
+@pytest.mark.parametrize("slack", [64, 0])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_deadline_heap_answers_as_a_pass_over_every_lease(
+    seed: int, slack: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seeded random run of every operation: after each, next_deadline is what a pass over
+    every lease finds, the heap has a live entry for exactly what has a deadline, and a sweep
+    ends exactly (and in the same order) what the pass would end. Slack 0 rebuilds the heap often."""
+    monkeypatch.setattr(leases_module, "HEAP_SLACK", slack)
+    rng = random.Random(seed)
+    clock, events = FakeClock(), Events()
+    table = LeaseTable(
+        clock=clock, on_admission_over=events.admission_over, on_lease_over=events.lease_over, admission_margin_s=2.0
+    )
+    swept = 0
+    for step in range(3000):
+        op = _random_step(table, clock, rng)
+        if step % 500 == 499:  # a new margin moves every admission's end
+            table.admission_margin_s = rng.choice([0.0, 1.0, 2.0, 3.5])
+        where = f"seed {seed}, step {step} ({op})"
+        assert table.next_deadline() == _oracle_next_deadline(table), where
+        assert len(table._heap) <= 3 * (len(table.every()) + table.open_admissions) + slack, where
+        assert _live_heap_items(table) == _due_items(table), where
+        if op == "tick" or rng.random() < 0.1:
+            expected = _oracle_sweep_ends(table, clock.now)
+            events.ends.clear()
+            table.sweep()
+            assert events.ends == expected, where
+            swept += len(expected)
+            assert _oracle_next_deadline(table) > clock.now, where  # nothing due is left
+            assert table.next_deadline() == _oracle_next_deadline(table), where
+    assert swept > 100  # the run did end things by their deadlines
+    table.end_all(LeaseEnd.SHUTDOWN)
+    table.force_end_admissions()
+    assert table.every() == [] and table.next_deadline() == float("inf") and table._heap == []
+
+
+def test_sweep_ends_in_table_order_not_deadline_order(clock: FakeClock) -> None:
+    """A sweep that ends several things reports them lease by lease in creation order (as a pass
+    over the table did), each lease's admissions first, whatever order their deadlines are in."""
+    events = Events()
+    table = LeaseTable(
+        clock=clock, on_admission_over=events.admission_over, on_lease_over=events.lease_over, admission_margin_s=1.0
+    )
+    late = _create(table, ttl=3.0)
+    early = _create(table, ttl=1.0)
+    read = table.admit(late.lease_id, "i/t", 0, 1, 0.5)  # ends at 1.5, before either expiry
+    clock.advance(5.0)
+    table.sweep()
+    assert events.ends == [
+        ("admission", read.admission_id, AdmissionEnd.TIMED_OUT.value),
+        ("lease", late.lease_id, LeaseEnd.EXPIRED.value),
+        ("lease", early.lease_id, LeaseEnd.EXPIRED.value),
+    ]
+
+
+def test_renewing_one_lease_many_times_does_not_grow_the_heap(clock: FakeClock) -> None:
+    """Each renewal leaves a stale entry behind: the heap is rebuilt before they pile up, and the
+    next deadline stays right throughout."""
+    table = LeaseTable(clock=clock, admission_margin_s=MARGIN)
+    lease = _create(table, ttl=10.0)
+    others = [_create(table, ttl=100.0, request=f"o{i}") for i in range(9)]
+    bound = 3 * (1 + len(others)) + leases_module.HEAP_SLACK
+    biggest = 0
+    for i in range(20_000):
+        clock.advance(0.001)
+        if i % 2:
+            table.renew(lease.lease_id, 10.0)
+        else:
+            table.renew_by_own_ttl([lease.lease_id])
+        biggest = max(biggest, len(table._heap))
+        assert table.next_deadline() == lease.expires_at
+    assert biggest <= bound
+    admission = _admit(table, lease)
+    for _ in range(5_000):  # re-handshakes: each replaces the admission and leaves its entry stale
+        admission = _admit(table, lease)
+        biggest = max(biggest, len(table._heap))
+    assert biggest <= 3 * (len(others) + 2) + leases_module.HEAP_SLACK
+    assert table.next_deadline() == min(lease.expires_at, admission.deadline + MARGIN)
+
+
+def test_ended_leases_do_not_stay_in_the_heap(clock: FakeClock) -> None:
+    """A burst of leases released before they expire: the next sweep drops their stale entries
+    (a rebuild), so the heap does not keep the ended leases (and their block ids) alive."""
+    table = LeaseTable(clock=clock, admission_margin_s=MARGIN)
+    keep = _create(table, ttl=1.0)  # the top of the heap stays live: nothing below it is popped
+    burst = [_create(table, ttl=50.0, request=f"b{i}") for i in range(1000)]
+    for lease in burst:
+        table.end(lease.lease_id, LeaseEnd.RELEASED)
+    table.sweep()
+    assert len(table._heap) <= 3 + leases_module.HEAP_SLACK
+    assert table.next_deadline() == keep.expires_at
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_ttl_never_comes_due(table: LeaseTable, clock: FakeClock, ends: Recorder, bad: float) -> None:
+    """A ttl the checks let through (NaN is not <= 0) never expires, as before the heap: no
+    comparison with NaN is true, and nothing is due at infinity."""
+    odd = _create(table, ttl=bad)
+    normal = _create(table, ttl=5.0, request="req-2")
+    assert table.next_deadline() == normal.expires_at
+    clock.advance(10.0)
+    table.sweep()
+    assert ends.leases == [(normal.lease_id, LeaseEnd.EXPIRED)]
+    assert table.find(odd.lease_id) is odd and table.next_deadline() == float("inf")
