@@ -172,9 +172,10 @@ class MappedRegion:
 
 @dataclasses.dataclass(eq=False)
 class Xfer:
-    """One posted READ, until final. In the worker ``handle`` is NIXL's handle and ``final`` means
-    NIXL said DONE or ERR; in the control process ``handle`` is the READ's id and ``final`` also
-    means its worker is dead and reaped. Either way: no byte of it can land any more."""
+    """One posted READ, until final, as the control process knows it: ``handle`` is the READ's id,
+    and ``final`` means the worker said NIXL reported DONE or ERR, or the worker is dead and
+    reaped. Either way: no byte of it can land any more. (The worker's own is
+    ``kvd.worker.nixl_agent.PostedRead``.)"""
 
     handle: Any
     peer: str

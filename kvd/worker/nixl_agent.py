@@ -10,12 +10,16 @@ worker and runs under NIXL's agent lock, so it runs in the caller's thread pool.
 thread also polls every posted transfer and NIXL's notifications, so UCX makes progress (it
 copies inside those polls) and no two threads ever drive the UCX worker at once.
 
-**Transfers.** A posted READ is an :class:`Xfer`. NIXL 1.5 cannot cancel a READ in flight
+**Transfers.** A posted READ is a :class:`PostedRead`. NIXL 1.5 cannot cancel a READ in flight
 (``release`` leaves the UCX request running and its bytes still land), so the data plane
 never releases a handle that is not final: it polls it until NIXL reports DONE or ERR, then
-releases it. ``Xfer.final`` is therefore the proof that no byte of the read can land any
-more; callers that give up on a read keep its destination pinned until then (see
-docs/lifetimes.md).
+releases it and reports it settled (``on_settled``, on the owner thread). A final state is
+therefore the proof that no byte of the read can land any more; callers that give up on a read
+keep its destination pinned until then (see docs/lifetimes.md).
+
+**Callbacks run on the owner thread**: ``on_notifications``, ``on_settled`` and the answer of
+:meth:`NixlAgent.post_reads`. The worker sends them to the control process straight from here
+(kvd.worker.channel), without a hop through its event loop; they must not block.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -32,7 +37,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from kvd.dataplane_protocol import LOCAL_AGENT, AgentIdentity, NixlRegion, Xfer, XferState
+from kvd.dataplane_protocol import LOCAL_AGENT, AgentIdentity, NixlRegion, XferState
 from kvd.layout.geometry import expand_strided
 from kvd_client.errors import Internal, InvalidArgument, KvdError, PeerUnavailable, Unavailable
 
@@ -84,8 +89,10 @@ def _nixl() -> Any:
 
 class NixlRead(NamedTuple):
     """One READ for the owner thread to build and post: the prepared lists (NIXL's objects,
-    owned by the worker's table ids) and the indices into each, one run per index."""
+    owned by the worker's table ids) and the indices into each, one run per index. ``xfer_id``
+    is the control process's name for it (its settled report carries it)."""
 
+    xfer_id: int
     local_table: Any
     local_indices: np.ndarray
     remote_table: Any
@@ -93,6 +100,23 @@ class NixlRead(NamedTuple):
     notif: bytes
     peer: str
     nbytes: int
+
+
+@dataclasses.dataclass(eq=False)
+class PostedRead:
+    """A READ NIXL built, from its post until final (DONE or ERR); owner thread only. ``error``
+    set with the state still in progress: it was posted only in part, and is polled to its end."""
+
+    xfer_id: int
+    handle: Any
+    peer: str
+    spin_until: float  # poll without sleeping until then (see SPIN_S)
+    state: XferState = XferState.IN_PROGRESS
+    error: KvdError | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.state is not XferState.IN_PROGRESS
 
 
 class NixlAgent:
@@ -120,20 +144,28 @@ class NixlAgent:
         )
         self._wake = threading.Event()
         self._stopping = False
-        self._xfers: list[Xfer] = []  # owner thread only
+        self._xfers: list[PostedRead] = []  # posted and not final; owner thread only
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_notifications: Callable[[dict[str, list[bytes]]], None] = lambda _: None
+        self._on_settled: Callable[[PostedRead], None] = lambda _: None
         self._fast_poll_until = 0.0  # written on the event loop, read by the owner thread
         self._active_at = time.monotonic()  # the owner thread's last call, read or notification
         self._warmup_leftovers: object = None  # what a warm-up that timed out could not release
 
     # --- the owner thread ---------------------------------------------------------------------
 
-    async def start(self, on_notifications: Callable[[dict[str, list[bytes]]], None]) -> None:
-        """Create the agent on the owner thread; ``on_notifications`` runs on the event loop."""
+    async def start(
+        self,
+        on_notifications: Callable[[dict[str, list[bytes]]], None],
+        on_settled: Callable[[PostedRead], None],
+    ) -> None:
+        """Create the agent on the owner thread. Both callbacks run on the owner thread:
+        ``on_notifications`` with the notifications of each poll that had some, ``on_settled``
+        with each READ that became final after its post (not one final within it)."""
         self._loop = asyncio.get_running_loop()
         self._on_notifications = on_notifications
+        self._on_settled = on_settled
         self._thread = threading.Thread(target=self._run, name="kvd-nixl", daemon=True)
         self._thread.start()
         await self.call(self._create_agent)
@@ -234,7 +266,8 @@ class NixlAgent:
             for xfer in self._xfers:
                 self._check(xfer)
                 if xfer.final:
-                    self._settle(xfer)
+                    self._release(xfer)
+                    _report(self._on_settled, xfer)
                 else:
                     still.append(xfer)
             if len(still) != len(self._xfers):
@@ -245,10 +278,10 @@ class NixlAgent:
         notifications = self.agent.get_new_notifs()
         if notifications:
             self._active_at = time.monotonic()
-        if notifications and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._on_notifications, dict(notifications))
+        if notifications:
+            _report(self._on_notifications, dict(notifications))
 
-    def _check(self, xfer: Xfer) -> None:
+    def _check(self, xfer: PostedRead) -> None:
         try:
             state = XferState(self.agent.check_xfer_state(xfer.handle))
         except Exception as exc:  # NIXL reports a failed request by raising: it is final
@@ -258,15 +291,13 @@ class NixlAgent:
             xfer.error = PeerUnavailable(f"NIXL read from peer {xfer.peer} failed: peer gone?")
         xfer.state = state
 
-    def _settle(self, xfer: Xfer) -> None:
-        """A final transfer: release its handle here (safe now) and wake its waiter."""
+    def _release(self, xfer: PostedRead) -> None:
+        """A final transfer: release its handle (safe now: no byte of it can land any more)."""
         try:
             self.agent.release_xfer_handle(xfer.handle)
         except Exception as exc:  # a final handle that NIXL will not release: it holds no bytes
             logger.warning("NIXL could not release a finished transfer from %s: %s", xfer.peer, exc)
         xfer.handle = None
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(_resolve, xfer.settled)
 
     async def stop(self) -> None:
         """Stop the owner thread after the queued calls (reads still in flight stay unreleased)."""
@@ -368,42 +399,40 @@ class NixlAgent:
 
     # --- transfers ----------------------------------------------------------------------------
 
-    async def read_many(self, reads: Sequence[NixlRead]) -> list[Xfer | KvdError]:
-        """Post READs, all in one call on the owner thread: for each, its Xfer, or the error
-        that refused it (then nothing of it was posted).
+    def post_reads(self, reads: Sequence[NixlRead], answer: Callable[[list[PostedRead | KvdError]], None]) -> None:
+        """Post READs, all in one command on the owner thread, and call ``answer`` there at once
+        with, for each, its PostedRead or the error that refused it (then nothing of it was
+        posted). Any thread may call this; a stopped agent answers every READ Unavailable.
 
-        A READ that NIXL built but failed to post (wholly or in part) is an Xfer with ``error``
-        set: part of it may be on its way, so it is polled to a final state like any other, and
-        its destination must stay pinned until then."""
-        if not reads:
-            return []
-        assert self._loop is not None
-        loop = self._loop
-        prepared = [
-            (
-                read._replace(
-                    local_indices=np.ascontiguousarray(read.local_indices, dtype=np.int32),
-                    remote_indices=np.ascontiguousarray(read.remote_indices, dtype=np.int32),
-                ),
-                loop.create_future(),
+        A READ that NIXL built but failed to post (wholly or in part) is a PostedRead with
+        ``error`` set: part of it may be on its way, so it is polled to a final state like any
+        other, and its destination must stay pinned until then. ``answer`` runs before any of
+        them is polled, so it always precedes their ``on_settled``."""
+        reads = [
+            read._replace(
+                local_indices=np.ascontiguousarray(read.local_indices, dtype=np.int32),
+                remote_indices=np.ascontiguousarray(read.remote_indices, dtype=np.int32),
             )
             for read in reads
         ]
 
-        def post_all() -> list[Xfer | KvdError]:
-            out: list[Xfer | KvdError] = []
-            for read, settled in prepared:
+        def post_all() -> None:
+            out: list[PostedRead | KvdError] = []
+            for read in reads:
                 try:
-                    out.append(self._post(read, settled))
+                    out.append(self._post(read))
                 except KvdError as exc:
                     out.append(exc)
                 except Exception as exc:
                     out.append(Internal(f"posting a READ from {read.peer} failed: {type(exc).__name__}: {exc}"))
-            return out
+            answer(out)
 
-        return await self.call(post_all)
+        posting = self.submit(post_all)
+        if posting.done() and posting.exception() is not None:  # stopped: nothing was posted
+            error = posting.exception()
+            answer([error if isinstance(error, KvdError) else Unavailable(str(error)) for _ in reads])
 
-    def _post(self, read: NixlRead, settled: asyncio.Future[None]) -> Xfer:
+    def _post(self, read: NixlRead) -> PostedRead:
         """Build and post one READ (owner thread only). Raises if NIXL refused to build it."""
         peer, nbytes = read.peer, read.nbytes
         try:
@@ -412,7 +441,7 @@ class NixlAgent:
             )
         except Exception as exc:
             raise self._map(exc, peer) from exc
-        xfer = Xfer(handle, peer, nbytes, time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S, settled)
+        xfer = PostedRead(read.xfer_id, handle, peer, time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S)
         try:
             state = self.agent.transfer(handle)
         except Exception as exc:
@@ -421,23 +450,15 @@ class NixlAgent:
             state = "PROC"
         if state == "DONE" and xfer.error is None:
             # Done within the post (UCX copied it: shared memory, small reads): final now,
-            # released here, no poll and no later settle message needed.
+            # released here; its answer says so, and no settled report follows.
             xfer.state = XferState.DONE
-            self._settle(xfer)
+            self._release(xfer)
             return xfer
         self._xfers.append(xfer)
         self._on_reads_in_flight(len(self._xfers))
         if state == "ERR" and xfer.error is None:
             xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
         return xfer
-
-    async def wait(self, xfers: Sequence[Xfer]) -> None:
-        """Wait until every read is final; raise the first error. Cancelling the wait leaves the
-        reads running: check ``Xfer.final`` before letting anything reuse their destination."""
-        for xfer in xfers:
-            await asyncio.shield(xfer.settled)
-            if xfer.error is not None:
-                raise xfer.error
 
     def in_flight(self) -> int:
         """Reads posted and not yet final (approximate: read from another thread)."""
@@ -586,6 +607,10 @@ def _release_table(agent: Any, table: Any) -> None:
         logger.debug("releasing a prepared list: %s", exc)
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+def _report(callback: Callable[[T], None], value: T) -> None:
+    """Run a callback of the poll; one that fails is logged, and the poll goes on (the READs
+    it was checking must still be released once, and kept until final)."""
+    try:
+        callback(value)
+    except Exception:
+        logger.exception("reporting from the NIXL thread failed")

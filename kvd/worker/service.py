@@ -2,14 +2,17 @@
 
 One asyncio loop reads frames (kvd.dataplane_protocol) and runs each call as a task, so a slow
 one (preparing a large list, a conversion: both in the thread pool) never holds up the others.
-Replies, settled READs and notifications go back on the same channel, in the order they happen:
-a READ's reply always precedes its ``SETTLED``.
+The two calls on every pull's path, ``reads`` and the heartbeat's ``ping``, skip the task: they
+go to the NIXL thread at once, and it answers them itself, as it sends settled READs and
+notifications (kvd.worker.channel: one hop less each way). Everything goes back on the same
+channel, whole frames in the order they happen: a READ's reply always precedes its ``SETTLED``.
 
 **Ids and owners.** Everything the control process names lives here, keyed by ids:
 
 * region ids -> mappings (:class:`~kvd.worker.regions.RegionTable`);
 * registration ids -> NIXL registrations; table ids -> prepared lists;
-* READ ids (chosen by the control process) -> posted transfers, until NIXL says DONE or ERR.
+* READ ids (chosen by the control process) -> posted transfers, until NIXL says DONE or ERR
+  (the NIXL thread's own, :class:`~kvd.worker.nixl_agent.PostedRead`).
 
 All are the worker's: when it exits, its mappings, registrations, lists and UCX endpoints go
 with it. At end of channel (the control process closed it or died) the worker releases what it
@@ -39,14 +42,13 @@ from kvd.dataplane_protocol import (
     ReadOrder,
     RegionRequest,
     WireError,
-    XferState,
     encode_error,
-    frame,
     read_frame,
 )
-from kvd.worker.nixl_agent import NixlAgent, NixlRead, Xfer
+from kvd.worker.channel import ChannelWriter
+from kvd.worker.nixl_agent import NixlAgent, NixlRead, PostedRead
 from kvd.worker.regions import RegionTable
-from kvd_client.errors import FailedPrecondition, NotFound, Unavailable
+from kvd_client.errors import FailedPrecondition, KvdError, NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +59,16 @@ class WorkerService:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prefault: bool = True) -> None:
         self._reader = reader
         self._writer = writer
+        self._channel: ChannelWriter | None = None  # made when serving starts (it needs the loop)
         self._agent: NixlAgent | None = None
         self._regions = RegionTable(prefault)
         self._registrations: dict[int, Any] = {}
         self._tables: dict[int, Any] = {}
-        self._xfers: dict[int, Xfer] = {}
         self._ids = itertools.count(1)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvd-worker")
         self._tasks: set[asyncio.Task[None]] = set()
         self._ops: dict[str, Callable[..., Awaitable[Any]]] = {
             "start": self.start,
-            "ping": self.ping,
             "fast_poll": self.fast_poll,
             "open_regions": self.open_regions,
             "close_regions": self.close_regions,
@@ -81,17 +82,32 @@ class WorkerService:
             "remove_remote": self.remove_remote,
             "prepare_table": self.prepare_table,
             "release_tables": self.release_tables,
-            "reads": self.reads,
         }
+        # Calls answered by the NIXL thread itself (see the module docstring): run on the loop,
+        # without a task, they only hand the work to it.
+        self._direct: dict[str, Callable[..., None]] = {"reads": self.reads, "ping": self.ping}
 
     # --- the channel --------------------------------------------------------------------------
 
     def _send(self, *message: Any) -> None:
-        if not self._writer.is_closing():
-            self._writer.writelines(frame(message))
+        """Send one message (any thread: the NIXL thread sends too)."""
+        if self._channel is not None:
+            self._channel.send(message)
+
+    def _answer(self, call_id: int, value: Any = None, error: BaseException | None = None) -> None:
+        """Answer a call (any thread); an answer that cannot be framed becomes its error."""
+        if error is not None:
+            self._send(REPLY, call_id, None, encode_error(error))
+            return
+        try:
+            self._send(REPLY, call_id, value, None)
+        except Exception as exc:  # noqa: BLE001 - not framed (nothing was sent): the caller gets why
+            self._send(REPLY, call_id, None, encode_error(exc))
 
     async def serve(self) -> None:
         """Say hello, then run calls until the control process closes the channel."""
+        loop = asyncio.get_running_loop()
+        self._channel = ChannelWriter(self._writer.get_extra_info("socket"), loop)
         self._send(HELLO, os.getpid())
         try:
             while True:
@@ -102,7 +118,15 @@ class WorkerService:
                 if message[0] != CALL:
                     logger.error("unexpected %r on the data-plane channel", message[0])
                     continue
-                task = asyncio.get_running_loop().create_task(self._run(message[1], message[2], message[3]))
+                call_id, op, args = message[1], message[2], message[3]
+                direct = self._direct.get(op)
+                if direct is not None:
+                    try:
+                        direct(call_id, *args)
+                    except Exception as exc:  # noqa: BLE001 - refused before the NIXL thread: the caller gets why
+                        self._answer(call_id, error=exc)
+                    continue
+                task = loop.create_task(self._run(call_id, op, args))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         finally:
@@ -117,9 +141,9 @@ class WorkerService:
         except Exception as exc:  # every failure goes back to the caller, typed
             if not isinstance(exc, Unavailable | FailedPrecondition | NotFound):
                 logger.debug("data-plane call %s failed", op, exc_info=True)
-            self._send(REPLY, call_id, None, encode_error(exc))
+            self._answer(call_id, error=exc)
             return
-        self._send(REPLY, call_id, value, None)
+        self._answer(call_id, value)
 
     async def _close(self) -> None:
         for task in list(self._tasks):
@@ -128,6 +152,8 @@ class WorkerService:
             await self._agent.stop()
         self._regions.close_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._channel is not None:
+            self._channel.close()
 
     @property
     def agent(self) -> NixlAgent:
@@ -141,16 +167,23 @@ class WorkerService:
         if self._agent is not None:
             raise FailedPrecondition("the data-plane worker is already started")
         agent = NixlAgent(agent_name, backends, progress_thread)
-        await agent.start(self._notifications)
+        await agent.start(self._notifications, self._settled)
         self._agent = agent
         return agent.identity()
 
     def _notifications(self, notifications: dict[str, list[bytes]]) -> None:
+        """A poll's notifications (NIXL thread)."""
         self._send(NOTIFS, notifications)
 
-    async def ping(self) -> None:
+    def _settled(self, xfer: PostedRead) -> None:
+        """A READ final after its post (NIXL thread, always after the READ's reply)."""
+        self._send(SETTLED, xfer.xfer_id, xfer.state.value, encode_error(xfer.error) if xfer.error else None)
+
+    def ping(self, call_id: int) -> None:
         """Answered by the NIXL thread itself: a worker whose NIXL thread is stuck does not answer."""
-        await self.agent.call(lambda: None, activity=False)
+        answered = self.agent.submit(lambda: self._answer(call_id), activity=False)
+        if answered.done() and answered.exception() is not None:  # the NIXL thread is stopped
+            raise Unavailable("the data-plane worker's NIXL agent is stopped")
 
     async def fast_poll(self, deadline: float) -> None:
         self.agent.fast_poll_until = deadline
@@ -218,47 +251,48 @@ class WorkerService:
 
     # --- transfers ----------------------------------------------------------------------------
 
-    async def reads(self, orders: tuple[ReadOrder, ...]) -> list[tuple[Any, ...]]:
-        """Post READs, all in one hop to the NIXL thread (DataPlane sends a loop turn's together).
+    def reads(self, call_id: int, orders: tuple[ReadOrder, ...]) -> None:
+        """Post READs, all in one hop to the NIXL thread (DataPlane sends a loop turn's together),
+        which answers at once, before it polls any of them.
 
         Each READ's outcome on its own, in order: ("posted", state, error), its state DONE when
         it finished within the post (then no SETTLED follows) and its error if it was posted
         only in part (then it still settles later); or ("refused", error): nothing of it posted."""
-        outcomes: list[tuple[Any, ...] | None] = [None] * len(orders)
-        posts: list[tuple[int, NixlRead]] = []
+        agent = self.agent
+        refused: dict[int, WireError] = {}
+        posts: list[NixlRead] = []
         for index, order in enumerate(orders):
             local, remote = self._tables.get(order.local_table), self._tables.get(order.remote_table)
             if local is None or remote is None:
                 error = NotFound(f"a READ from {order.peer} names a descriptor list this worker does not have")
-                outcomes[index] = ("refused", encode_error(error))
+                refused[index] = encode_error(error)
                 continue
-            read = NixlRead(
-                local_table=local,
-                local_indices=order.local_indices,
-                remote_table=remote,
-                remote_indices=order.remote_indices,
-                notif=order.notif,
-                peer=order.peer,
-                nbytes=order.nbytes,
+            posts.append(
+                NixlRead(
+                    xfer_id=order.xfer_id,
+                    local_table=local,
+                    local_indices=order.local_indices,
+                    remote_table=remote,
+                    remote_indices=order.remote_indices,
+                    notif=order.notif,
+                    peer=order.peer,
+                    nbytes=order.nbytes,
+                )
             )
-            posts.append((index, read))
-        posted = await self.agent.read_many([read for _, read in posts])
-        for (index, _), xfer in zip(posts, posted, strict=True):
-            if isinstance(xfer, Exception):
-                outcomes[index] = ("refused", encode_error(xfer))
-                continue
-            outcomes[index] = ("posted", *self._track(orders[index].xfer_id, xfer))
-        return [outcome for outcome in outcomes if outcome is not None]
 
-    def _track(self, xfer_id: int, xfer: Xfer) -> tuple[str, WireError | None]:
-        """A posted READ's (state, error) for its caller; one not yet final is settled later."""
-        error = encode_error(xfer.error) if xfer.error is not None else None
-        if xfer.state is XferState.DONE:
-            return xfer.state.value, error
-        self._xfers[xfer_id] = xfer
-        xfer.settled.add_done_callback(lambda _: self._settled(xfer_id))
-        return XferState.IN_PROGRESS.value, error
+        def answer(posted: list[PostedRead | KvdError]) -> None:  # on the NIXL thread
+            outcomes: list[tuple[Any, ...]] = []
+            results = iter(posted)
+            for index in range(len(orders)):
+                if index in refused:
+                    outcomes.append(("refused", refused[index]))
+                    continue
+                result = next(results)
+                if isinstance(result, PostedRead):
+                    error = encode_error(result.error) if result.error is not None else None
+                    outcomes.append(("posted", result.state.value, error))
+                else:
+                    outcomes.append(("refused", encode_error(result)))
+            self._answer(call_id, outcomes)
 
-    def _settled(self, xfer_id: int) -> None:
-        xfer = self._xfers.pop(xfer_id)
-        self._send(SETTLED, xfer_id, xfer.state.value, encode_error(xfer.error) if xfer.error is not None else None)
+        agent.post_reads(posts, answer)
