@@ -293,6 +293,17 @@ def drain(stream, timeout_s: float, until=lambda got: False) -> list:
     return got
 
 
+def _pull_ends(messages: list, request_ids: set[str]) -> list:
+    """The engine-stream messages that end one of these pulls (its load failed, or it was
+    received); others (a pull of the fixture's, say) are not this check's."""
+    ends = []
+    for m in messages:
+        kind = m.WhichOneof("kind")
+        if kind in ("load_failed", "finished_recving") and getattr(m, kind).request_id in request_ids:
+            ends.append(m)
+    return ends
+
+
 def gauge_settles(daemon: DaemonProcess, name: str, timeout_s: float) -> float:
     """The gauge once 0, or its value after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -366,12 +377,15 @@ def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
     assert victim.client.get_status().dataplane_last_restart == restart_reason(sig)
     restarts = metric_value(scrape(victim_daemon.metrics), "kvd_dataplane_restarts_total", reason=restart_reason(sig))
     assert restarts >= 1
-    told = [
-        m.load_failed.request_id
-        for m in drain(pair.reader_stream, 5.0, until=lambda got: len(got) >= len(failed))
-        if m.WhichOneof("kind") == "load_failed"
-    ]
+    # Each pull's end reaches the engine once: load_failed for a failed one, finished_recving for
+    # one done before the kill (all of them done is possible under load: their messages must be
+    # drained here, not left for the next pull's check).
+    ours = {request_id for _, _, request_id in pulls}
+    ended = _pull_ends(drain(pair.reader_stream, 5.0, until=lambda got: len(_pull_ends(got, ours)) >= len(ours)), ours)
+    told = [m.load_failed.request_id for m in ended if m.WhichOneof("kind") == "load_failed"]
     assert sorted(told) == sorted(request_id for _, request_id in failed), "each failed pull is told once"
+    finished = [m.finished_recving.request_id for m in ended if m.WhichOneof("kind") == "finished_recving"]
+    assert sorted(finished) == sorted(request_id for _, request_id in done), "each done pull is told once"
     for params, _ in failed + done:
         with contextlib.suppress(errors.UnknownLease):
             holder.client.release_lease(lease_id=params.lease.lease_id)
