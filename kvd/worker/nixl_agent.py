@@ -146,7 +146,6 @@ class NixlAgent:
         self._stopping = False
         self._xfers: list[PostedRead] = []  # posted and not final; owner thread only
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._on_notifications: Callable[[dict[str, list[bytes]]], None] = lambda _: None
         self._on_settled: Callable[[PostedRead], None] = lambda _: None
         self._fast_poll_until = 0.0  # written on the event loop, read by the owner thread
@@ -163,7 +162,6 @@ class NixlAgent:
         """Create the agent on the owner thread. Both callbacks run on the owner thread:
         ``on_notifications`` with the notifications of each poll that had some, ``on_settled``
         with each READ that became final after its post (not one final within it)."""
-        self._loop = asyncio.get_running_loop()
         self._on_notifications = on_notifications
         self._on_settled = on_settled
         self._thread = threading.Thread(target=self._run, name="kvd-nixl", daemon=True)
