@@ -30,6 +30,7 @@ import enum
 import heapq
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -155,18 +156,19 @@ class LeaseTable:
         # on every admission and every READ notification (O(leases) each was most of its CPU
         # with thousands of leases out).
         self._open_admissions = 0
+        self._draining = 0  # leases in the table with an end requested (Lease.ending set)
         self._admission_deadline_high = 0.0  # the latest deadline since none was open
         # Called whenever a deadline may have come nearer (a lease granted or renewed, a read
         # admitted): the daemon's sweeper sleeps until the next deadline and must be woken.
         self.on_new_deadline = on_new_deadline
 
     def __len__(self) -> int:
-        """Leases held and not draining."""
-        return sum(1 for lease in self._leases.values() if not lease.draining)
+        """Leases held and not draining (O(1): scrapes and GetStatus ask)."""
+        return len(self._leases) - self._draining
 
     @property
     def draining(self) -> int:
-        return sum(1 for lease in self._leases.values() if lease.draining)
+        return self._draining
 
     @property
     def open_admissions(self) -> int:
@@ -212,8 +214,7 @@ class LeaseTable:
         ttl_s: float,
         soft: bool = False,
     ) -> Lease:
-        if ttl_s <= 0:
-            raise InvalidArgument(f"lease ttl must be > 0, got {ttl_s}")
+        _check_seconds("lease ttl", ttl_s)
         lease = Lease(
             lease_id=secrets.token_urlsafe(18),
             engine_id=engine_id,
@@ -240,14 +241,15 @@ class LeaseTable:
         return lease
 
     def renew(self, lease_id: str, ttl_s: float) -> Lease:
-        if ttl_s <= 0:
-            raise InvalidArgument(f"lease ttl must be > 0, got {ttl_s}")
+        _check_seconds("lease ttl", ttl_s)
         lease = self.get(lease_id)
         expires_at = self._clock() + ttl_s
         if expires_at != lease.expires_at:
+            nearer = expires_at < lease.expires_at
             lease.expires_at = expires_at
             self._push(expires_at, lease)
-        self.on_new_deadline()
+            if nearer:  # a later deadline only makes the sweeper's next wake-up find nothing due
+                self.on_new_deadline()
         return lease
 
     def renew_by_own_ttl(self, lease_ids: list[str]) -> list[str]:
@@ -273,6 +275,7 @@ class LeaseTable:
 
     def admit(self, lease_id: str, reader: str, reader_rank: int, reader_tp_size: int, hold_s: float) -> Admission:
         """Admit a read of the lease (one reader per reader rank, see the module docstring)."""
+        _check_seconds("an admission's hold", hold_s)
         lease = self.get(lease_id)
         if lease.reader_tp_size and lease.reader_tp_size != reader_tp_size:
             raise InvalidArgument(
@@ -333,7 +336,7 @@ class LeaseTable:
             return
         if not verified:
             if not lease.draining:
-                lease.ending = LeaseEnd.EVICTED
+                self._mark_draining(lease, LeaseEnd.EVICTED)
             self._end_admission(lease, admission, AdmissionEnd.ABANDONED)
             return
         lease.done_readers.add(admission.reader_rank)
@@ -373,14 +376,21 @@ class LeaseTable:
         self._request_end(lease, how)
         return lease
 
-    def _request_end(self, lease: Lease, how: LeaseEnd) -> None:
+    def _mark_draining(self, lease: Lease, how: LeaseEnd) -> None:
+        if lease.ending is None:
+            self._draining += 1
         lease.ending = how
+
+    def _request_end(self, lease: Lease, how: LeaseEnd) -> None:
+        self._mark_draining(lease, how)
         if not lease.admissions:
             self._finish(lease, how)
 
     def _finish(self, lease: Lease, how: LeaseEnd) -> None:
         if self._leases.pop(lease.lease_id, None) is None:
             return
+        if lease.ending is not None:
+            self._draining -= 1
         for admission in list(lease.admissions.values()):  # a completed lease: nothing else reads
             self._end_admission(lease, admission, AdmissionEnd.READ)
         self.on_lease_over(lease, how)
@@ -506,3 +516,10 @@ class LeaseTable:
         heapq.heapify(heap)
         self._heap = heap
         logger.debug("lease deadline heap rebuilt: %d entries, %d live", before, len(heap))
+
+
+def _check_seconds(what: str, seconds: float) -> None:
+    """A duration a deadline is computed from: a NaN or infinite one would never come due (a
+    lease or admission kept for ever), a non-positive one is over before it starts."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidArgument(f"{what} must be a finite number of seconds > 0, got {seconds}")

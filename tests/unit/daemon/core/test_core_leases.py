@@ -44,9 +44,19 @@ def ends() -> Recorder:
 
 
 @pytest.fixture
-def table(clock: FakeClock, ends: Recorder) -> LeaseTable:
+def woken() -> list[float]:
+    """Each on_new_deadline call (the sweeper woken), as the fake clock's time."""
+    return []
+
+
+@pytest.fixture
+def table(clock: FakeClock, ends: Recorder, woken: list[float]) -> LeaseTable:
     return LeaseTable(
-        clock=clock, on_admission_over=ends.admission_over, on_lease_over=ends.lease_over, admission_margin_s=MARGIN
+        clock=clock,
+        on_admission_over=ends.admission_over,
+        on_lease_over=ends.lease_over,
+        admission_margin_s=MARGIN,
+        on_new_deadline=lambda: woken.append(clock.now),
     )
 
 
@@ -86,12 +96,15 @@ def test_lease_ids_are_long_and_distinct(table: LeaseTable) -> None:
     assert ids != sorted(ids)
 
 
-@pytest.mark.parametrize("ttl", [0.0, -1.0])
-def test_create_refuses_a_non_positive_ttl(table: LeaseTable, ttl: float) -> None:
-    """A lease needs a positive lifetime; nothing is created otherwise."""
-    with pytest.raises(InvalidArgument, match="ttl must be > 0"):
+@pytest.mark.parametrize("ttl", [0.0, -1.0, float("nan"), float("inf"), float("-inf")])
+def test_create_refuses_a_ttl_that_is_not_a_finite_positive_time(
+    table: LeaseTable, ttl: float, woken: list[float]
+) -> None:
+    """A lease needs a positive, finite lifetime (a NaN or infinite one would never come due:
+    blocks held for ever); nothing is created, no deadline pushed, the sweeper not woken."""
+    with pytest.raises(InvalidArgument, match="lease ttl must be a finite number of seconds > 0"):
         _create(table, ttl=ttl)
-    assert len(table) == 0
+    assert len(table) == 0 and table.every() == [] and table._heap == [] and woken == []
 
 
 def test_get_of_an_unknown_id_is_unknown_lease(table: LeaseTable) -> None:
@@ -159,13 +172,24 @@ def test_renew_sets_a_new_deadline_from_now(table: LeaseTable, clock: FakeClock)
     assert lease.expires_at == clock.now + 3.0
 
 
-@pytest.mark.parametrize("ttl", [0.0, -5.0])
-def test_renew_refuses_a_non_positive_ttl(table: LeaseTable, ttl: float) -> None:
+@pytest.mark.parametrize("ttl", [0.0, -1.0, float("nan"), float("inf"), float("-inf")])
+def test_renew_refuses_a_ttl_that_is_not_a_finite_positive_time(table: LeaseTable, ttl: float) -> None:
+    lease = _create(table)
+    before, heap = lease.expires_at, list(table._heap)
+    with pytest.raises(InvalidArgument, match="lease ttl must be a finite number of seconds > 0"):
+        table.renew(lease.lease_id, ttl)
+    assert lease.expires_at == before and table._heap == heap
+
+
+@pytest.mark.parametrize("hold", [0.0, -1.0, float("nan"), float("inf"), float("-inf")])
+def test_admit_refuses_a_hold_that_is_not_a_finite_positive_time(table: LeaseTable, hold: float) -> None:
+    """An admission pins the holder's memory until its deadline: one that never comes (NaN,
+    infinity) or is already past is refused, and nothing is admitted or pinned."""
     lease = _create(table)
     before = lease.expires_at
-    with pytest.raises(InvalidArgument):
-        table.renew(lease.lease_id, ttl)
-    assert lease.expires_at == before
+    with pytest.raises(InvalidArgument, match="admission's hold must be a finite number of seconds > 0"):
+        table.admit(lease.lease_id, "inc-1/t1", 0, 1, hold)
+    assert lease.admissions == {} and table.open_admissions == 0 and lease.expires_at == before
 
 
 def test_an_admission_keeps_the_lease_alive_for_its_read(table: LeaseTable, clock: FakeClock) -> None:
@@ -481,6 +505,11 @@ def test_next_deadline_is_the_earliest_expiry_or_admission_end(clock: FakeClock)
     table.renew(other.lease_id, 1.0)  # a renewal may bring the expiry nearer
     assert table.next_deadline() == clock.now + 1.0
     assert len(woken) == 4  # create, admit, create, renew: each may bring a deadline nearer
+    table.renew(other.lease_id, 1.0)  # the same deadline: nothing to wake for
+    third = _create(table, ttl=1.0, request="req-3")
+    table.renew(third.lease_id, 50.0)  # later: the sweeper's wake-up at the old time finds nothing
+    assert len(woken) == 5  # only the create
+    assert table.next_deadline() == clock.now + 1.0
     clock.advance(1.0)
     table.sweep()
     assert table.find(other.lease_id) is None
@@ -621,6 +650,8 @@ def test_the_deadline_heap_answers_as_a_pass_over_every_lease(
         assert table.next_deadline() == _oracle_next_deadline(table), where
         assert len(table._heap) <= 3 * (len(table.every()) + table.open_admissions) + slack, where
         assert _live_heap_items(table) == _due_items(table), where
+        draining = sum(lease.draining for lease in table.every())
+        assert (len(table), table.draining) == (len(table.every()) - draining, draining), where
         if op == "tick" or rng.random() < 0.1:
             expected = _oracle_sweep_ends(table, clock.now)
             events.ends.clear()
@@ -690,16 +721,3 @@ def test_ended_leases_do_not_stay_in_the_heap(clock: FakeClock) -> None:
     table.sweep()
     assert len(table._heap) <= 3 + leases_module.HEAP_SLACK
     assert table.next_deadline() == keep.expires_at
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_a_nan_or_infinite_ttl_never_comes_due(table: LeaseTable, clock: FakeClock, ends: Recorder, bad: float) -> None:
-    """A ttl the checks let through (NaN is not <= 0) never expires, as before the heap: no
-    comparison with NaN is true, and nothing is due at infinity."""
-    odd = _create(table, ttl=bad)
-    normal = _create(table, ttl=5.0, request="req-2")
-    assert table.next_deadline() == normal.expires_at
-    clock.advance(10.0)
-    table.sweep()
-    assert ends.leases == [(normal.lease_id, LeaseEnd.EXPIRED)]
-    assert table.find(odd.lease_id) is odd and table.next_deadline() == float("inf")
