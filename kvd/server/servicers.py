@@ -145,20 +145,20 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidArgument("the first message of an engine stream must be hello(engine_id, tp_rank)")
         rank, generation = self.daemon.attach_stream(first.hello.engine_id, first.hello.tp_rank)
         batches = first.hello.accepts_batches
+        # This stream's own event: set by every event posted, by a stream superseding this one,
+        # by the engine's unregistration and (below) by the end of the engine's side, so the
+        # writer waits on the event alone (no future and asyncio.wait per wake-up).
+        wakeup: asyncio.Event = rank.wakeup
         reader = asyncio.get_running_loop().create_task(self._read_engine(rank, request_iterator))
+        reader.add_done_callback(lambda _reader: wakeup.set())
         try:
             while not reader.done() and rank.stream_generation == generation:
-                wakeup = rank.wakeup
-                if wakeup is None:
-                    break
                 for message in _messages(rank.drain(), batches):
                     yield message
                 wakeup.clear()
-                if rank.pending:
+                if rank.pending or reader.done():
                     continue
-                waiter = asyncio.ensure_future(wakeup.wait())
-                await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
+                await wakeup.wait()
             if rank.stream_generation == generation:  # a superseded stream leaves events to its successor
                 for message in _messages(rank.drain(), batches):
                     yield message
