@@ -184,6 +184,41 @@ def test_the_servicer_answers_each_item_with_its_transfer_or_its_error(fabric: F
     run(fabric, scenario)
 
 
+def test_start_pull_answers_after_its_pulls_asked_the_holder_for_admission(fabric: Fabric) -> None:
+    """The holder's admission is on a pull's critical path, the StartPull(s) answer is not: by the
+    time the servicer answers, each pull it started has planned and sent its PreparePull (the
+    handshake cached by an earlier pull)."""
+
+    async def scenario() -> None:
+        holder, reader = await pair(fabric)
+        servicer = RouterServicer(reader.daemon)
+
+        def pull(request_id: str, first_block: int) -> router_pb2.StartPullRequest:
+            remote = convert.params_to_pb(holder.daemon.hold("eng-h", request_id, HOLD_BLOCKS, NUM_TOKENS)[1])
+            blocks = [first_block, first_block + 1, first_block + 2]
+            return router_pb2.StartPullRequest(
+                engine_id="eng-r", request_id=request_id, local_block_ids=blocks, remote=remote
+            )
+
+        warm = await servicer.StartPull(pull("warm", 0), FakeContext())  # handshakes: awaits the holder
+        await finish_all(reader, [reader.daemon.transfers.get(warm.transfer_id)])
+
+        def admission_asked(transfer_id: str) -> bool:
+            asked = transfer_id in [p["reader_transfer_id"] for p in reader.transport.prepares]
+            return asked and "planned" in reader.daemon.transfers.get(transfer_id).phases
+
+        one = await servicer.StartPull(pull("one", 3), FakeContext())
+        assert admission_asked(one.transfer_id)
+        batch = await servicer.StartPulls(
+            router_pb2.StartPullsRequest(pulls=[pull("two", 0), pull("three", 5)]), FakeContext()
+        )
+        ids = [r.transfer_id for r in batch.results]
+        assert all(ids) and all(admission_asked(i) for i in ids)
+        await finish_all(reader, [reader.daemon.transfers.get(i) for i in [one.transfer_id, *ids]])
+
+    run(fabric, scenario)
+
+
 def test_a_pull_order_is_what_start_pull_takes() -> None:
     """StartPull and StartPulls read a request the same way (one conversion)."""
     remote = common_pb2.KvTransferParams(daemon_address="h:1", lease_id="l", engine_id="e", num_tokens=4)
