@@ -170,6 +170,10 @@ class RemoteAgent:
     current: frozenset[NixlRegion] = frozenset()
     current_keys: frozenset[tuple[int, int, int, bool]] = frozenset()
     reloading: bool = False  # being drained for a reload: no new pins
+    # The registrations the peer served at a handshake made while pulls pinned the agent: the
+    # lists over any other registration are released when the last of those pins goes
+    # (:meth:`Peers.unpin`), not left until a handshake finds no pull reading.
+    trim_lists_to: frozenset[int] | None = None
     # First contact: a new agent's metadata loads in the data-plane worker while the first pull
     # plans and is admitted by the holder (``Peers._load_first``). Every list over the agent, and
     # so every READ through it, waits for it (:meth:`wait_loaded`); ``None`` once loaded inline.
@@ -435,8 +439,14 @@ class Peers:
             # the old agent goes once no pull reads through it.
             replaced.live = False
             await self._maybe_remove(replaced)
-        if agent.pins == 0:  # lists of registrations the peer no longer serves
-            await agent.tables.release(keep={e.registration_id for e in info.engines})
+        # Lists of registrations the peer no longer serves: released now, or once no pull that
+        # may have planned against the previous handshake still reads through the agent.
+        serving = frozenset(e.registration_id for e in info.engines)
+        if agent.pins == 0:
+            agent.trim_lists_to = None
+            await agent.tables.release(keep=set(serving))
+        else:
+            agent.trim_lists_to = serving
         return session
 
     # --- pins ---------------------------------------------------------------------------------
@@ -479,6 +489,10 @@ class Peers:
     async def unpin(self, agent: RemoteAgent) -> None:
         agent.pins -= 1
         assert agent.pins >= 0, "unbalanced unpin"
+        serving = agent.trim_lists_to
+        if agent.pins == 0 and serving is not None and not agent.removed:
+            agent.trim_lists_to = None  # taken before the await: a later handshake sets its own
+            await agent.tables.release(keep=set(serving))
         await self._maybe_remove(agent)
 
     # --- dropping -----------------------------------------------------------------------------

@@ -805,6 +805,46 @@ def test_a_holder_that_replaced_memory_in_its_arena_needs_no_reload(fabric: Fabr
     run(fabric, scenario)
 
 
+def test_lists_over_a_replaced_registration_go_when_the_last_pull_reading_through_the_agent_ends(
+    fabric: Fabric,
+) -> None:
+    """A re-handshake while pulls read through the agent cannot release the lists over the
+    registrations the peer no longer serves (a pull planned before it may still use one): they
+    are released when the last of those pulls ends, with no further handshake, and the lists the
+    peer still serves stay."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
+        before = set(p.holder.dataplane.live_registrations())
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        (old_b,) = [r for r in p.holder.dataplane.live_registrations() if r not in before]
+        transfer_a, _ = p.pull()
+        xfers_a = await p.reading(transfer_a)
+        await reader.peers.warmed()  # the handshake's warm-up prepared a list over every engine
+        (agent,) = reader.peers.agents()
+
+        def lists_over(registration: Any) -> list[Any]:
+            return [t for t in dp.tables if t.agent == agent.name and registration.overlaps(t.lo, t.hi)]
+
+        assert lists_over(old_b) and not any(t.released for t in lists_over(old_b))
+        await holder.unregister_engine("eng-b", 0)
+        await fabric.register(p.holder, "eng-b", small_spec(8))
+        _, params = holder.hold("eng-b", "req-b", HOLD_BLOCKS, NUM_TOKENS)
+        transfer_b = reader.start_pull("eng-r", 0, "req-b", [6, 7, 0], params)  # re-handshakes
+        xfers_b = await p.reading(transfer_b)
+        assert reader.peers.agents() == [agent]
+        assert not any(t.released for t in lists_over(old_b)), "pull A may still read through them"
+
+        await finish_reads(p, xfers_a + xfers_b, transfer_a, transfer_b)
+        assert_settled(p.reader, p.holder)
+        assert all(t.released for t in lists_over(old_b)), "released once no pull pinned the agent"
+        kept = [t for t in dp.tables if t.agent == agent.name and not t.released]
+        assert kept and agent.trim_lists_to is None  # the lists of what the peer serves stay
+
+    run(fabric, scenario)
+
+
 @pytest.mark.usefixtures("kernel_placed_memory")
 def test_a_reload_that_cannot_wait_fails_that_pull_and_the_next_pull_reloads(fabric: Fabric) -> None:
     """Pull A's READ never ends, so the agent cannot be reloaded within the wait: pull B fails
