@@ -727,6 +727,15 @@ def test_a_holder_that_replaced_memory_is_reloaded_once_the_reads_through_it_end
     run(fabric, scenario)
 
 
+async def pair_with_engine_b(fabric: Fabric) -> tuple[Pair, Any]:
+    """A pair whose holder also serves eng-b, and eng-b's registration (to find lists over it)."""
+    p = await make_pair(fabric)
+    before = set(p.holder.dataplane.live_registrations())
+    await fabric.register(p.holder, "eng-b", small_spec(8))
+    (registration,) = [r for r in p.holder.dataplane.live_registrations() if r not in before]
+    return p, registration
+
+
 def test_a_warm_up_list_that_raced_the_holders_unregistration_is_never_read(fabric: Fabric) -> None:
     """The warm-up after a handshake prepares the peer's lists holding no pin, so the peer may
     deregister an engine while its list is being prepared (seen once in CI, where it happened by
@@ -735,11 +744,8 @@ def test_a_warm_up_list_that_raced_the_holders_unregistration_is_never_read(fabr
     registration, and the stale list is released with the rest."""
 
     async def scenario() -> None:
-        p = await make_pair(fabric)
+        p, old_b = await pair_with_engine_b(fabric)
         holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
-        before = set(p.holder.dataplane.live_registrations())
-        await fabric.register(p.holder, "eng-b", small_spec(8))
-        (old_b,) = [r for r in p.holder.dataplane.live_registrations() if r not in before]
         entered, release = threading.Event(), threading.Event()
         prepare_table = dp.prepare_table
 
@@ -814,11 +820,8 @@ def test_lists_over_a_replaced_registration_go_when_the_last_pull_reading_throug
     peer still serves stay."""
 
     async def scenario() -> None:
-        p = await make_pair(fabric)
+        p, old_b = await pair_with_engine_b(fabric)
         holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
-        before = set(p.holder.dataplane.live_registrations())
-        await fabric.register(p.holder, "eng-b", small_spec(8))
-        (old_b,) = [r for r in p.holder.dataplane.live_registrations() if r not in before]
         transfer_a, _ = p.pull()
         xfers_a = await p.reading(transfer_a)
         await reader.peers.warmed()  # the handshake's warm-up prepared a list over every engine
