@@ -165,7 +165,6 @@ class Pair:
     holder_stream: Any = None
     reader_stream: Any = None
     fds: dict[str, int] = field(default_factory=dict)  # control process fds once serving
-    restarts: dict[str, int] = field(default_factory=lambda: {"holder": 0, "reader": 0})
     shm: set[str] = field(default_factory=set)  # /dev/shm files the workers mapped
     workers: set[int] = field(default_factory=set)  # every worker pid seen
 
@@ -336,6 +335,9 @@ def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
     tag = f"{chaos_round}-{side}-{time.monotonic_ns()}"
     old = worker_pid(victim.client)
     assert old and old in children(victim_daemon.process.pid)
+    # Each side's restarts so far, from the daemons themselves: a round that failed earlier
+    # cannot shift this round's count.
+    restarts_before = {name: pair.side(name)[1].client.get_status().dataplane_restarts for name in ("holder", "reader")}
     chunk = NUM_BLOCKS // CONCURRENT
     pulls = []
     started_at = time.monotonic()
@@ -358,10 +360,9 @@ def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
             done.append((params, request_id))
     ended_s = time.monotonic() - started_at
     assert ended_s < DEADLINE_MS / 1000 + 1, f"the pulls ended after {ended_s:.1f}s, past their deadline"
-    if tcp:
-        assert not done, "over TCP 512 MiB cannot have been read before the worker died"
-    took = wait_restarted(victim.client, old, pair.restarts[side] + 1)
-    pair.restarts[side] += 1
+    if tcp:  # 512 MiB over TCP takes long enough that the kill cuts some read short, even under load
+        assert failed, "over TCP the kill should have cut at least one of the four reads short"
+    took = wait_restarted(victim.client, old, restarts_before[side] + 1)
     # No byte lands late: the destination gets a pattern and, well past when the stale reads
     # would have ended (a whole 512 MiB pull takes under a second here), is intact.
     reader.fill(PATTERN)
@@ -373,7 +374,9 @@ def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
         assert daemon.process.poll() is None, f"the {name}'s control process died"
         status = engine.client.get_status()
         assert [e.engine_id for e in status.engines] == [engine.engine_id], f"the {name} engine lost its registration"
-        assert status.dataplane_restarts == pair.restarts[name], f"the {name} restarted {status.dataplane_restarts}x"
+        expected = restarts_before[name] + (name == side)
+        got = status.dataplane_restarts
+        assert got == expected, f"the {name} restarted {got}x, not {expected}x"
     assert victim.client.get_status().dataplane_last_restart == restart_reason(sig)
     restarts = metric_value(scrape(victim_daemon.metrics), "kvd_dataplane_restarts_total", reason=restart_reason(sig))
     assert restarts >= 1
