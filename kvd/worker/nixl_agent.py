@@ -142,6 +142,11 @@ class NixlAgent:
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any], bool]] = (
             collections.deque()
         )
+        # Heartbeats (``activity=False``) wait apart: the owner thread answers them between commands
+        # and between the READs of one batch (see _answer_heartbeats).
+        self._heartbeats: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            collections.deque()
+        )
         self._wake = threading.Event()
         self._stopping = False
         self._xfers: list[PostedRead] = []  # posted and not final; owner thread only
@@ -198,7 +203,10 @@ class NixlAgent:
         if self._stopping or self._thread is None:
             future.set_exception(Unavailable("the NIXL data plane is stopped"))
             return future
-        self._commands.append((fn, future, activity))
+        if activity:
+            self._commands.append((fn, future, activity))
+        else:
+            self._heartbeats.append((fn, future))
         self._wake.set()
         return future
 
@@ -221,16 +229,14 @@ class NixlAgent:
             # Popped one at a time, never iterated: other threads append while this one runs
             # (iterating the deque raised "deque mutated during iteration" and ended the thread:
             # its worker was then killed as hung).
+            self._answer_heartbeats()
             while self._commands:
                 fn, future, active = self._commands.popleft()
                 if active:
                     self._active_at = time.monotonic()
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except BaseException as exc:
-                        future.set_exception(exc)
-            if self._stopping and not self._commands:
+                _run_into(fn, future)
+                self._answer_heartbeats()
+            if self._stopping and not self._commands and not self._heartbeats:
                 return
             if self.agent is not None:
                 try:
@@ -239,6 +245,16 @@ class NixlAgent:
                     logger.exception("polling NIXL failed")
             self._wake.wait(self._poll_interval())
             self._wake.clear()
+
+    def _answer_heartbeats(self) -> None:
+        """Run the heartbeats waiting (owner thread only). Called between commands and between
+        the READs of one ``reads`` batch: over shared memory UCX copies a READ within its post
+        (128 MiB: tens of milliseconds, far more on a starved machine), and a batch of such READs
+        must not make a working thread miss the control process's heartbeat and be killed as
+        hung. A thread stuck inside one NIXL call still answers nothing."""
+        while self._heartbeats:  # popped one at a time: other threads append meanwhile
+            fn, future = self._heartbeats.popleft()
+            _run_into(fn, future)
 
     def _poll_interval(self) -> float | None:
         """Seconds until the next poll; None: nothing to poll until a call comes (no memory is
@@ -423,6 +439,7 @@ class NixlAgent:
                     out.append(exc)
                 except Exception as exc:
                     out.append(Internal(f"posting a READ from {read.peer} failed: {type(exc).__name__}: {exc}"))
+                self._answer_heartbeats()
             answer(out)
 
         posting = self.submit(post_all)
@@ -474,6 +491,15 @@ class NixlAgent:
 
 
 _CREATE_LOCK = threading.Lock()
+
+
+def _run_into(fn: Callable[[], T], future: concurrent.futures.Future[T]) -> None:
+    """Run a submitted call and settle its future with the result or the exception."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
 
 
 def create_agent_with_progress_wait(api: Any, name: str, config: Any, wait_s: float) -> Any:
