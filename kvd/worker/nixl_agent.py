@@ -138,8 +138,8 @@ class NixlAgent:
         self._identity = AgentIdentity(b"", ())
         self._regions: dict[int, NixlRegion] = {}  # id(registration) -> region; owner thread only
         self._serials = 0
-        # (call, its future, whether it counts as activity: a heartbeat does not wake a dormant poll)
-        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any], bool]] = (
+        # (call, its future): each counts as activity (heartbeats, which do not, wait apart below)
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
             collections.deque()
         )
         # Heartbeats (``activity=False``) wait apart: the owner thread answers them between commands
@@ -204,7 +204,7 @@ class NixlAgent:
             future.set_exception(Unavailable("the NIXL data plane is stopped"))
             return future
         if activity:
-            self._commands.append((fn, future, activity))
+            self._commands.append((fn, future))
         else:
             self._heartbeats.append((fn, future))
         self._wake.set()
@@ -231,9 +231,8 @@ class NixlAgent:
             # its worker was then killed as hung).
             self._answer_heartbeats()
             while self._commands:
-                fn, future, active = self._commands.popleft()
-                if active:
-                    self._active_at = time.monotonic()
+                fn, future = self._commands.popleft()
+                self._active_at = time.monotonic()
                 _run_into(fn, future)
                 self._answer_heartbeats()
             if self._stopping and not self._commands and not self._heartbeats:
