@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from kvd.dataplane_protocol import DEFAULT_MAX_POST_BYTES
 from kvd_client.paths import default_engine_socket
 
 ENV_PREFIX = "KVD_"
@@ -177,6 +178,14 @@ class KvdConfig:
             "is hung: it is killed and replaced (its pulls fail UNAVAILABLE)."
         },
     )
+    dataplane_max_post_bytes: int = dataclasses.field(
+        default=DEFAULT_MAX_POST_BYTES,
+        metadata={
+            "help": "A READ larger than this is posted to NIXL in pieces of about this size, one after the other "
+            "(over shared memory UCX copies within the post, and meanwhile the worker's NIXL thread answers no "
+            "heartbeat): bounds one NIXL call well under dataplane_heartbeat_timeout_s."
+        },
+    )
     dataplane_max_restarts: int = dataclasses.field(
         default=5,
         metadata={
@@ -322,6 +331,8 @@ class KvdConfig:
             problems.append(f"lease_ttl_s {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}")
         if self.max_run_blocks < 1 or self.max_run_blocks & (self.max_run_blocks - 1):
             problems.append(f"max_run_blocks must be a power of two >= 1, got {self.max_run_blocks}")
+        if self.dataplane_max_post_bytes < 1 << 20:
+            problems.append(f"dataplane_max_post_bytes must be >= 1 MiB (1048576), got {self.dataplane_max_post_bytes}")
         if self.dataplane_max_restarts < 0:
             problems.append(f"dataplane_max_restarts must be >= 0, got {self.dataplane_max_restarts}")
         if self.staging_pool_bytes < 0 or self.direct_read_min_bytes < 0:

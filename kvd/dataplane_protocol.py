@@ -55,6 +55,9 @@ NOTIFS = "notifs"
 HELLO = "hello"
 
 LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for the agent's own memory in prepared lists
+# The default bound of the bytes one NIXL call of the worker copies (config
+# dataplane_max_post_bytes; why: kvd.worker.nixl_agent, READs posted in pieces).
+DEFAULT_MAX_POST_BYTES = 256 << 20
 
 WireError = tuple[str, str]  # (KvdError class name, message)
 

@@ -177,6 +177,7 @@ class Daemon(HolderReads, DataPlaneRestarts):
             self.config.log_level,
             self.config.gil_switch_interval_s,
             prefault=self.config.prefault_host_memory,
+            max_post_bytes=self.config.dataplane_max_post_bytes,
         )
         dataplane = self._new_dataplane()
         try:

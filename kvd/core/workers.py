@@ -24,7 +24,16 @@ import sys
 import time
 from pathlib import Path
 
-from kvd.dataplane_protocol import CALL, HELLO, REPLY, AgentIdentity, decode_error, frame, read_frame
+from kvd.dataplane_protocol import (
+    CALL,
+    DEFAULT_MAX_POST_BYTES,
+    HELLO,
+    REPLY,
+    AgentIdentity,
+    decode_error,
+    frame,
+    read_frame,
+)
 from kvd_client.errors import KvdError, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -145,8 +154,10 @@ class WorkerLauncher:
         switch_interval_s: float,
         spare: bool = True,
         prefault: bool = True,
+        max_post_bytes: int = DEFAULT_MAX_POST_BYTES,
     ) -> None:
         self._agent_base = agent_base
+        self._max_post_bytes = max_post_bytes
         self._backends = backends
         self._progress_thread = progress_thread
         self._log_level = log_level
@@ -221,7 +232,9 @@ class WorkerLauncher:
                 if message[0] != HELLO:
                     raise Unavailable(f"the data-plane worker said {message[0]!r} instead of hello")
                 # Create the agent now, under the name its incarnation will have.
-                writer.writelines(frame((CALL, 0, "start", (agent_name, self._backends, self._progress_thread))))
+                writer.writelines(
+                    frame((CALL, 0, "start", (agent_name, self._backends, self._progress_thread, self._max_post_bytes)))
+                )
                 reply = await read_frame(reader)
                 if reply[0] != REPLY or reply[1] != 0:
                     raise Unavailable(f"the data-plane worker answered {reply[0]!r} to start")

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from kvd.dataplane_protocol import LOCAL_AGENT, AgentIdentity, NixlRegion, XferState
+from kvd.dataplane_protocol import DEFAULT_MAX_POST_BYTES, LOCAL_AGENT, AgentIdentity, NixlRegion, XferState
 from kvd.layout.geometry import expand_strided
 from kvd_client.errors import Internal, InvalidArgument, KvdError, PeerUnavailable, Unavailable
 
@@ -75,6 +75,13 @@ POLL_UNADMITTED_S = 1.0
 # create_agent_with_progress_wait). With it, the owner thread no longer polls fast for admitted
 # readers: their READs progress as their packets arrive.
 PROGRESS_THREAD_WAIT_S = 0.1
+# One NIXL call copies about max_post_bytes of a READ at most. Over shared memory UCX copies a
+# READ within its post (128 MiB: 20-30 ms on a 2-core VM; a multi-GiB host pull on a busy machine,
+# seconds), and meanwhile the owner thread answers nothing, the control process's heartbeat
+# included: a worker copying one huge READ was killed as hung. A larger READ is posted in pieces,
+# one after the other (the next once the previous is DONE), its notification with the last piece
+# only, so the holder hears of it once every byte is read. Pieces split the READ's runs by count
+# (runs of one READ are of similar size), so a piece can be larger by up to one run.
 # The transport warm-up at agent creation (see warm_transport) gives up after this long.
 WARMUP_TIMEOUT_S = 5.0
 WARMUP_BYTES = 4096
@@ -105,7 +112,10 @@ class NixlRead(NamedTuple):
 @dataclasses.dataclass(eq=False)
 class PostedRead:
     """A READ NIXL built, from its post until final (DONE or ERR); owner thread only. ``error``
-    set with the state still in progress: it was posted only in part, and is polled to its end."""
+    set with the state still in progress: it was posted only in part, and is polled to its end.
+
+    A READ larger than the agent's max_post_bytes goes in pieces: ``handle`` is the piece in flight (None
+    between pieces and once released), ``rest`` what is still to post (with the notification)."""
 
     xfer_id: int
     handle: Any
@@ -113,6 +123,8 @@ class PostedRead:
     spin_until: float  # poll without sleeping until then (see SPIN_S)
     state: XferState = XferState.IN_PROGRESS
     error: KvdError | None = None
+    rest: NixlRead | None = None
+    pieces_posted: int = 0
 
     @property
     def final(self) -> bool:
@@ -128,8 +140,10 @@ class NixlAgent:
         backends: Sequence[str] = ("UCX",),
         progress_thread: bool = False,
         on_reads_in_flight: Callable[[int], None] = lambda _: None,
+        max_post_bytes: int = DEFAULT_MAX_POST_BYTES,
     ) -> None:
         self.name = agent_name
+        self._max_post_bytes = max_post_bytes
         self._on_reads_in_flight = on_reads_in_flight  # called on the owner thread when the count changes
         self._backends = list(backends)
         self._nixl_progress_thread = progress_thread
@@ -277,7 +291,12 @@ class NixlAgent:
         if self._xfers:
             still = []
             for xfer in self._xfers:
-                self._check(xfer)
+                if not xfer.final:  # a READ whose later piece could not be built is final already
+                    self._check(xfer)
+                if xfer.state is XferState.DONE and xfer.rest is not None:
+                    self._release(xfer)  # a piece is done: post the next ones
+                    xfer.state = XferState.IN_PROGRESS
+                    self._post_pieces(xfer)
                 if xfer.final:
                     self._release(xfer)
                     _report(self._on_settled, xfer)
@@ -305,7 +324,10 @@ class NixlAgent:
         xfer.state = state
 
     def _release(self, xfer: PostedRead) -> None:
-        """A final transfer: release its handle (safe now: no byte of it can land any more)."""
+        """A final transfer (or piece): release its handle (safe now: no byte of it can land any
+        more). Nothing to do where it has none (released already, or never built)."""
+        if xfer.handle is None:
+            return
         try:
             self.agent.release_xfer_handle(xfer.handle)
         except Exception as exc:  # a final handle that NIXL will not release: it holds no bytes
@@ -447,32 +469,64 @@ class NixlAgent:
             answer([error if isinstance(error, KvdError) else Unavailable(str(error)) for _ in reads])
 
     def _post(self, read: NixlRead) -> PostedRead:
-        """Build and post one READ (owner thread only). Raises if NIXL refused to build it."""
-        peer, nbytes = read.peer, read.nbytes
-        try:
-            handle = self.agent.make_prepped_xfer(
-                "READ", read.local_table, read.local_indices, read.remote_table, read.remote_indices, read.notif
-            )
-        except Exception as exc:
-            raise self._map(exc, peer) from exc
-        xfer = PostedRead(read.xfer_id, handle, peer, time.monotonic() + SPIN_S + nbytes / SPIN_BYTES_PER_S)
-        try:
-            state = self.agent.transfer(handle)
-        except Exception as exc:
-            # Some of the read may be posted already: poll it to a final state like any other.
-            xfer.error = self._map(exc, peer)
-            state = "PROC"
-        if state == "DONE" and xfer.error is None:
+        """Build and post one READ (owner thread only), in pieces if it is larger than
+        ``max_post_bytes``. Raises if NIXL refused to build it (then nothing of it was posted)."""
+        xfer = PostedRead(read.xfer_id, None, read.peer, 0.0, rest=read)
+        self._post_pieces(xfer)
+        if xfer.state is XferState.DONE:
             # Done within the post (UCX copied it: shared memory, small reads): final now,
             # released here; its answer says so, and no settled report follows.
-            xfer.state = XferState.DONE
-            self._release(xfer)
             return xfer
+        # In flight, or final with an error after some of its pieces were posted: both are
+        # reported settled by the next poll.
         self._xfers.append(xfer)
         self._on_reads_in_flight(len(self._xfers))
-        if state == "ERR" and xfer.error is None:
-            xfer.error = PeerUnavailable(f"NIXL could not post a read from peer {peer}")
         return xfer
+
+    def _post_pieces(self, xfer: PostedRead) -> None:
+        """Post the READ's next pieces, one after the other while each is DONE within its post,
+        answering heartbeats between them (owner thread). Returns with a piece in flight, or the
+        READ final (DONE, or ERR where a later piece could not be built: nothing is in flight
+        then). Raises only where its first piece could not be built (nothing was posted)."""
+        while xfer.rest is not None:
+            piece, xfer.rest = _split(xfer.rest, self._max_post_bytes)
+            try:
+                xfer.handle = self.agent.make_prepped_xfer(
+                    "READ",
+                    piece.local_table,
+                    piece.local_indices,
+                    piece.remote_table,
+                    piece.remote_indices,
+                    piece.notif,
+                )
+            except Exception as exc:
+                error = self._map(exc, piece.peer)
+                if xfer.pieces_posted == 0:
+                    raise error from exc
+                xfer.state, xfer.error, xfer.rest = XferState.ERROR, error, None
+                return
+            xfer.pieces_posted += 1
+            if xfer.rest is None and xfer.pieces_posted > 1:
+                logger.debug(
+                    "READ %d from %s: its last piece posted, %d in all", xfer.xfer_id, piece.peer, xfer.pieces_posted
+                )
+            xfer.spin_until = time.monotonic() + SPIN_S + piece.nbytes / SPIN_BYTES_PER_S
+            try:
+                state = self.agent.transfer(xfer.handle)
+            except Exception as exc:
+                # Some of the piece may be posted already: poll it to a final state like any other.
+                xfer.error, xfer.rest = self._map(exc, piece.peer), None
+                return
+            if state == "ERR":
+                xfer.error, xfer.rest = PeerUnavailable(f"NIXL could not post a read from peer {piece.peer}"), None
+                return
+            if state != "DONE":
+                return  # in flight: the poll posts the next piece once this one is DONE
+            self._release(xfer)
+            if xfer.rest is None:
+                xfer.state = XferState.DONE
+                return
+            self._answer_heartbeats()
 
     def in_flight(self) -> int:
         """Reads posted and not yet final (approximate: read from another thread)."""
@@ -490,6 +544,30 @@ class NixlAgent:
 
 
 _CREATE_LOCK = threading.Lock()
+
+
+def _split(read: NixlRead, max_bytes: int) -> tuple[NixlRead, NixlRead | None]:
+    """The first piece of a READ to post (about ``max_bytes``, at least one run) and the rest, or
+    None where it fits whole. Only the last piece carries the notification."""
+    runs = len(read.local_indices)
+    if read.nbytes <= max_bytes or runs <= 1:
+        return read, None
+    take = max(1, runs * max_bytes // read.nbytes)
+    if take >= runs:
+        return read, None
+    piece_bytes = read.nbytes * take // runs
+    piece = read._replace(
+        local_indices=read.local_indices[:take],
+        remote_indices=read.remote_indices[:take],
+        notif=b"",
+        nbytes=piece_bytes,
+    )
+    rest = read._replace(
+        local_indices=read.local_indices[take:],
+        remote_indices=read.remote_indices[take:],
+        nbytes=read.nbytes - piece_bytes,
+    )
+    return piece, rest
 
 
 def _run_into(fn: Callable[[], T], future: concurrent.futures.Future[T]) -> None:

@@ -163,10 +163,12 @@ class WorkerService:
 
     # --- life ---------------------------------------------------------------------------------
 
-    async def start(self, agent_name: str, backends: tuple[str, ...], progress_thread: bool) -> AgentIdentity:
+    async def start(
+        self, agent_name: str, backends: tuple[str, ...], progress_thread: bool, max_post_bytes: int
+    ) -> AgentIdentity:
         if self._agent is not None:
             raise FailedPrecondition("the data-plane worker is already started")
-        agent = NixlAgent(agent_name, backends, progress_thread)
+        agent = NixlAgent(agent_name, backends, progress_thread, max_post_bytes=max_post_bytes)
         await agent.start(self._notifications, self._settled)
         self._agent = agent
         return agent.identity()

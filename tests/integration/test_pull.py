@@ -175,3 +175,51 @@ def test_with_nixls_progress_thread_pulls_are_exact_and_an_idle_worker_does_not_
     finally:
         for engine in engines.values():
             engine.close()
+
+
+@pytest.mark.parametrize("transports", ["default", "tcp"])
+def test_a_read_over_the_post_bound_goes_in_parts_and_arrives_exact(spawn_daemon, transports: str) -> None:
+    """``dataplane_max_post_bytes`` at its 1 MiB floor and a 40 MiB pull of scattered blocks: the
+    READ goes to NIXL in ~40 pieces (kvd.worker.nixl_agent), each next one once the previous is
+    done, the notification with the last. The bytes arrive exact, and the holder's hold ends on
+    that one notification: its engine hears ``finished_sending`` and no lease is left."""
+    import os
+    import re
+
+    env = {**os.environ, "UCX_TLS": "tcp"} if transports == "tcp" else None
+    bound = 1 << 20
+    a = spawn_daemon("--dataplane-max-post-bytes", str(bound), name="a", env=env)
+    b = spawn_daemon("--dataplane-max-post-bytes", str(bound), "--log-level", "DEBUG", name="b", env=env)
+    spec = small_spec(num_blocks=320, num_kv_heads=8, head_dim=128)  # 32 KiB a block per layer's K or V
+    holder, reader = ShmEngine(a.unix_target, "holder", spec), ShmEngine(b.unix_target, "reader", spec)
+    try:
+        holder.register()
+        reader.register()
+        holder_stream = holder.client.open_engine_stream("holder", 0)
+        rng = random.Random(5)
+        for round_ in range(3):
+            holder.fill_random(seed=round_)
+            reader.fill(0xAB)
+            num_tokens = 160 * 16 - rng.randint(0, 15)
+            held, local = rng.sample(range(320), 160), rng.sample(range(320), 160)
+            params = holder.client.hold_blocks(
+                engine_id="holder", request_id=f"r{round_}", block_ids=held, num_tokens=num_tokens
+            ).kv_transfer_params
+            started = reader.client.start_pull(
+                engine_id="reader", tp_rank=0, request_id=f"r{round_}", local_block_ids=local, remote=params
+            )
+            status = reader.client.wait_transfer(started.transfer_id, timeout_s=60)
+            assert status.state == common_pb2.TRANSFER_STATE_DONE, status.error_message
+            assert status.bytes > 30 * bound and status.descriptors > 30, "the READ must need many pieces"
+            assert reader.token_bytes(local, num_tokens).equal(holder.token_bytes(held, num_tokens))
+            assert reader.untouched_mask_ok(local, 0xAB, num_tokens)
+            sent = _events(holder, holder_stream, "finished_sending")
+            assert [m.finished_sending.request_id for m in sent] == [f"r{round_}"]
+            assert not sent[0].finished_sending.expired, "the hold expired: the notification never came"
+            assert not holder.client.lookup_held(engine_id="holder").held
+        pieces = [int(n) for n in re.findall(r"its last piece posted, (\d+) in all", b.log_path.read_text())]
+        assert len(pieces) == 3 and min(pieces) >= 30, pieces  # the reader's worker logs each READ in pieces
+        holder_stream.close()
+    finally:
+        holder.close()
+        reader.close()

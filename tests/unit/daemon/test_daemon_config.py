@@ -228,6 +228,7 @@ def test_keys_outside_the_kvd_table_are_refused(tmp_path: Path) -> None:
         ({"max_run_blocks": 48}, "max_run_blocks must be a power of two"),
         ({"staging_pool_bytes": -1}, "staging_pool_bytes"),
         ({"direct_read_min_bytes": -1}, "direct_read_min_bytes"),
+        ({"dataplane_max_post_bytes": 4096}, "dataplane_max_post_bytes must be >= 1 MiB"),
         ({"nixl_backends": ()}, "nixl_backends"),
         ({"tls_cert": "c.pem"}, "tls_cert and tls_key must be given together"),
         ({"tls_key": "k.pem"}, "tls_cert and tls_key must be given together"),
@@ -308,6 +309,7 @@ def _configs(draw: st.DrawFn) -> KvdConfig:
         max_run_blocks=1 << draw(st.integers(0, 12)),
         direct_read_min_bytes=draw(st.integers(0, 1 << 30)),
         staging_pool_bytes=draw(st.integers(0, 1 << 40)),
+        dataplane_max_post_bytes=draw(st.integers(1 << 20, 1 << 40)),
         staging_wait_s=draw(_durations),
         nixl_backends=tuple(
             draw(st.lists(st.sampled_from(["UCX", "GDS", "POSIX", "LIBFABRIC"]), min_size=1, max_size=3))

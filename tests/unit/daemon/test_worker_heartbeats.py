@@ -94,6 +94,33 @@ def test_a_heartbeat_is_answered_between_the_reads_of_one_batch() -> None:
         _stop(agent, thread)
 
 
+def test_a_heartbeat_is_answered_between_the_parts_of_one_large_read() -> None:
+    """One READ over the bound goes to NIXL in pieces: a heartbeat waits for the piece being copied
+    only, not for the whole READ."""
+    fake = BlockingAgent()
+    agent, thread = _started(fake)
+    agent._max_post_bytes = 1 << 26
+    indices = np.arange(3, dtype=np.int32)
+    answered: concurrent.futures.Future[list[PostedRead | Exception]] = concurrent.futures.Future()
+    try:
+        agent.post_reads(
+            [NixlRead(1, object(), indices, object(), indices, b"n", "peer", 3 << 26)], answered.set_result
+        )
+        assert fake.posting.acquire(timeout=WAIT_S)  # the first piece is being copied
+        heartbeat = agent.submit(lambda: fake.transfers_done, activity=False)
+        fake.go.release()
+        assert heartbeat.result(timeout=WAIT_S) == 1, "answered only after the whole READ"
+        for _ in range(2):
+            assert fake.posting.acquire(timeout=WAIT_S)
+            fake.go.release()
+        (result,) = answered.result(timeout=WAIT_S)
+        assert isinstance(result, PostedRead) and fake.transfers_done == 3
+    finally:
+        for _ in range(3):
+            fake.go.release()
+        _stop(agent, thread)
+
+
 def test_a_heartbeat_is_answered_between_commands() -> None:
     """Queued behind a long command, a heartbeat is answered before the next command runs."""
     fake = BlockingAgent()
