@@ -6,6 +6,7 @@ import ctypes
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_a_full_or_unusable_arena_leaves_placement_to_the_kernel(shm: tuple[str,
 def _thp_mode() -> str:
     """The kernel's transparent-huge-page mode ("always", "madvise", "never"), "" without THP."""
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return ""
     return text[text.index("[") + 1 : text.index("]")]
@@ -87,7 +88,7 @@ def _vma_of(address: int) -> dict[str, str]:
     """The fields of this process's /proc/self/smaps entry whose range holds ``address``."""
     fields: dict[str, str] = {}
     inside = False
-    for line in open("/proc/self/smaps"):
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
