@@ -103,21 +103,8 @@ class RegionTable:
         return opened
 
     def staging(self, size: int, device: str) -> MappedRegion:
-        """A buffer of the worker's own (staging for conversions), freed on close.
-
-        In host memory it starts on a 2 MiB boundary and asks for huge pages before any page of
-        it is touched: a NIXL READ over shared memory copies with ``process_vm_readv``, which
-        walks the destination page by page, and a 128 MiB READ into huge pages measured 12 ms
-        against 16 ms into 4 KiB ones (docs/performance.md, "Host memory"); the conversion out
-        of staging reads it with fewer TLB misses too."""
-        if torch.device(device).type != "cpu":
-            return self._add(torch.empty(size, dtype=torch.uint8, device=torch.device(device)), None)
-        backing = torch.empty(size + vm.HUGE_PAGE, dtype=torch.uint8)
-        skip = -int(backing.data_ptr()) % vm.HUGE_PAGE
-        buffer = backing[skip : skip + size]  # a view: keeps its backing alive
-        if not vm.advise_huge_pages(int(buffer.data_ptr()), size):
-            logger.debug("no huge pages for the %d-byte staging buffer (THP unavailable)", size)
-        return self._add(buffer, None)
+        """A buffer of the worker's own (staging for conversions), freed on close."""
+        return self._add(torch.empty(size, dtype=torch.uint8, device=torch.device(device)), None)
 
     def duplicate(self, region_id: int) -> MappedRegion:
         """The same shared pages mapped again at a new address (see kvd.worker.vm)."""

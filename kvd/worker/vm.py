@@ -68,8 +68,6 @@ _libc.mincore.restype = ctypes.c_int
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, as a write would, without writing
-MADV_HUGEPAGE = 14  # transparent huge pages for the range (THP "madvise" mode: only where asked)
-HUGE_PAGE = 1 << 21
 
 
 def page_span(address: int, size: int) -> tuple[int, int]:
@@ -166,16 +164,6 @@ def populate_writable(address: int, size: int) -> None:
     if _libc.madvise(address, size, MADV_POPULATE_WRITE) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"madvise(MADV_POPULATE_WRITE): {os.strerror(errno)}")
-
-
-def advise_huge_pages(address: int, size: int) -> bool:
-    """Ask for transparent huge pages under the 2 MiB-aligned part of ``[address, address + size)``
-    (``MADV_HUGEPAGE``), before its pages are first touched. False where nothing could be asked:
-    no whole huge page in the range, or a kernel without transparent huge pages. Only advice: the
-    kernel may still give small pages (memory fragmented, THP off)."""
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + size) // HUGE_PAGE * HUGE_PAGE
-    return end > start and _libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
 
 
 class HostMapping:

@@ -6,7 +6,6 @@ import ctypes
 import os
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -73,53 +72,3 @@ def test_a_full_or_unusable_arena_leaves_placement_to_the_kernel(shm: tuple[str,
             assert int(_view(mapping)[0]) == 0
         finally:
             mapping.close()
-
-
-def _thp_mode() -> str:
-    """The kernel's transparent-huge-page mode ("always", "madvise", "never"), "" without THP."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return ""
-    return text[text.index("[") + 1 : text.index("]")]
-
-
-def _vma_of(address: int) -> dict[str, str]:
-    """The fields of this process's /proc/self/smaps entry whose range holds ``address``."""
-    fields: dict[str, str] = {}
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside:
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    return fields
-
-
-def test_host_staging_starts_on_a_huge_page_and_asks_for_huge_pages() -> None:
-    """The staging buffer (kvd.worker.regions) is 2 MiB-aligned and advised MADV_HUGEPAGE before
-    any page is touched: where the kernel has THP, its mapping is eligible for huge pages."""
-    from kvd.worker.regions import RegionTable
-
-    table = RegionTable(prefault=False)
-    try:
-        size = 8 * vm.HUGE_PAGE + 12345
-        region = table.staging(size, "cpu")
-        assert region.address % vm.HUGE_PAGE == 0 and region.size_bytes == size and not region.vram
-        buffer = table.get(region.region_id)
-        buffer.fill_(1)  # every byte writable, the whole size
-        assert int(buffer.sum()) == size
-        if _thp_mode() in ("always", "madvise"):
-            fields = _vma_of(region.address)
-            assert fields.get("THPeligible") == "1", fields
-            assert "hg" in fields.get("VmFlags", "").split(), "MADV_HUGEPAGE was not applied"
-    finally:
-        table.close_all()
-
-
-def test_advise_huge_pages_needs_a_whole_huge_page() -> None:
-    assert not vm.advise_huge_pages(vm.HUGE_PAGE + 1, vm.HUGE_PAGE)  # no aligned 2 MiB inside
-    assert not vm.advise_huge_pages(0, 0)
