@@ -17,6 +17,16 @@ releases it and reports it settled (``on_settled``, on the owner thread). A fina
 therefore the proof that no byte of the read can land any more; callers that give up on a read
 keep its destination pinned until then (see docs/lifetimes.md).
 
+**Large READs go in pieces.** One NIXL call copies about ``max_post_bytes`` of a READ at most
+(config ``dataplane_max_post_bytes``). Over shared memory UCX copies a READ within its post
+(128 MiB: 20-30 ms on a 2-core VM; a multi-GiB host pull on a busy machine, seconds), and
+meanwhile the owner thread answers nothing, the control process's heartbeat included: a worker
+copying one huge READ could be killed as hung. A larger READ is posted in pieces, one after the
+other (the next once the previous is DONE), answering heartbeats between them, its notification
+with the last piece only, so the holder hears of it once every byte is read. Pieces split the
+READ's runs by count (the runs of one READ are of similar size), so a piece can be larger by up
+to one run. The READ is final when its last piece is, or when a piece ends in ERR.
+
 **Callbacks run on the owner thread**: ``on_notifications``, ``on_settled`` and the answer of
 :meth:`NixlAgent.post_reads`. The worker sends them to the control process straight from here
 (kvd.worker.channel), without a hop through its event loop; they must not block.
@@ -75,13 +85,6 @@ POLL_UNADMITTED_S = 1.0
 # create_agent_with_progress_wait). With it, the owner thread no longer polls fast for admitted
 # readers: their READs progress as their packets arrive.
 PROGRESS_THREAD_WAIT_S = 0.1
-# One NIXL call copies about max_post_bytes of a READ at most. Over shared memory UCX copies a
-# READ within its post (128 MiB: 20-30 ms on a 2-core VM; a multi-GiB host pull on a busy machine,
-# seconds), and meanwhile the owner thread answers nothing, the control process's heartbeat
-# included: a worker copying one huge READ was killed as hung. A larger READ is posted in pieces,
-# one after the other (the next once the previous is DONE), its notification with the last piece
-# only, so the holder hears of it once every byte is read. Pieces split the READ's runs by count
-# (runs of one READ are of similar size), so a piece can be larger by up to one run.
 # The transport warm-up at agent creation (see warm_transport) gives up after this long.
 WARMUP_TIMEOUT_S = 5.0
 WARMUP_BYTES = 4096
