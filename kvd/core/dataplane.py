@@ -25,7 +25,7 @@ import itertools
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,11 @@ LOCAL = LOCAL_AGENT
 FAST_POLL_SLACK_S = 1.0  # see DataPlane.fast_poll_until
 READS_PER_CALL = 64  # READs posted in one "reads" call (two index arrays each: MAX_BUFFERS bounds it)
 HEARTBEAT_S = 1.0  # how often the worker's NIXL thread is asked to answer (an idle daemon pays for each)
+# A registration (or deregistration) is one NIXL call on the worker's NIXL thread, which answers
+# no heartbeat meanwhile, and its time grows with the region: over RDMA UCX pins and maps every
+# page (ibv_reg_mr; tens of GiB of host KV take seconds). While one is in flight the heartbeat
+# waits longer by the region's size at this rate: a large engine registering is not a hang.
+REGISTER_BYTES_PER_S = 1e9
 
 
 class DataPlane:
@@ -90,6 +95,9 @@ class DataPlane:
         self._identity = AgentIdentity(b"", ())
         self._tasks: list[asyncio.Task[None]] = []
         self._fast_poll_until = 0.0
+        # (De)registrations in flight: call token -> until when the heartbeat waits for them.
+        self._registering: dict[object, float] = {}
+        self._registered_bytes: dict[Any, int] = {}  # registration -> its size (for its deregistration)
         self.lost_reason = ""  # set once the worker is gone
         self._stopping = False
         self._reported = False
@@ -217,6 +225,17 @@ class DataPlane:
                     # big address space takes a while to tear down): the reader reports it, with
                     # its real cause, once it is reaped.
                     return
+                registering_until = max(self._registering.values(), default=0.0)
+                if time.monotonic() < registering_until:
+                    logger.warning(
+                        "data-plane worker %d (agent %s) has not answered for %.1fs: it is registering memory "
+                        "(given until %.0fs from now)",
+                        self._worker.pid,
+                        self.name,
+                        self._heartbeat_timeout_s,
+                        registering_until - time.monotonic(),
+                    )
+                    continue
                 logger.error(
                     "data-plane worker %d (agent %s) did not answer within %.1fs: hung, killing it",
                     self._worker.pid,
@@ -319,12 +338,27 @@ class DataPlane:
         await self._call("convert", postprocess, staging_region, offset, size, tuple(engine_regions))
 
     async def register(self, address: int, size: int, device_index: int, mem_type: str) -> Any:
-        registration, self._identity = await self._call("register", address, size, device_index, mem_type)
+        with self._registration_in_flight(size):
+            registration, self._identity = await self._call("register", address, size, device_index, mem_type)
+        self._registered_bytes[registration] = size
         return registration
 
     async def deregister(self, registration: Any) -> None:
         if self.alive:
-            self._identity = await self._call("deregister", registration)
+            with self._registration_in_flight(self._registered_bytes.get(registration, 0)):
+                self._identity = await self._call("deregister", registration)
+            self._registered_bytes.pop(registration, None)
+
+    @contextlib.contextmanager
+    def _registration_in_flight(self, size: int) -> Iterator[None]:
+        """While the worker (de)registers ``size`` bytes, a heartbeat unanswered for up to
+        REGISTER_BYTES_PER_S's time for them more is not a hang (see _heartbeat_loop)."""
+        token = object()
+        self._registering[token] = time.monotonic() + self._heartbeat_timeout_s + size / REGISTER_BYTES_PER_S
+        try:
+            yield
+        finally:
+            del self._registering[token]
 
     # --- peers --------------------------------------------------------------------------------
 

@@ -265,6 +265,50 @@ def test_a_worker_that_stops_answering_is_found_hung_killed_and_reaped() -> None
     asyncio.run(main())
 
 
+def test_a_worker_registering_memory_gets_time_for_its_size_and_then_no_more(
+    shm_regions: list[tuple[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registration is one NIXL call that answers no heartbeat, and over RDMA its time grows
+    with the region (kvd.core.dataplane.REGISTER_BYTES_PER_S; here slowed so the 4 MiB region is
+    given 5 s beyond the 1 s timeout). The worker is stopped (SIGSTOP) with a registration in
+    flight: it is not killed within that allowance, and once resumed the registration completes
+    and the heartbeat is answered again. Stopped for good with one in flight, it is found hung
+    after the allowance, not before."""
+    import time
+
+    from kvd.core import dataplane as dataplane_module
+
+    monkeypatch.setattr(dataplane_module, "REGISTER_BYTES_PER_S", SIZE / 5.0)
+    (shm_name, _), _ = shm_regions
+
+    async def main() -> None:
+        busy = Plane("dptest-registering", heartbeat_timeout_s=1.0)
+        async with planes(busy):
+            plane = busy.plane
+            (region,) = await step(plane.open_regions([RegionRequest(MemoryKind.SHM, SIZE, shm_name=shm_name)]))
+            process = busy.process()
+            os.kill(process.pid, signal.SIGSTOP)
+            registering = asyncio.ensure_future(plane.register(region.address, SIZE, 0, "DRAM"))
+            await asyncio.sleep(3.0)  # past the heartbeat's timeout, well within the 6 s allowance
+            assert busy.lost == [], "a worker registering memory was killed as hung within its allowance"
+            os.kill(process.pid, signal.SIGCONT)
+            registration = await step(registering)
+            assert any(r.covers(region.address, SIZE, 0, False) for r in plane.identity().regions)
+            await step(plane.ping())
+            os.kill(process.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            deregistering = asyncio.ensure_future(plane.deregister(registration))
+            async with asyncio.timeout(20.0):
+                await busy.lost_event.wait()
+            assert time.monotonic() - stopped_at >= 5.5, "killed before the deregistration's allowance"
+            assert busy.lost == [(plane, "hung")]
+            assert process.returncode == -signal.SIGKILL
+            with pytest.raises(Unavailable, match="hung"):
+                await step(deregistering)
+
+    asyncio.run(main())
+
+
 def test_reads_asked_for_in_one_loop_turn_are_posted_together_each_with_its_own_outcome(
     shm_regions: list[tuple[str, torch.Tensor]],
 ) -> None:
