@@ -178,7 +178,7 @@ def test_with_nixls_progress_thread_pulls_are_exact_and_an_idle_worker_does_not_
 
 
 @pytest.mark.parametrize("transports", ["default", "tcp"])
-def test_a_read_over_the_post_bound_goes_in_parts_and_arrives_exact(spawn_daemon, transports: str) -> None:
+def test_a_read_over_the_post_bound_goes_in_pieces_and_arrives_exact(spawn_daemon, transports: str) -> None:
     """``dataplane_max_post_bytes`` at its 1 MiB floor and a 40 MiB pull of scattered blocks: the
     READ goes to NIXL in ~40 pieces (kvd.worker.nixl_agent), each next one once the previous is
     done, the notification with the last. The bytes arrive exact, and the holder's hold ends on
