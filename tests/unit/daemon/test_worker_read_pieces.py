@@ -112,7 +112,7 @@ def test_a_read_within_the_bound_is_one_post_with_its_notification(started: Any)
     assert fake.posts == [([0, 1, 2], [100, 101, 102], b"done")]
 
 
-def test_a_larger_read_goes_in_parts_in_order_the_notification_with_the_last(started: Any) -> None:
+def test_a_larger_read_goes_in_pieces_in_order_the_notification_with_the_last(started: Any) -> None:
     """10 runs of 1 MiB, bound 3 MiB: pieces of 3, 3, 3 and 1 runs; every run once, in order; the
     notification only on the last; each piece's handle released; DONE within the post."""
     fake = RecordingAgent()
