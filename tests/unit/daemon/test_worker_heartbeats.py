@@ -94,7 +94,7 @@ def test_a_heartbeat_is_answered_between_the_reads_of_one_batch() -> None:
         _stop(agent, thread)
 
 
-def test_a_heartbeat_is_answered_between_the_parts_of_one_large_read() -> None:
+def test_a_heartbeat_is_answered_between_the_pieces_of_one_large_read() -> None:
     """One READ over the bound goes to NIXL in pieces: a heartbeat waits for the piece being copied
     only, not for the whole READ."""
     fake = BlockingAgent()
