@@ -151,6 +151,7 @@ class NixlAgent:
         self._backends = list(backends)
         self._nixl_progress_thread = progress_thread
         self.agent: Any = None
+        self._bindings: Any = None  # NIXL's bindings module, once the agent is created (its exceptions)
         # Replaced whole (never mutated) on the owner thread after each (de)registration.
         self._identity = AgentIdentity(b"", ())
         self._regions: dict[int, NixlRegion] = {}  # id(registration) -> region; owner thread only
@@ -192,6 +193,7 @@ class NixlAgent:
 
     def _create_agent(self) -> None:
         api = _nixl()
+        self._bindings = api.nixlBind
         config = api.nixl_agent_config(
             enable_prog_thread=self._nixl_progress_thread,
             backends=self._backends,
@@ -536,7 +538,12 @@ class NixlAgent:
         return len(self._xfers)
 
     def _map(self, exc: Exception, peer: str) -> KvdError:
-        bindings = _nixl().nixlBind
+        # The bindings of the agent this module created: never an import here (a test's fake
+        # agent must not load NIXL into its process: loaded there, it made a later import of
+        # grpc_tools' protoc compiler segfault).
+        bindings = self._bindings
+        if bindings is None:
+            return Internal(f"NIXL error reading from {peer}: {type(exc).__name__}: {exc}")
         if isinstance(exc, (bindings.nixlRemoteDisconnectError, bindings.nixlBackendError)):
             return PeerUnavailable(f"peer {peer} disconnected: {exc}")
         if isinstance(exc, bindings.nixlNotFoundError):

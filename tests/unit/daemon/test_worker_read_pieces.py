@@ -125,7 +125,7 @@ def test_a_larger_read_goes_in_pieces_in_order_the_notification_with_the_last(st
     assert fake.released == [0, 1, 2, 3]
 
 
-def test_the_next_part_is_posted_only_once_the_previous_is_done(started: Any) -> None:
+def test_the_next_piece_is_posted_only_once_the_previous_is_done(started: Any) -> None:
     """Pieces in flight after their post (TCP): the next piece waits for the previous one's DONE,
     the READ settles once, after its last piece."""
     fake = RecordingAgent(post_states=["PROC", "PROC", "PROC"])
@@ -145,7 +145,7 @@ def test_the_next_part_is_posted_only_once_the_previous_is_done(started: Any) ->
     assert fake.released == [0, 1]
 
 
-def test_a_later_part_that_cannot_be_built_ends_the_read_in_error_and_nothing_more_is_posted(started: Any) -> None:
+def test_a_later_piece_that_cannot_be_built_ends_the_read_in_error_and_nothing_more_is_posted(started: Any) -> None:
     """The first piece landed; the second cannot be built: the READ is final with an error (its
     answer is not DONE, it settles on the next poll), and no further piece is posted."""
     fake = RecordingAgent(refuse_build_at=1)
@@ -157,14 +157,14 @@ def test_a_later_part_that_cannot_be_built_ends_the_read_in_error_and_nothing_mo
     assert len(fake.posts) == 1 and fake.posts[0][2] == b""
 
 
-def test_a_first_part_that_cannot_be_built_refuses_the_read(started: Any) -> None:
+def test_a_first_piece_that_cannot_be_built_refuses_the_read(started: Any) -> None:
     fake = RecordingAgent(refuse_build_at=0)
     result = started(fake).post(_read(9, 9 * MIB))
     assert isinstance(result, Internal)
     assert fake.posts == []
 
 
-def test_a_part_that_fails_its_post_ends_the_read_with_no_further_part(started: Any) -> None:
+def test_a_piece_that_fails_its_post_ends_the_read_with_no_further_piece(started: Any) -> None:
     """A piece NIXL answers ERR at its post: polled to its end, the READ settles in error, the
     rest (and the notification) never posted."""
     fake = RecordingAgent(post_states=["DONE", "ERR"])
