@@ -13,8 +13,10 @@ Usage (through scripts/gpu-check.sh, which runs this file):
 The GPU machine is assumed bare and offline, as many cluster nodes are: Python 3.12, torch
 2.11+cu130, numpy, grpcio, protobuf, prometheus-client, pytest, pytest-timeout and hypothesis,
 and no package registry; the tree arrives as a copy. What it lacks travels as wheels in .whl/:
-NIXL's CUDA 13 build (nixl-cu13, 59 MB) and the `nixl` shim that loads it, the gRPC health and
-reflection services, and the protobuf runtime client/v1 was generated for. They are installed
+NIXL's CUDA 13 build (nixl-cu13, 59 MB, slimmed to ~34 MB by dropping its expert-parallel
+extension, which kvd never loads) and the `nixl` shim that loads it, the gRPC health and
+reflection services, the protobuf runtime client/v1 was generated for, and a grpcio new enough
+for the generated stubs (the GPU image has 1.84.0; they need 1.85.1). They are installed
 with `pip install --no-index --no-deps --target build/gpu-check/site` (nothing outside the tree
 is touched), and kvd, kvd_client and kvd_engine are made importable from the tree through a
 folder of links (build/gpu-check/src: kvd_client -> client/, kvd_engine -> engine_patch/, as
@@ -62,6 +64,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,7 +101,13 @@ WHEELS = (
     Requirement("grpcio-health-checking", "1.85.1", "the daemon's gRPC health service"),
     Requirement("grpcio-reflection", "1.85.1", "the daemon's gRPC reflection service"),
     Requirement("protobuf", "7.36.2", "the runtime client/v1 was generated for (gencode 7.35.1 needs >= 7.35)"),
+    Requirement("grpcio", "1.85.1", "client/v1's stubs refuse an older grpcio (the GPU image has 1.84.0)"),
 )
+
+# Members of a fetched wheel that kvd never loads, dropped by --prepare so that the set fits the
+# budget: nixl-cu13 carries NIXL's expert-parallel extension (nixl_ep_cu13, three builds for torch
+# 2.12-2.14, ~25 MiB compressed), which nothing in nixl_cu13 or kvd imports.
+SLIM = {"nixl-cu13": ("nixl_ep_cu13/",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +343,33 @@ def manifest_problems(folder: Path) -> tuple[list[Path], list[str]]:
 # --- --prepare -------------------------------------------------------------------------------------
 
 
+def slim_wheel(path: Path, drop: Sequence[str]) -> int:
+    """Rewrite the wheel at ``path`` without its members under ``drop``; the bytes saved (0: nothing to drop).
+
+    The members' RECORD lines go too, so that pip installs exactly what remains. Not a zip file
+    (a placeholder in a test, say): left as it is.
+    """
+    if not zipfile.is_zipfile(path):
+        return 0
+    with zipfile.ZipFile(path) as source:
+        members = source.infolist()
+        if not any(m.filename.startswith(tuple(drop)) for m in members):
+            return 0
+        before = path.stat().st_size
+        slim = path.with_name(path.name + ".slim")
+        with zipfile.ZipFile(slim, "w", compression=zipfile.ZIP_DEFLATED) as target:
+            for member in members:
+                if member.filename.startswith(tuple(drop)):
+                    continue
+                data = source.read(member)
+                if member.filename.endswith(".dist-info/RECORD"):
+                    lines = data.decode().splitlines(keepends=True)
+                    data = "".join(line for line in lines if not line.startswith(tuple(drop))).encode()
+                target.writestr(member, data, compress_type=zipfile.ZIP_DEFLATED)
+    slim.replace(path)
+    return before - path.stat().st_size
+
+
 def parse_requirement(text: str) -> Requirement:
     name, sep, version = text.partition("==")
     if not sep or not name or not version:
@@ -353,6 +389,9 @@ def prepare(dest: Path, wanted: Sequence[Requirement], limit: int, pip: Sequence
                 print(f"gpu-check --prepare: pip could not fetch {req} (exit {done.returncode})", file=sys.stderr)
                 return EXIT_PREPARE
     selection = select_wheels(dest, wanted)
+    for key, drop in SLIM.items():
+        if key in selection.chosen and (saved := slim_wheel(selection.chosen[key].path, drop)):
+            print(f"slimmed {selection.chosen[key].path.name}: dropped {', '.join(drop)} ({mib(saved)} saved)")
     if selection.missing:
         names = ", ".join(map(str, selection.missing))
         print(f"gpu-check --prepare: no compatible wheel in {dest} for {names}", file=sys.stderr)

@@ -147,6 +147,13 @@ def apply_nixl_env(config: KvdConfig, environ: MutableMapping[str, str] | None =
     service's environment says).
     """
     env = os.environ if environ is None else environ
+    # UCX's memory-type cache knows the GPU memory that existed when UCX started and the
+    # allocations it saw made since. The worker's NIXL agent starts first; the engines' KV arrives
+    # later through CUDA IPC (cudaIpcOpenMemHandle, which UCX does not see): absent from the cache,
+    # UCX took it for host memory and NIXL refused every VRAM registration (NIXL_ERR_BACKEND, "VRAM
+    # memory is detected as host by UCX"; seen on an H200, docs/gpu-check.md). Without the cache
+    # UCX asks CUDA what each registered pointer is. An operator's own setting wins.
+    env.setdefault("UCX_MEMTYPE_CACHE", "n")
     if not config.nixl_net_devices:
         return
     logger.info("NIXL/UCX limited to devices %s (nixl_net_devices)", config.nixl_net_devices)

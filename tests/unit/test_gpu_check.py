@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
@@ -37,7 +38,8 @@ SHIM = "nixl-1.5.1-py3-none-any.whl"
 HEALTH = "grpcio_health_checking-1.85.1-py3-none-any.whl"
 REFLECTION = "grpcio_reflection-1.85.1-py3-none-any.whl"
 PROTOBUF = "protobuf-7.36.2-cp310-abi3-manylinux2014_x86_64.whl"
-ALL = (NIXL, SHIM, HEALTH, REFLECTION, PROTOBUF)
+GRPCIO = "grpcio-1.85.1-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"
+ALL = (NIXL, SHIM, HEALTH, REFLECTION, PROTOBUF, GRPCIO)
 
 
 def fake_wheels(folder: Path, names: tuple[str, ...] = ALL, size: int = 1000) -> Path:
@@ -98,7 +100,7 @@ def test_selection_picks_one_wheel_per_requirement_and_reports_the_rest(tmp_path
 
 
 def test_selection_names_what_is_missing(tmp_path: Path) -> None:
-    folder = fake_wheels(tmp_path / "whl", (SHIM, HEALTH, REFLECTION, PROTOBUF, NIXL.replace("cp312", "cp311")))
+    folder = fake_wheels(tmp_path / "whl", (SHIM, HEALTH, REFLECTION, PROTOBUF, GRPCIO, NIXL.replace("cp312", "cp311")))
     selection = gc.select_wheels(folder, gc.WHEELS)
     assert [str(r) for r in selection.missing] == ["nixl-cu13==1.5.1"]
     assert gc.select_wheels(tmp_path / "absent", gc.WHEELS).missing == list(gc.WHEELS)
@@ -111,6 +113,56 @@ def test_the_wheels_the_kit_carries_are_pinned_to_what_the_tree_needs() -> None:
     gencode = generated.split("# Protobuf Python Version: ")[1].split()[0]
     assert gencode.split(".")[0] == pinned["protobuf"].split(".")[0]  # protobuf runtimes accept one major
     assert tuple(map(int, pinned["protobuf"].split("."))) >= tuple(map(int, gencode.split(".")))
+
+
+def test_the_grpcio_the_kit_carries_is_one_the_generated_stubs_accept() -> None:
+    # The GPU image's own grpcio (1.84.0) is older than client/v1's stubs accept: they raise at import.
+    pinned = tuple(map(int, {r.key: r.version for r in gc.WHEELS}["grpcio"].split(".")))
+    for stub in (REPO / "client" / "v1").glob("*_pb2_grpc.py"):
+        generated = stub.read_text().split("GRPC_GENERATED_VERSION = '")[1].split("'")[0]
+        assert pinned >= tuple(map(int, generated.split("."))), stub.name
+    versions = {r.key: r.version for r in gc.WHEELS}
+    assert versions["grpcio-health-checking"] == versions["grpcio-reflection"] == versions["grpcio"]
+
+
+def _zip_wheel(path: Path, members: dict[str, bytes]) -> Path:
+    record = "".join(f"{name},sha256=x,{len(data)}\n" for name, data in members.items())
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as wheel:
+        for name, data in members.items():
+            wheel.writestr(name, data)
+        wheel.writestr("nixl_cu13-1.5.1.dist-info/RECORD", record + "nixl_cu13-1.5.1.dist-info/RECORD,,\n")
+    return path
+
+
+def test_slimming_drops_the_members_kvd_never_loads_and_their_record_lines(tmp_path: Path) -> None:
+    members = {
+        "nixl_cu13/__init__.py": b"kept",
+        "nixl_cu13.libs/libucp.so": os.urandom(4096),
+        "nixl_ep_cu13/__init__.py": b"dropped",
+        "nixl_ep_cu13/nixl_ep_cpp_torch214.so": os.urandom(1 << 16),
+    }
+    wheel = _zip_wheel(tmp_path / NIXL, members)
+    saved = gc.slim_wheel(wheel, gc.SLIM["nixl-cu13"])
+    assert saved > 1 << 15
+    with zipfile.ZipFile(wheel) as slim:
+        assert sorted(slim.namelist()) == sorted(
+            ["nixl_cu13/__init__.py", "nixl_cu13.libs/libucp.so", "nixl_cu13-1.5.1.dist-info/RECORD"]
+        )
+        assert slim.read("nixl_cu13.libs/libucp.so") == members["nixl_cu13.libs/libucp.so"]
+        record = slim.read("nixl_cu13-1.5.1.dist-info/RECORD").decode()
+    assert "nixl_ep_cu13" not in record and "nixl_cu13/__init__.py" in record
+    assert gc.slim_wheel(wheel, gc.SLIM["nixl-cu13"]) == 0  # already slim: left as it is
+    placeholder = fake_wheels(tmp_path / "fake", (NIXL,)) / NIXL
+    assert gc.slim_wheel(placeholder, gc.SLIM["nixl-cu13"]) == 0  # not a zip: left as it is
+
+
+def test_prepare_slims_nixl_so_that_the_set_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = fake_wheels(tmp_path / "whl", tuple(n for n in ALL if n != NIXL))
+    _zip_wheel(folder / NIXL, {"nixl_cu13/__init__.py": b"", "nixl_ep_cu13/big.so": os.urandom(1 << 20)})
+    assert gc.prepare(folder, gc.WHEELS, 64 << 20, pip=["false"], fetch=False) == gc.EXIT_OK
+    assert "dropped nixl_ep_cu13/" in capsys.readouterr().out
+    files, problems = gc.manifest_problems(folder)  # the manifest describes the slimmed file
+    assert not problems and len(files) == len(ALL)
 
 
 def test_budget() -> None:
@@ -136,7 +188,7 @@ def test_prepare_checks_the_folder_and_writes_a_manifest(tmp_path: Path, capsys:
 
 
 def test_prepare_fails_clearly_over_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder = fake_wheels(tmp_path / "whl", size=60 << 20)  # 5 x 60 MiB, sparse
+    folder = fake_wheels(tmp_path / "whl", size=60 << 20)  # 6 x 60 MiB, sparse
     code = gc.prepare(folder, gc.WHEELS, 64 << 20, pip=["false"], fetch=False)
     assert code == gc.EXIT_PREPARE
     assert "over the 64.0 MiB that may travel" in capsys.readouterr().err
@@ -145,7 +197,7 @@ def test_prepare_fails_clearly_over_budget(tmp_path: Path, capsys: pytest.Captur
 def test_prepare_fails_clearly_when_a_wheel_cannot_be_fetched(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    folder = fake_wheels(tmp_path / "whl", (SHIM, HEALTH, REFLECTION, PROTOBUF))
+    folder = fake_wheels(tmp_path / "whl", (SHIM, HEALTH, REFLECTION, PROTOBUF, GRPCIO))
     code = gc.prepare(folder, gc.WHEELS, 64 << 20, pip=["false"])  # `false download ...` exits 1
     assert code == gc.EXIT_PREPARE
     assert "could not fetch nixl-cu13==1.5.1" in capsys.readouterr().err
