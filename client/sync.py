@@ -160,7 +160,11 @@ class KvdClient:
         request: router_pb2.StartPullRequest | None = None,
         timeout_s: float | None = None,
     ) -> router_pb2.StartPullResponse:
-        """Start pulling a remote engine's held KV into a local rank's blocks."""
+        """Start pulling a remote engine's held KV into a local rank's blocks.
+
+        Safe to retry: the same pull asked again (same engine, rank, request id, local blocks and
+        lease) is answered with the transfer already started, running or DONE; another pull of a
+        request whose pull still runs raises :class:`~kvd_client.errors.AlreadyExists`."""
         req = _base.build_request(
             router_pb2.StartPullRequest,
             request,

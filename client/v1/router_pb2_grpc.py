@@ -91,7 +91,10 @@ class RouterServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def StartPull(self, request, context):
-        """Pull a remote engine's held KV into a local engine rank's blocks.
+        """Pull a remote engine's held KV into a local engine rank's blocks. Safe to retry: the same pull
+        asked again (same engine, rank, request id, local blocks and lease) while it runs, or after it
+        ended DONE, answers with that transfer and starts nothing; another pull of a request whose pull
+        still runs fails ALREADY_EXISTS. After a FAILED or ABORTED pull a new one starts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

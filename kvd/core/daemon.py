@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvd.config import KvdConfig
@@ -33,12 +33,13 @@ from kvd.core.peers import Peers, PeerSession, PeerTransport
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.restarts import DataPlaneRestarts
-from kvd.core.transfers import Transfer, TransferTable
+from kvd.core.transfers import Transfer, TransferState, TransferTable
 from kvd.core.workers import WorkerLauncher
 from kvd.layout import groups as kv_groups
 from kvd.layout.plan import EngineView, block_geometry
 from kvd.layout.spec import LayerPlacement, LayoutSpec
 from kvd_client.errors import (
+    AlreadyExists,
     FailedPrecondition,
     Internal,
     InvalidArgument,
@@ -776,19 +777,61 @@ class Daemon(HolderReads, DataPlaneRestarts):
             group.spec.validate_block_ids(ids, f"{kv_groups.describe_group(index, group)} local block ids")
         if deadline_s < 0:
             raise InvalidArgument(f"deadline must be >= 0, got {deadline_s}")
+        request_id = request_id or remote.request_id
+        order = (
+            tuple(local_block_ids),
+            tuple(tuple(int(b) for b in ids) for ids in local_group_block_ids),
+            dataclasses.replace(remote, lease_expires_unix_ms=0),  # a renewal between retries changes only this
+        )
+        repeated = self._repeated_pull((engine_id, tp_rank, request_id), order)
+        if repeated is not None:
+            return repeated
         self._wake_sweeper()  # sweeps every SWEEP_S while pulls are in flight (they may leave stale reads)
         transfer = self.transfers.new(
-            request_id=request_id or remote.request_id,
+            request_id=request_id,
             engine_id=engine_id,
             tp_rank=tp_rank,
             peer_address=remote.daemon_address,
             local_block_ids=tuple(local_block_ids),
             deadline_s=deadline_s or self.config.transfer_deadline_s,
-            local_group_block_ids=tuple(tuple(int(b) for b in ids) for ids in local_group_block_ids),
+            local_group_block_ids=order[1],
+            order=order,
         )
         self.metrics.in_flight.inc()
         transfer.task = asyncio.get_running_loop().create_task(self._puller.run(transfer, rank, remote))
         return transfer
+
+    def _repeated_pull(self, key: tuple[str, int, str], order: Hashable) -> Transfer | None:
+        """The pull a StartPull repeats, if it repeats one; AlreadyExists if it collides with one.
+
+        A caller whose StartPull(s) failed without an answer (a deadline, a dropped connection, a
+        cancel while the daemon answered) cannot know whether its pull started, and retries. A
+        second pull of the same request would have the holder refuse it (one reader per lease
+        and rank) or find the lease ended by the first read, and the engine would then hear of
+        one request both that its load failed and that it finished. So a pull asked again, the
+        same (local blocks, remote lease) for the same engine, rank and request, is answered with
+        the transfer already started, running or DONE. A different pull of a request whose pull
+        is still running fails ALREADY_EXISTS and changes nothing; once that pull has ended, or
+        if it FAILED or was ABORTED, a new pull starts (the retry of a failure).
+        """
+        if not key[2]:
+            return None
+        previous = self.transfers.latest_pull(key)
+        if previous is None or previous.state in (TransferState.FAILED, TransferState.ABORTED):
+            return None
+        if previous.order == order:
+            logger.info(
+                "StartPull of request %r into %r rank %d repeats transfer %s (%s): answered with it",
+                key[2], key[0], key[1], previous.transfer_id, previous.state.value,
+            )  # fmt: skip
+            return previous
+        if previous.state.final:
+            return None
+        raise AlreadyExists(
+            f"a pull of request {key[2]!r} into engine {key[0]!r} rank {key[1]} is already in flight (transfer "
+            f"{previous.transfer_id}) with other local blocks or another lease: wait for it to end, or "
+            "CancelTransfer it, before starting another"
+        )
 
     def start_order(self, order: PullOrder) -> Transfer:
         """:meth:`start_pull` with its arguments in one PullOrder (how the server edge reads them)."""

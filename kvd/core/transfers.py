@@ -10,7 +10,7 @@ import dataclasses
 import enum
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 
 from kvd_client.errors import KvdError, UnknownTransfer
 
@@ -66,6 +66,9 @@ class Transfer:
     # logged at DEBUG when the transfer ends, to see where a slow pull spent its time.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    # What was asked for (local blocks, the remote lease): a StartPull of the same request that
+    # asks for the same is a retry of this one (see TransferTable.latest_pull).
+    order: Hashable = None
     # Called once, when the transfer ends: its table keeps the live ones apart (TransferTable).
     _on_final: Callable[[Transfer], None] | None = dataclasses.field(default=None, repr=False)
 
@@ -102,8 +105,12 @@ class Transfer:
             await waiter.wait()
 
 
+RequestKey = tuple[str, int, str]
+"""(local engine id, local rank, request id): whose pull a transfer is."""
+
+
 class TransferTable:
-    """Live and recently finished transfers by id.
+    """Live and recently finished transfers by id, and the latest pull of each request.
 
     The live ones are also kept apart, in start order: the sweeper asks whether any is in flight
     on every round, and a pass over the finished ones kept (up to KEEP_FINISHED) cost about a
@@ -113,13 +120,20 @@ class TransferTable:
     def __init__(self) -> None:
         self._transfers: dict[str, Transfer] = {}
         self._live: dict[str, Transfer] = {}
+        self._latest: dict[RequestKey, Transfer] = {}
 
     def new(self, **fields: object) -> Transfer:
         transfer = Transfer(transfer_id=uuid.uuid4().hex, _on_final=self._ended, **fields)  # type: ignore[arg-type]
         self._transfers[transfer.transfer_id] = transfer
         self._live[transfer.transfer_id] = transfer
+        if transfer.request_id:
+            self._latest[(transfer.engine_id, transfer.tp_rank, transfer.request_id)] = transfer
         self._trim()
         return transfer
+
+    def latest_pull(self, key: RequestKey) -> Transfer | None:
+        """The last pull started for ``key`` while it is still kept (live or among the finished)."""
+        return self._latest.get(key)
 
     def _ended(self, transfer: Transfer) -> None:
         self._live.pop(transfer.transfer_id, None)
@@ -150,4 +164,7 @@ class TransferTable:
                 if len(doomed) == excess:
                     break
         for tid in doomed:
-            del self._transfers[tid]
+            transfer = self._transfers.pop(tid)
+            key = (transfer.engine_id, transfer.tp_rank, transfer.request_id)
+            if self._latest.get(key) is transfer:
+                del self._latest[key]

@@ -92,3 +92,65 @@ def test_start_pulls_starts_the_valid_pulls_and_fails_the_bad_one_alone(spawn_da
     finally:
         holder.close()
         reader.close()
+
+
+def test_a_pull_asked_again_is_the_pull_already_started_and_the_engine_hears_of_it_once(spawn_daemon) -> None:
+    """A router or connector that lost a StartPull(s) answer asks again: the same pull (engine,
+    rank, request, local blocks, lease) answers with the transfer already started, while it runs
+    and after it is DONE; no second read, no load_failed beside the finished_recving."""
+    a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
+    spec = small_spec(num_blocks=48)
+    holder = ShmEngine(a.unix_target, "holder", spec)
+    reader = ShmEngine(b.unix_target, "reader", spec)
+    try:
+        holder.register()
+        reader.register()
+        holder.fill_random(seed=5)
+        reader.fill(0xAB)
+        reader_stream = reader.client.open_engine_stream("reader", 0)
+        holder_stream = holder.client.open_engine_stream("holder", 0)
+        rids = ["req-0", "req-1"]
+        held = {rid: list(range(i * BLOCKS, (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
+        local = {rid: list(range(24 + i * BLOCKS, 24 + (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
+        params = {
+            rid: holder.client.hold_blocks(
+                engine_id="holder", request_id=rid, block_ids=held[rid], num_tokens=NUM_TOKENS
+            ).kv_transfer_params
+            for rid in rids
+        }
+        orders = {
+            rid: router_pb2.StartPullRequest(
+                engine_id="reader", request_id=rid, local_block_ids=local[rid], remote=params[rid]
+            )
+            for rid in rids
+        }
+
+        first = reader.client.start_pull(request=orders["req-0"]).transfer_id
+        assert reader.client.start_pull(request=orders["req-0"]).transfer_id == first
+        batch = reader.client.start_pulls([orders["req-1"], orders["req-1"], orders["req-0"]])
+        assert isinstance(batch[0], str) and batch == [batch[0], batch[0], first]
+        transfer_ids = {"req-0": first, "req-1": batch[0]}
+        for rid, transfer_id in transfer_ids.items():
+            assert reader.client.wait_transfer(transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+            assert reader.token_bytes(local[rid], NUM_TOKENS).equal(holder.token_bytes(held[rid], NUM_TOKENS)), rid
+
+        # Asked again once DONE (the lease ended with the read): the DONE transfer, nothing read.
+        assert reader.client.start_pull(request=orders["req-0"]).transfer_id == first
+        (again,) = reader.client.start_pulls([orders["req-1"]])
+        assert again == transfer_ids["req-1"]
+
+        heard: list[tuple[str, str]] = []
+        sent: list[str] = []
+        deadline = time.monotonic() + 2.0  # long enough for a second event to show, were there one
+        while time.monotonic() < deadline:
+            for message in reader_stream.poll(timeout_s=0.1):
+                kind = message.WhichOneof("kind")
+                heard.append((kind, getattr(message, kind).request_id))
+            sent += [m.finished_sending.request_id for m in holder_stream.poll(timeout_s=0.0)]
+        assert sorted(heard) == [("finished_recving", "req-0"), ("finished_recving", "req-1")]
+        assert sorted(sent) == rids
+        reader_stream.close()
+        holder_stream.close()
+    finally:
+        holder.close()
+        reader.close()

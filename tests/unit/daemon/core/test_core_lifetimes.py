@@ -30,7 +30,7 @@ from kvd.core.registry import EngineRank
 from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.spec import KvLayout, LayoutSpec
 from kvd.worker import vm
-from kvd_client.errors import Internal
+from kvd_client.errors import AlreadyExists, Internal
 
 PLANNED, READING, POSTPROCESSING, FENCING = (
     TransferState.PLANNED,
@@ -959,7 +959,7 @@ def test_second_reader_of_an_admitted_rank_gets_failed_precondition(fabric: Fabr
         xfers = await p.reading(transfer)
         params = p.holder.daemon.params_of(p.holder.daemon.leases.get(lease_id))
 
-        second = p.reader.daemon.start_pull("eng-r", 0, "req-1", [6, 7, 0], params)
+        second = p.reader.daemon.start_pull("eng-r", 0, "req-2", [6, 7, 0], params)  # another request
         await ended(second)
         assert second.state is FAILED and second.error is not None
         assert second.error.code.name == "FAILED_PRECONDITION"
@@ -971,6 +971,109 @@ def test_second_reader_of_an_admitted_rank_gets_failed_precondition(fabric: Fabr
         await settle(p.holder)
         assert transfer.state is DONE and len(engine_events(p.hrank, FinishedSending)) == 1
         assert [type(e) for e in p.rrank.pending] == [LoadFailed, FinishedRecving]
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+# --- a StartPull asked again (a caller's retry) ------------------------------------------------------
+
+
+def test_the_same_pull_asked_again_while_it_runs_is_that_pull(fabric: Fabric) -> None:
+    """A retry of StartPull (same request, blocks and lease) while the pull reads gets the same
+    transfer: no second admission at the holder, and the engine hears of the request once."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        transfer, lease_id = p.pull()
+        xfers = await p.reading(transfer)
+        lease = p.holder.daemon.leases.get(lease_id)
+        params = dataclasses.replace(p.holder.daemon.params_of(lease), lease_expires_unix_ms=1)  # renewed since
+
+        again = p.reader.daemon.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, params)
+        assert again is transfer
+        assert p.reader.daemon.transfers.in_flight() == [transfer]
+        assert p.reader.metric("kvd_transfers_in_flight") == 1
+
+        await finish_reads(p, xfers, transfer)
+        assert [type(e) for e in p.rrank.pending] == [FinishedRecving]
+        assert len(engine_events(p.hrank, FinishedSending)) == 1
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_the_same_pull_asked_again_after_it_is_done_is_answered_done_and_reads_nothing(fabric: Fabric) -> None:
+    """A retry that arrives after the pull ended DONE (its first answer was lost) gets that
+    transfer, DONE: no new pull (the lease is over), no second event for the engine."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        transfer, lease_id = p.pull()
+        params = p.holder.daemon.params_of(p.holder.daemon.leases.get(lease_id))
+        await finish_reads(p, await p.reading(transfer), transfer)
+        posted = len(p.reader.dataplane.posted)
+
+        again = p.reader.daemon.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, params)
+        assert again is transfer and again.state is DONE
+        assert len(p.reader.dataplane.posted) == posted and not p.reader.daemon.transfers.any_in_flight()
+        assert [type(e) for e in p.rrank.pending] == [FinishedRecving]
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_another_pull_of_a_request_whose_pull_runs_is_already_exists_and_changes_nothing(fabric: Fabric) -> None:
+    """Same request, other local blocks (or another lease) while its pull runs: ALREADY_EXISTS,
+    raised before anything starts; the running pull is untouched."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        transfer, lease_id = p.pull()
+        xfers = await p.reading(transfer)
+        params = p.holder.daemon.params_of(p.holder.daemon.leases.get(lease_id))
+
+        with pytest.raises(AlreadyExists, match=f"request 'req-1' .* in flight \\(transfer {transfer.transfer_id}\\)"):
+            p.reader.daemon.start_pull("eng-r", 0, "req-1", [6, 7, 0], params)
+        with pytest.raises(AlreadyExists):
+            p.reader.daemon.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, dataclasses.replace(params, lease_id="other"))
+        assert p.reader.daemon.transfers.in_flight() == [transfer] and not p.rrank.pending
+
+        await finish_reads(p, xfers, transfer)
+        assert [type(e) for e in p.rrank.pending] == [FinishedRecving]
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_request_whose_pull_failed_or_ended_can_be_pulled_again(fabric: Fabric) -> None:
+    """After an ABORTED pull the same order starts a new pull (the retry of a failure); after a
+    DONE one, a different order for the request starts one too."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        transfer, lease_id = p.pull()
+        params = p.holder.daemon.params_of(p.holder.daemon.leases.get(lease_id))
+        xfers = await p.reading(transfer)
+        p.reader.daemon.cancel_transfer(transfer.transfer_id)
+        await until_state(transfer, FENCING)
+        for xfer in xfers:
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        await settle(p.holder)
+        assert transfer.state is ABORTED
+
+        retry = p.reader.daemon.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, params)  # the very same order
+        assert retry is not transfer
+        await ended(retry)  # a pull of its own: the holder ended that lease with the abandoned read
+        assert retry.state is FAILED and retry.error is not None and retry.error.code.name == "NOT_FOUND"
+
+        anew, _ = p.pull()  # a new hold of the request
+        await finish_reads(p, await p.reading(anew), anew)
+        other, _ = p.pull(local_blocks=[6, 7, 0])  # after a DONE pull, another order of the request
+        assert other is not anew
+        await finish_reads(p, await p.reading(other), other)
+        assert [type(e) for e in p.rrank.pending] == [LoadFailed, LoadFailed, FinishedRecving, FinishedRecving]
         assert_settled(p.reader, p.holder)
 
     run(fabric, scenario)
