@@ -208,6 +208,10 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         the_pair.reader_stream = reader.client.open_engine_stream("d", 0)
         holder.fill_random(5)
         assert pull_until_done(reader, holder, list(range(8))) == 1
+        # That pull's events are the fixture's: taken off the streams, so a test sees only its own.
+        fixture_events = {"finished_recving": the_pair.reader_stream, "finished_sending": the_pair.holder_stream}
+        for kind, stream in fixture_events.items():
+            assert drain(stream, 10, until=lambda got, kind=kind: any(m.WhichOneof("kind") == kind for m in got))
         for name in ("holder", "reader"):
             daemon, engine = the_pair.side(name)
             wait_worker_and_spare(daemon, worker_pid(engine.client))
