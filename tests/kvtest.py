@@ -10,7 +10,7 @@ import contextlib
 import os
 import subprocess
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -135,6 +135,24 @@ class ShmEngine:
                 self.client.unregister_kv_cache(engine_id=self.engine_id, tp_rank=self.spec.tp_rank)
         self.client.close()
         unlink_shm(self.shm_name)
+
+
+@contextlib.contextmanager
+def engine_pair(
+    holder_target: str, reader_target: str, spec: LayoutSpec, seed: int, fill: int = 0xAB
+) -> Iterator[tuple[ShmEngine, ShmEngine]]:
+    """Engines "holder" (random bytes of ``seed``) and "reader" (every byte ``fill``), each
+    registered with its daemon; closed (unregistered, memory unlinked) on the way out."""
+    with contextlib.ExitStack() as stack:
+        holder = ShmEngine(holder_target, "holder", spec)
+        stack.callback(holder.close)
+        reader = ShmEngine(reader_target, "reader", spec)
+        stack.callback(reader.close)
+        holder.register()
+        reader.register()
+        holder.fill_random(seed=seed)
+        reader.fill(fill)
+        yield holder, reader
 
 
 def scrape(metrics_address: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
+from kvtest import ShmEngine, engine_pair, llama_spec, metric_value, scrape, small_spec
 
 from kvd.bench.rig import cpu_seconds
 from kvd_client.v1 import common_pb2
@@ -30,13 +30,7 @@ def test_pull_moves_exact_bytes_both_directions(spawn_daemon, direction: str) ->
     if direction == "prefill_pulls_from_decode":
         a, b = b, a  # the holder is on the other daemon
     spec = small_spec(num_blocks=48)
-    holder = ShmEngine(a.unix_target, "holder", spec)
-    reader = ShmEngine(b.unix_target, "reader", spec)
-    try:
-        holder.register()
-        reader.register()
-        holder.fill_random(seed=7)
-        reader.fill(0xAB)
+    with engine_pair(a.unix_target, b.unix_target, spec, seed=7) as (holder, reader):
         holder_stream = holder.client.open_engine_stream("holder", 0)
         reader_stream = reader.client.open_engine_stream("reader", 0)
         num_tokens = 16 * 9 + 5  # a partial last block
@@ -71,9 +65,6 @@ def test_pull_moves_exact_bytes_both_directions(spawn_daemon, direction: str) ->
         assert metric_value(scrape(b.metrics), "kvd_handshakes_total", outcome="ok") == 1
         holder_stream.close()
         reader_stream.close()
-    finally:
-        holder.close()
-        reader.close()
 
 
 def test_one_k_token_request_posts_merged_descriptors(spawn_daemon) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from kvtest import ShmEngine, small_spec
+from kvtest import ShmEngine, engine_pair, small_spec
 
 from kvd_client import errors
 from kvd_client.v1 import common_pb2, router_pb2
@@ -18,26 +18,27 @@ BLOCKS = 3
 NUM_TOKENS = 16 * 2 + 7  # a partial last block
 
 
+def hold_each(holder: ShmEngine, rids: list[str]) -> tuple[dict[str, list[int]], dict[str, list[int]], dict]:
+    """Hold BLOCKS blocks per request on the holder (request i: blocks from i * BLOCKS); the held
+    blocks, the reader's blocks for each (from block 24 on), and each hold's transfer params."""
+    held = {rid: list(range(i * BLOCKS, (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
+    local = {rid: list(range(24 + i * BLOCKS, 24 + (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
+    params = {
+        rid: holder.client.hold_blocks(
+            engine_id="holder", request_id=rid, block_ids=held[rid], num_tokens=NUM_TOKENS
+        ).kv_transfer_params
+        for rid in rids
+    }
+    return held, local, params
+
+
 def test_start_pulls_starts_the_valid_pulls_and_fails_the_bad_one_alone(spawn_daemon) -> None:
     a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
     spec = small_spec(num_blocks=48)
-    holder = ShmEngine(a.unix_target, "holder", spec)
-    reader = ShmEngine(b.unix_target, "reader", spec)
-    try:
-        holder.register()
-        reader.register()
-        holder.fill_random(seed=11)
-        reader.fill(0xAB)
+    with engine_pair(a.unix_target, b.unix_target, spec, seed=11) as (holder, reader):
         reader_stream = reader.client.open_engine_stream("reader", 0)
         rids = [f"req-{i}" for i in range(5)]
-        held = {rid: list(range(i * BLOCKS, (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
-        local = {rid: list(range(24 + i * BLOCKS, 24 + (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
-        params = {
-            rid: holder.client.hold_blocks(
-                engine_id="holder", request_id=rid, block_ids=held[rid], num_tokens=NUM_TOKENS
-            ).kv_transfer_params
-            for rid in rids
-        }
+        held, local, params = hold_each(holder, rids)
         bad = "req-2"  # one local block too few: INVALID_ARGUMENT for it alone
         pulls = [
             router_pb2.StartPullRequest(
@@ -89,9 +90,6 @@ def test_start_pulls_starts_the_valid_pulls_and_fails_the_bad_one_alone(spawn_da
         with pytest.raises(errors.InvalidArgument, match="at most 1024 pulls per call"):
             reader.client.start_pulls([router_pb2.StartPullRequest()] * 1025)
         reader_stream.close()
-    finally:
-        holder.close()
-        reader.close()
 
 
 def test_a_pull_asked_again_is_the_pull_already_started_and_the_engine_hears_of_it_once(spawn_daemon) -> None:
@@ -100,24 +98,11 @@ def test_a_pull_asked_again_is_the_pull_already_started_and_the_engine_hears_of_
     and after it is DONE; no second read, no load_failed beside the finished_recving."""
     a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
     spec = small_spec(num_blocks=48)
-    holder = ShmEngine(a.unix_target, "holder", spec)
-    reader = ShmEngine(b.unix_target, "reader", spec)
-    try:
-        holder.register()
-        reader.register()
-        holder.fill_random(seed=5)
-        reader.fill(0xAB)
+    with engine_pair(a.unix_target, b.unix_target, spec, seed=5) as (holder, reader):
         reader_stream = reader.client.open_engine_stream("reader", 0)
         holder_stream = holder.client.open_engine_stream("holder", 0)
         rids = ["req-0", "req-1"]
-        held = {rid: list(range(i * BLOCKS, (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
-        local = {rid: list(range(24 + i * BLOCKS, 24 + (i + 1) * BLOCKS)) for i, rid in enumerate(rids)}
-        params = {
-            rid: holder.client.hold_blocks(
-                engine_id="holder", request_id=rid, block_ids=held[rid], num_tokens=NUM_TOKENS
-            ).kv_transfer_params
-            for rid in rids
-        }
+        held, local, params = hold_each(holder, rids)
         orders = {
             rid: router_pb2.StartPullRequest(
                 engine_id="reader", request_id=rid, local_block_ids=local[rid], remote=params[rid]
@@ -151,6 +136,3 @@ def test_a_pull_asked_again_is_the_pull_already_started_and_the_engine_hears_of_
         assert sorted(sent) == rids
         reader_stream.close()
         holder_stream.close()
-    finally:
-        holder.close()
-        reader.close()
