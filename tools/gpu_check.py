@@ -548,15 +548,19 @@ class Runner:
     def close(self) -> None:
         self.log.close()
 
-    def run(self, step: Step, args: Sequence[str], timeout_s: float) -> tuple[int, str]:
-        """Run ``python args`` for ``step``; return (exit code, the tail of its output). 124: timed out."""
+    def run(
+        self, step: Step, args: Sequence[str], timeout_s: float, extra_env: dict[str, str] | None = None
+    ) -> tuple[int, str]:
+        """Run ``python args`` for ``step`` (its environment plus ``extra_env``); return (exit code,
+        the tail of its output). 124: timed out."""
         step.command = [self.python, *args]
         self.log.write(f"\n===== {step.name}: {' '.join(step.command)}\n")
         self.log.flush()
         capture = self.work / f"{step.name}.out"
+        env = {**self.env, **(extra_env or {})}
         with capture.open("wb") as sink:
             child = subprocess.Popen(
-                step.command, cwd=ROOT, env=self.env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+                step.command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
             )
             try:
                 code = child.wait(timeout_s)
@@ -736,9 +740,14 @@ def step_vram_selftest(step: Step, runner: Runner, size_mb: int, iterations: int
     result = runner.work / "selftest-vram.json"
     result.unlink(missing_ok=True)
     args = ["-m", "kvd.cli.main", "selftest", "--vram", "--size-mb", str(size_mb), "--iterations", str(iterations)]
-    code, tail = runner.run(step, [*args, "--json", str(result)], TIMEOUTS_S["vram_selftest"])
+    # UCX prints the protocols it picks for each kind of transfer: which path VRAM -> VRAM took
+    # (the first GPU run measured 0.13 GB/s for a raw NIXL read on one GPU, cause not found).
+    code, tail = runner.run(
+        step, [*args, "--json", str(result)], TIMEOUTS_S["vram_selftest"], extra_env={"UCX_PROTO_INFO": "y"}
+    )
     data = json.loads(result.read_text()) if result.is_file() else {}
     step.results.update(data)
+    step.results["ucx_protocols"] = ucx_protocol_lines((runner.work / f"{step.name}.out").read_text(errors="replace"))
     if code == 0 and data.get("passed"):
         step.status = "passed"
         step.summary = (
@@ -749,6 +758,11 @@ def step_vram_selftest(step: Step, runner: Runner, size_mb: int, iterations: int
         step.status = "failed"
         step.reason = f"exit {code}" + (f": {data['error']}" if data.get("error") else f": {tail}")
         step.summary = step.reason.splitlines()[0][:200]
+
+
+def ucx_protocol_lines(output: str, limit: int = 60) -> list[str]:
+    """The lines of UCX's protocol tables (``UCX_PROTO_INFO=y``) that concern GPU memory."""
+    return [line.strip() for line in output.splitlines() if "|" in line and "cuda" in line.lower()][:limit]
 
 
 def step_conversions(step: Step, runner: Runner, repeat: int) -> None:

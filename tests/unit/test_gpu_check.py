@@ -165,6 +165,16 @@ def test_prepare_slims_nixl_so_that_the_set_fits(tmp_path: Path, capsys: pytest.
     assert not problems and len(files) == len(ALL)
 
 
+def test_a_step_runs_with_its_extra_environment_and_the_ucx_protocol_lines_are_picked(tmp_path: Path) -> None:
+    runner = gc.Runner(sys.executable, tmp_path, tmp_path, dict(os.environ))
+    step = gc.Step("probe", "a probe")
+    script = "import os; print('| rma | cuda_copy/cuda |'); print('| host | tcp |'); print(os.environ['KVD_X'])"
+    code, tail = runner.run(step, ["-c", script], 30, extra_env={"KVD_X": "seen"})
+    runner.close()
+    assert code == 0 and tail.splitlines()[-1] == "seen"
+    assert gc.ucx_protocol_lines((tmp_path / "probe.out").read_text()) == ["| rma | cuda_copy/cuda |"]
+
+
 def test_budget() -> None:
     tree = 2_300_000
     fits = gc.Budget(wheels=58_800_000 + 400_000, tree=tree)
