@@ -351,20 +351,19 @@ def slim_wheel(path: Path, drop: Sequence[str]) -> int:
     """
     if not zipfile.is_zipfile(path):
         return 0
+    prefixes = tuple(drop)
     with zipfile.ZipFile(path) as source:
-        members = source.infolist()
-        if not any(m.filename.startswith(tuple(drop)) for m in members):
+        kept = [m for m in source.infolist() if not m.filename.startswith(prefixes)]
+        if len(kept) == len(source.infolist()):
             return 0
         before = path.stat().st_size
         slim = path.with_name(path.name + ".slim")
         with zipfile.ZipFile(slim, "w", compression=zipfile.ZIP_DEFLATED) as target:
-            for member in members:
-                if member.filename.startswith(tuple(drop)):
-                    continue
+            for member in kept:
                 data = source.read(member)
                 if member.filename.endswith(".dist-info/RECORD"):
                     lines = data.decode().splitlines(keepends=True)
-                    data = "".join(line for line in lines if not line.startswith(tuple(drop))).encode()
+                    data = "".join(line for line in lines if not line.startswith(prefixes)).encode()
                 target.writestr(member, data, compress_type=zipfile.ZIP_DEFLATED)
     slim.replace(path)
     return before - path.stat().st_size

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvd.config import KvdConfig
@@ -33,7 +33,7 @@ from kvd.core.peers import Peers, PeerSession, PeerTransport
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.restarts import DataPlaneRestarts
-from kvd.core.transfers import Transfer, TransferState, TransferTable
+from kvd.core.transfers import RequestKey, Transfer, TransferState, TransferTable
 from kvd.core.workers import WorkerLauncher
 from kvd.layout import groups as kv_groups
 from kvd.layout.plan import EngineView, block_geometry
@@ -778,12 +778,10 @@ class Daemon(HolderReads, DataPlaneRestarts):
         if deadline_s < 0:
             raise InvalidArgument(f"deadline must be >= 0, got {deadline_s}")
         request_id = request_id or remote.request_id
-        order = (
-            tuple(local_block_ids),
-            tuple(tuple(int(b) for b in ids) for ids in local_group_block_ids),
-            dataclasses.replace(remote, lease_expires_unix_ms=0),  # a renewal between retries changes only this
-        )
-        repeated = self._repeated_pull((engine_id, tp_rank, request_id), order)
+        blocks = tuple(local_block_ids)
+        group_blocks = tuple(tuple(int(b) for b in ids) for ids in local_group_block_ids)
+        held = dataclasses.replace(remote, lease_expires_unix_ms=0)  # a renewal between retries changes it
+        repeated = self._repeated_pull((engine_id, tp_rank, request_id), blocks, group_blocks, held)
         if repeated is not None:
             return repeated
         self._wake_sweeper()  # sweeps every SWEEP_S while pulls are in flight (they may leave stale reads)
@@ -792,16 +790,22 @@ class Daemon(HolderReads, DataPlaneRestarts):
             engine_id=engine_id,
             tp_rank=tp_rank,
             peer_address=remote.daemon_address,
-            local_block_ids=tuple(local_block_ids),
+            local_block_ids=blocks,
             deadline_s=deadline_s or self.config.transfer_deadline_s,
-            local_group_block_ids=order[1],
-            order=order,
+            local_group_block_ids=group_blocks,
+            remote=held,
         )
         self.metrics.in_flight.inc()
         transfer.task = asyncio.get_running_loop().create_task(self._puller.run(transfer, rank, remote))
         return transfer
 
-    def _repeated_pull(self, key: tuple[str, int, str], order: Hashable) -> Transfer | None:
+    def _repeated_pull(
+        self,
+        key: RequestKey,
+        local_block_ids: tuple[int, ...],
+        local_group_block_ids: tuple[tuple[int, ...], ...],
+        remote: TransferParams,
+    ) -> Transfer | None:
         """The pull a StartPull repeats, if it repeats one; AlreadyExists if it collides with one.
 
         A caller whose StartPull(s) failed without an answer (a deadline, a dropped connection, a
@@ -819,7 +823,8 @@ class Daemon(HolderReads, DataPlaneRestarts):
         previous = self.transfers.latest_pull(key)
         if previous is None or previous.state in (TransferState.FAILED, TransferState.ABORTED):
             return None
-        if previous.order == order:
+        asked = (local_block_ids, local_group_block_ids, remote)
+        if (previous.local_block_ids, previous.local_group_block_ids, previous.remote) == asked:
             logger.info(
                 "StartPull of request %r into %r rank %d repeats transfer %s (%s): answered with it",
                 key[2], key[0], key[1], previous.transfer_id, previous.state.value,

@@ -10,9 +10,13 @@ import dataclasses
 import enum
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import AsyncIterator, Callable
 
+from kvd.core.params import TransferParams
 from kvd_client.errors import KvdError, UnknownTransfer
+
+RequestKey = tuple[str, int, str]
+"""(local engine id, local rank, request id): whose pull a transfer is."""
 
 # Finished transfers kept for GetTransfer / WatchTransfer after they end.
 KEEP_FINISHED = 4096
@@ -66,11 +70,15 @@ class Transfer:
     # logged at DEBUG when the transfer ends, to see where a slow pull spent its time.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    # What was asked for (local blocks, the remote lease): a StartPull of the same request that
-    # asks for the same is a retry of this one (see TransferTable.latest_pull).
-    order: Hashable = None
+    # The holder's params it reads (without the lease's expiry, which a renewal changes): with the
+    # local block ids, what a StartPull asking for the same pull again repeats (Daemon._repeated_pull).
+    remote: TransferParams | None = None
     # Called once, when the transfer ends: its table keeps the live ones apart (TransferTable).
     _on_final: Callable[[Transfer], None] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def request_key(self) -> RequestKey:
+        return (self.engine_id, self.tp_rank, self.request_id)
 
     @property
     def elapsed_s(self) -> float:
@@ -105,10 +113,6 @@ class Transfer:
             await waiter.wait()
 
 
-RequestKey = tuple[str, int, str]
-"""(local engine id, local rank, request id): whose pull a transfer is."""
-
-
 class TransferTable:
     """Live and recently finished transfers by id, and the latest pull of each request.
 
@@ -127,7 +131,7 @@ class TransferTable:
         self._transfers[transfer.transfer_id] = transfer
         self._live[transfer.transfer_id] = transfer
         if transfer.request_id:
-            self._latest[(transfer.engine_id, transfer.tp_rank, transfer.request_id)] = transfer
+            self._latest[transfer.request_key] = transfer
         self._trim()
         return transfer
 
@@ -165,6 +169,5 @@ class TransferTable:
                     break
         for tid in doomed:
             transfer = self._transfers.pop(tid)
-            key = (transfer.engine_id, transfer.tp_rank, transfer.request_id)
-            if self._latest.get(key) is transfer:
-                del self._latest[key]
+            if self._latest.get(transfer.request_key) is transfer:
+                del self._latest[transfer.request_key]

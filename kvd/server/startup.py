@@ -140,10 +140,12 @@ def check_tcp_security(config: KvdConfig) -> None:
 
 
 def apply_nixl_env(config: KvdConfig, environ: MutableMapping[str, str] | None = None) -> None:
-    """Tell UCX (NIXL's backend) which devices to use and listen on, before the agent is created.
+    """Set UCX's (NIXL's backend) environment before any agent is created: its memory-type cache
+    off, and the devices to use and listen on.
 
     UCX reads its settings from the environment when NIXL creates the UCX backend; this is the one
-    place kvd writes them, from ``nixl_net_devices``. Unset, UCX's own default applies (or what the
+    place kvd writes them: ``UCX_MEMTYPE_CACHE`` (unless the environment sets it), and
+    ``UCX_NET_DEVICES`` from ``nixl_net_devices`` (unset: UCX's own default applies, or what the
     service's environment says).
     """
     env = os.environ if environ is None else environ
