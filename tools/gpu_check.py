@@ -28,6 +28,9 @@ The steps, in order (each with its own time limit; output in gpu-check.log):
   vram_selftest  `kvd selftest --vram`: two daemons, the engines' KV caches in GPU memory
                  registered through CUDA IPC, pulled VRAM to VRAM, every byte verified, GB/s
                  beside a raw NIXL VRAM -> VRAM read of the same bytes
+  vram_paths     bare NIXL READs between two processes (kvd.bench.vram_paths): from VRAM the
+                 holder allocated and from VRAM it opened by CUDA IPC as kvd's worker does;
+                 GB/s, and whether each READ completes without the holder's progress
   conversions    every layout-conversion pair of `kvd bench` on the GPU against torch copy_
   no_sync        the engine's step path under torch.cuda.set_sync_debug_mode("error")
 
@@ -517,11 +520,19 @@ STEPS = (
     ("environment", "install the wheels; everything the GPU tests and the daemon import"),
     ("pytest_gpu", "pytest -m gpu over the files that hold GPU tests"),
     ("vram_selftest", "kvd selftest --vram: CUDA IPC registration, VRAM -> VRAM pulls vs raw NIXL"),
+    ("vram_paths", "bare NIXL READs of VRAM a process allocated vs VRAM it opened by CUDA IPC (kvd.bench.vram_paths)"),
     ("conversions", "layout-conversion pairs on the GPU against torch copy_"),
     ("no_sync", "no GPU -> CPU sync on the engine's step path (set_sync_debug_mode)"),
 )
 GPU_STEPS = tuple(name for name, _ in STEPS if name != "environment")
-TIMEOUTS_S = {"environment": 120, "pytest_gpu": 240, "vram_selftest": 120, "conversions": 120, "no_sync": 60}
+TIMEOUTS_S = {
+    "environment": 120,
+    "pytest_gpu": 240,
+    "vram_selftest": 120,
+    "vram_paths": 120,
+    "conversions": 120,
+    "no_sync": 60,
+}
 NO_SYNC_TESTS = (
     "tests/unit/engine_patch/test_engine_gpu.py::test_nwor_commit_path_never_syncs_on_the_device",
     "tests/unit/engine_patch/test_engine_gpu.py::test_signals_wait_for_the_steps_kernels_off_the_step_path",
@@ -759,6 +770,33 @@ def step_vram_selftest(step: Step, runner: Runner, size_mb: int, iterations: int
         step.summary = step.reason.splitlines()[0][:200]
 
 
+def step_vram_paths(step: Step, runner: Runner, iterations: int) -> None:
+    """Why VRAM -> VRAM is slow between two processes on one GPU (0.13 GB/s raw on the first run):
+    the same bare READ from memory the holder allocated and from memory it opened by CUDA IPC,
+    as kvd's worker does; whether each completes without the holder's progress (one-sided)."""
+    result = runner.work / "vram-paths.json"
+    result.unlink(missing_ok=True)
+    args = ["-m", "kvd.bench.vram_paths", "--device", "cuda", "--size-mb", "64", "--iterations", str(iterations)]
+    code, tail = runner.run(
+        step, [*args, "--json", str(result)], TIMEOUTS_S["vram_paths"], extra_env={"UCX_PROTO_INFO": "y"}
+    )
+    data = json.loads(result.read_text()) if result.is_file() else {}
+    step.results.update(data)
+    step.results["ucx_protocols"] = ucx_protocol_lines((runner.work / f"{step.name}.out").read_text(errors="replace"))
+    cases = data.get("cases", [])
+    step.summary = "; ".join(
+        f"{c['case']} {c['gbs']:.2f} GB/s, one-sided {c['one_sided']}" if "gbs" in c else f"{c['case']} failed"
+        for c in cases
+    )
+    if code == 0 and cases and all(c.get("verified") for c in cases):
+        step.status = "passed"
+    else:
+        step.status = "failed"
+        errors = [f"{c['case']}: {c['error']}" for c in cases if "error" in c]
+        step.reason = f"exit {code}: " + ("; ".join(errors) if errors else tail)
+        step.summary = step.summary or step.reason.splitlines()[0][:200]
+
+
 def ucx_protocol_lines(output: str, limit: int = 60) -> list[str]:
     """The lines of UCX's protocol tables (``UCX_PROTO_INFO=y``) that concern GPU memory."""
     return [line.strip() for line in output.splitlines() if "|" in line and "cuda" in line.lower()][:limit]
@@ -920,6 +958,8 @@ def _run_steps(steps: dict[str, Step], runner: Runner, cuda: dict[str, Any], arg
             step_pytest_gpu(step, runner)
         elif name == "vram_selftest":
             step_vram_selftest(step, runner, args.size_mb, args.iterations)
+        elif name == "vram_paths":
+            step_vram_paths(step, runner, args.iterations)
         elif name == "conversions":
             step_conversions(step, runner, args.repeat)
         elif name == "no_sync":

@@ -175,6 +175,46 @@ def test_a_step_runs_with_its_extra_environment_and_the_ucx_protocol_lines_are_p
     assert gc.ucx_protocol_lines((tmp_path / "probe.out").read_text()) == ["| rma | cuda_copy/cuda |"]
 
 
+class _ScriptedRunner(gc.Runner):
+    """A runner whose child "wrote" ``report`` to the step's --json path and exited ``code``."""
+
+    def __init__(self, folder: Path, report: dict[str, object], code: int) -> None:
+        super().__init__(sys.executable, folder, folder, {})
+        self.report, self.code = report, code
+        self.extra_env: dict[str, str] | None = None
+
+    def run(
+        self, step: gc.Step, args: object, timeout_s: float, extra_env: dict[str, str] | None = None
+    ) -> tuple[int, str]:
+        argv = list(args)  # type: ignore[call-overload]
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(self.report))
+        (self.work / f"{step.name}.out").write_text("| rma | cuda_ipc/cuda |\n| am | tcp |\n")
+        self.extra_env, step.exit_code = extra_env, self.code
+        return self.code, "the tail"
+
+
+def test_the_vram_paths_step_reports_each_case_and_fails_on_a_failed_case(tmp_path: Path) -> None:
+    own = {"case": "own", "gbs": 180.5, "one_sided": True, "verified": True}
+    imported = {"case": "imported", "gbs": 0.13, "one_sided": False, "verified": True}
+    runner = _ScriptedRunner(tmp_path, {"device": "cuda:0", "cases": [own, imported]}, 0)
+    step = gc.Step("vram_paths", "t")
+    gc.step_vram_paths(step, runner, iterations=3)
+    runner.close()
+    assert step.status == "passed"
+    assert step.summary == "own 180.50 GB/s, one-sided True; imported 0.13 GB/s, one-sided False"
+    assert step.results["cases"] == [own, imported]
+    assert step.results["ucx_protocols"] == ["| rma | cuda_ipc/cuda |"]
+    assert runner.extra_env == {"UCX_PROTO_INFO": "y"}
+    broken = {"case": "imported", "error": "RuntimeError: imported: READ ended ERR", "verified": False}
+    runner = _ScriptedRunner(tmp_path, {"cases": [own, broken]}, 1)
+    step = gc.Step("vram_paths", "t")
+    gc.step_vram_paths(step, runner, iterations=3)
+    runner.close()
+    assert step.status == "failed"
+    assert step.reason == "exit 1: imported: RuntimeError: imported: READ ended ERR"
+    assert step.summary == "own 180.50 GB/s, one-sided True; imported failed"
+
+
 def test_budget() -> None:
     tree = 2_300_000
     fits = gc.Budget(wheels=58_800_000 + 400_000, tree=tree)
