@@ -126,6 +126,13 @@ class HoldChecks:
             if action is HoldCheckAction.PIN:
                 self.unpin(engine_id, request_id, lease_id, pin_id)
             return False, f"engine {engine_id!r}'s scheduler did not answer within {timeout_s}s (is it stepping?)"
+        except asyncio.CancelledError:
+            # The asker gave up (its reader withdrew the PreparePull, its stream ended): the PIN is
+            # on its way to the engine or taken already, and nobody will end it. The UNPIN follows
+            # it on the same stream, so the engine drops what it pins.
+            if action is HoldCheckAction.PIN:
+                self.unpin(engine_id, request_id, lease_id, pin_id)
+            raise
         finally:
             channel.pending.pop(seq, None)
 

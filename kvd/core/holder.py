@@ -235,7 +235,7 @@ class HolderReads:
         self.require_serving()
         self.require_dataplane()
         ranks = self._holder_ranks(engine_id, remote_tp_ranks)
-        reader = f"{reader_incarnation or reader_address or 'unknown'}/{reader_transfer_id}"
+        reader = _reader_key(reader_incarnation, reader_transfer_id)
         admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, hold_s)
         memories = self._mem
         for r in remote_tp_ranks:
@@ -245,7 +245,17 @@ class HolderReads:
         if reader_address:
             self._reader_labels[admission.admission_id] = reader_address
         if lease.soft:
-            await self._pin_soft(lease, admission)
+            try:
+                await self._pin_soft(lease, admission)
+            except asyncio.CancelledError:
+                # The reader withdrew the call (or its stream ended) while the engine pinned: it never
+                # got the notification tag, so it posted nothing. End the admission now (its memory
+                # unpinned, the lease kept for a retry) instead of at its deadline, where a read
+                # never proven over would retire the holder's memory.
+                self._soft_pins.pop(admission.admission_id, None)
+                if admission.ended is None:
+                    self.leases.abandon(lease_id, reader, reader_tp_rank)
+                raise
         return PrepareResult(
             registration_ids=tuple(ranks[r].registration_id for r in remote_tp_ranks),
             notif_tag=notif.tag(lease_id, admission.admission_id),
@@ -304,7 +314,7 @@ class HolderReads:
         HeldKvEvicted when they no longer carry the request's KV (the reader must not report the
         pull done); the lease then ends as evicted.
         """
-        reader = f"{reader_incarnation or 'unknown'}/{reader_transfer_id}"
+        reader = _reader_key(reader_incarnation, reader_transfer_id)
         admission = self.leases.admission_of(lease_id, reader, reader_tp_rank)
         lease = self.leases.find(lease_id)
         if admission is None or lease is None:
@@ -348,9 +358,15 @@ class HolderReads:
         reader_transfer_id: str = "",
     ) -> None:
         """The reader's READs of the lease are final and it gave up: its admission ends cleanly."""
-        reader = f"{reader_incarnation or 'unknown'}/{reader_transfer_id}"
+        reader = _reader_key(reader_incarnation, reader_transfer_id)
         if self.leases.abandon(lease_id, reader, reader_tp_rank):
             logger.info("reader rank %d abandoned its read of lease %s: %s", reader_tp_rank, lease_id, reason)
             return
         self.leases.get(lease_id)  # NOT_FOUND / DEADLINE_EXCEEDED for a gone lease
         raise UnknownLease(f"lease {lease_id!r} has no read admitted for rank {reader_tp_rank} of that reader")
+
+
+def _reader_key(reader_incarnation: str, reader_transfer_id: str) -> str:
+    """Who reads under an admission: the same key where the read is admitted, finished and
+    abandoned (a reader that sent no incarnation can still end its own read)."""
+    return f"{reader_incarnation or 'unknown'}/{reader_transfer_id}"

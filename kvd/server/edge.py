@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 MAX_DETAILS = 2000
-"""Longest status message the daemon sends (grpc's default metadata limit is 8 KiB)."""
+"""Longest printable-ASCII status message sent whole (grpc's default metadata limit is 8 KiB)."""
+MAX_DETAILS_WIRE_BYTES = 4000
+"""Longest status message on the wire, percent-encoded (see :func:`bounded`)."""
 
 
 def as_kvd_error(metrics: Metrics | None, operation: str, exc: BaseException) -> KvdError:
@@ -48,15 +50,39 @@ async def _abort(
 
 
 def bounded(message: str) -> str:
-    """At most MAX_DETAILS characters: a message quoting a huge input must not outgrow grpc's
-    metadata limit (it would arrive as RESOURCE_EXHAUSTED instead of its own status)."""
-    if len(message) <= MAX_DETAILS:
+    """A status message that fits grpc's metadata limit whatever it quotes.
+
+    grpc sends it as the ``grpc-message`` header, percent-encoded: every UTF-8 byte outside
+    printable ASCII costs three bytes there, so a message quoting a 4096-character id of
+    non-ASCII characters would outgrow the caller's 8 KiB limit and arrive as RESOURCE_EXHAUSTED
+    instead of its own status. Longer than MAX_DETAILS_WIRE_BYTES encoded, the middle is elided.
+    """
+    if len(message) <= MAX_DETAILS and message.isascii() and message.isprintable():
+        return message  # at most MAX_DETAILS bytes on the wire
+    costs = [_wire_bytes(ch) for ch in message]
+    if sum(costs) <= MAX_DETAILS_WIRE_BYTES:
         return message
-    return (
-        message[: MAX_DETAILS // 2]
-        + f"...({len(message) - MAX_DETAILS} characters elided)..."
-        + message[-MAX_DETAILS // 4 :]
-    )
+    head = _fitting(costs, MAX_DETAILS_WIRE_BYTES // 2)
+    tail = _fitting(costs[::-1], MAX_DETAILS_WIRE_BYTES // 4)
+    elided = len(message) - head - tail
+    return message[:head] + f"...({elided} characters elided)..." + (message[-tail:] if tail else "")
+
+
+def _wire_bytes(ch: str) -> int:
+    """What one character costs percent-encoded in ``grpc-message`` (printable ASCII but '%': 1)."""
+    if " " <= ch <= "~" and ch != "%":
+        return 1
+    return 3 * len(ch.encode("utf-8", "surrogatepass"))
+
+
+def _fitting(costs: list[int], budget: int) -> int:
+    """How many of ``costs``, taken from the start, fit in ``budget``."""
+    total = 0
+    for count, cost in enumerate(costs):
+        total += cost
+        if total > budget:
+            return count
+    return len(costs)
 
 
 def rpc(method: F) -> F:

@@ -29,7 +29,9 @@ tasks, and the futures of the calls in flight on it; ``close()`` ends them all.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -65,6 +67,11 @@ OPERATIONS = {
     "release_leases": "ReleaseLeases",
 }
 MAX_CALLS_IN_FLIGHT = 4096  # per stream; more is RESOURCE_EXHAUSTED, call by call
+# The holder stops reading a stream's calls while this many replies' bytes wait for the caller
+# to read them (HTTP/2 flow control then holds the caller back), and sends replies in messages
+# of at most this many bytes, well under gRPC's 64 MiB message limit.
+MAX_PENDING_REPLY_BYTES = 64 << 20
+MAX_REPLIES_MESSAGE_BYTES = 16 << 20
 
 
 # --- the holder's half ----------------------------------------------------------------------------
@@ -80,13 +87,26 @@ async def serve_peer_stream(
     caller cancels (or whose connection drops) cancels the calls still running.
     """
     loop = asyncio.get_running_loop()
-    ready: list[peer_pb2.PeerReply] = []
-    wake = asyncio.Event()
+    ready: collections.deque[tuple[peer_pb2.PeerReply, int]] = collections.deque()  # replies, encoded sizes
+    pending_bytes = 0
+    wake = asyncio.Event()  # a reply is ready, a call ended, or the caller's side is done
+    room = asyncio.Event()  # replies went out or calls ended: the reader may read more calls
     running: dict[int, asyncio.Task[None]] = {}
 
     def answer(reply: peer_pb2.PeerReply) -> None:
-        ready.append(reply)
+        nonlocal pending_bytes
+        size = reply.ByteSize()
+        ready.append((reply, size))
+        pending_bytes += size
         wake.set()
+
+    def forget(call_id: int, task: asyncio.Task[None]) -> None:
+        # A done callback, not the call's own ``finally``: a call cancelled before it first ran
+        # (its cancel in the same message) never enters its body.
+        if running.get(call_id) is task:
+            del running[call_id]
+        wake.set()
+        room.set()
 
     async def run(call: peer_pb2.PeerCall, kind: str) -> None:
         operation = OPERATIONS[kind]
@@ -104,14 +124,13 @@ async def serve_peer_stream(
             )
         except Exception as exc:  # noqa: BLE001 - every failure goes back to its caller, typed
             answer(_error_reply(call.call_id, as_kvd_error(metrics, operation, exc)))
-        finally:
-            running.pop(call.call_id, None)
 
     def accept(call: peer_pb2.PeerCall) -> None:
         if call.cancel:
-            task = running.get(call.call_id)
+            task = running.pop(call.call_id, None)  # withdrawn: its id is free again at once
             if task is not None:
                 task.cancel()
+                wake.set()  # the stream may be over
             return
         kind = call.WhichOneof("call")
         if kind is None or kind not in handlers:
@@ -126,13 +145,21 @@ async def serve_peer_stream(
                 )
             )
         else:
-            running[call.call_id] = loop.create_task(run(call, kind), name=f"kvd-peer-call-{kind}")
+            task = loop.create_task(run(call, kind), name=f"kvd-peer-call-{kind}")
+            running[call.call_id] = task
+            task.add_done_callback(functools.partial(forget, call.call_id))
+
+    def full() -> bool:
+        return len(running) + len(ready) >= MAX_CALLS_IN_FLIGHT or pending_bytes >= MAX_PENDING_REPLY_BYTES
 
     async def read() -> None:
         try:
             async for message in requests:
                 for call in message.calls:
                     accept(call)
+                while full():  # a caller that does not read its replies is not read either
+                    room.clear()
+                    await room.wait()
         finally:
             wake.set()
 
@@ -141,10 +168,16 @@ async def serve_peer_stream(
         while True:
             await wake.wait()
             wake.clear()
-            if ready:
-                batch = list(ready)
-                ready.clear()
+            while ready:
+                batch: list[peer_pb2.PeerReply] = []
+                batch_bytes = 0
+                while ready and (not batch or batch_bytes + ready[0][1] <= MAX_REPLIES_MESSAGE_BYTES):
+                    reply, size = ready.popleft()
+                    batch.append(reply)
+                    batch_bytes += size
                 yield peer_pb2.PeerReplies(replies=batch)
+                pending_bytes -= batch_bytes
+                room.set()
             if reader.done():
                 if reader.exception() is not None:
                     reader.result()  # a malformed message ends the stream with its error

@@ -133,3 +133,28 @@ def test_checks_are_answered_and_fail_when_silent_or_gone() -> None:
         assert checks.detach(newer) and not checks.connected("eng")
 
     asyncio.run(main())
+
+
+def test_a_pin_whose_asker_gives_up_is_followed_by_its_unpin() -> None:
+    """The reader withdrew the PreparePull (or its stream ended) while the engine pinned: nobody
+    would end that pin, so an UNPIN of it follows the PIN on the same stream."""
+
+    async def main() -> None:
+        checks = HoldChecks()
+        channel = checks.attach("eng")
+        asking = asyncio.ensure_future(checks.check("eng", HoldCheckAction.PIN, "r", "L", "p1", 5.0))
+        pin = await channel.outbox.get()
+        asking.cancel()
+        await asyncio.gather(asking, return_exceptions=True)
+        assert asking.cancelled()
+        unpin = channel.outbox.get_nowait()
+        assert isinstance(pin, HoldCheckCommand) and isinstance(unpin, HoldCheckCommand)
+        assert (pin.action, unpin.action, unpin.pin_id) == (HoldCheckAction.PIN, HoldCheckAction.UNPIN, "p1")
+        assert not channel.pending  # the engine's late answer finds nothing waiting
+        verifying = asyncio.ensure_future(checks.check("eng", HoldCheckAction.VERIFY_UNPIN, "r", "L", "p2", 5.0))
+        await channel.outbox.get()
+        verifying.cancel()  # a VERIFY_UNPIN unpins by itself: nothing follows it
+        await asyncio.gather(verifying, return_exceptions=True)
+        assert channel.outbox.empty()
+
+    asyncio.run(main())

@@ -268,3 +268,101 @@ def test_the_holder_gives_up_a_call_at_its_timeout_and_answers_as_a_unary_deadli
         assert [(r.call_id, r.code, r.error_class) for r in replies] == [(3, 4, "")]
 
     _run(scenario)
+
+
+# --- the holder's half on its own: calls fed as messages, replies read (or not) by the test -----
+
+
+def _calls(*calls: peer_pb2.PeerCall) -> peer_pb2.PeerCalls:
+    return peer_pb2.PeerCalls(calls=list(calls))
+
+
+def _prepare_call(call_id: int, lease_id: str = "L") -> peer_pb2.PeerCall:
+    return peer_pb2.PeerCall(call_id=call_id, prepare_pull=_prepare(lease_id))
+
+
+async def _feed(
+    messages: list[peer_pb2.PeerCalls], pulled: list[int] | None = None
+) -> AsyncIterator[peer_pb2.PeerCalls]:
+    for message in messages:
+        await asyncio.sleep(0)  # as grpc's reads: the calls taken so far get to run
+        if pulled is not None:
+            pulled.append(len(message.calls))
+        yield message
+
+
+def test_a_call_cancelled_in_its_own_message_leaves_no_trace_and_the_stream_ends() -> None:
+    """A call and its cancel in one message: the call never runs, its id is free again at once, and
+    the stream still ends once the caller half-closes (the id used to stay "in flight" forever)."""
+
+    async def scenario() -> None:
+        ran: list[str] = []
+
+        async def counted(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+            ran.append(request.lease_id)
+            return await _ok(request)
+
+        cancel = peer_pb2.PeerCall(call_id=1, cancel=True)
+        messages = [_calls(_prepare_call(1, "gone"), cancel), _calls(_prepare_call(1, "again"))]
+        replies = [
+            r async for m in serve_peer_stream(_feed(messages), {"prepare_pull": counted}, None) for r in m.replies
+        ]
+        assert [(r.call_id, r.prepare_pull.notif_tag, r.code) for r in replies] == [(1, "tag-again", 0)]
+        assert ran == ["again"]
+
+        many = [_calls(_prepare_call(i), peer_pb2.PeerCall(call_id=i, cancel=True)) for i in range(5000)]
+        stream = serve_peer_stream(_feed([*many, _calls(_prepare_call(9999, "last"))]), {"prepare_pull": _ok}, None)
+        replies = [r async for m in stream for r in m.replies]
+        assert [(r.call_id, r.code) for r in replies] == [(9999, 0)]  # not RESOURCE_EXHAUSTED
+
+    _run(scenario)
+
+
+def test_replies_go_out_in_messages_under_the_size_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replies that queued together are split into messages of at most MAX_REPLIES_MESSAGE_BYTES
+    (one message of all of them could pass grpc's message limit and kill the stream)."""
+    from kvd.server import peer_stream
+
+    monkeypatch.setattr(peer_stream, "MAX_REPLIES_MESSAGE_BYTES", 1000)
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def big(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+            await gate.wait()
+            return peer_pb2.PreparePullResponse(notif_tag="x" * 300)
+
+        async def feed() -> AsyncIterator[peer_pb2.PeerCalls]:
+            yield _calls(*(_prepare_call(i) for i in range(10)))
+            await asyncio.sleep(0.05)  # every call is running
+            gate.set()
+            await asyncio.sleep(0.05)  # every reply is ready before the next is taken
+
+        sizes = [(len(m.replies), m.ByteSize()) async for m in serve_peer_stream(feed(), {"prepare_pull": big}, None)]
+        assert sum(n for n, _ in sizes) == 10
+        assert all(size <= 1000 for _, size in sizes) and max(n for n, _ in sizes) == 3
+
+    _run(scenario)
+
+
+def test_a_caller_that_does_not_read_its_replies_is_not_read_either(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once MAX_PENDING_REPLY_BYTES of replies wait for the caller, the holder takes no more calls
+    (HTTP/2 flow control then holds the caller back) instead of queueing replies without bound."""
+    from kvd.server import peer_stream
+
+    monkeypatch.setattr(peer_stream, "MAX_PENDING_REPLY_BYTES", 2000)
+
+    async def big(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+        return peer_pb2.PreparePullResponse(notif_tag="x" * 500)
+
+    async def scenario() -> None:
+        pulled: list[int] = []
+        messages = [_calls(_prepare_call(i)) for i in range(100)]
+        stream = serve_peer_stream(_feed(messages, pulled), {"prepare_pull": big}, None)
+        first = await stream.__anext__()  # then the caller stops reading
+        await asyncio.sleep(0.3)
+        assert len(first.replies) >= 1 and len(pulled) <= 8  # ~4 replies of ~510 bytes fill 2000
+        rest = [r async for m in stream for r in m.replies]  # reading again lets the rest in
+        assert len(first.replies) + len(rest) == 100 and len(pulled) == 100
+
+    _run(scenario)
