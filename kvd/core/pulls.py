@@ -500,6 +500,20 @@ class Puller:
             if unreachable(exc):
                 await self.peers.drop_if(session, "prepare failed")
             raise
+        except asyncio.CancelledError:
+            # The pull was cancelled (or ran out of time) while the holder admitted it. The call is
+            # withdrawn, but the holder may have admitted the read just before and its answer is
+            # lost: tell it the read is over (this pull posted nothing), so the admission does not
+            # wait for its deadline and retire the holder's memory as never proven over.
+            if self._still_told(session):
+                task = asyncio.get_running_loop().create_task(
+                    self._abandon(
+                        remote, rank.tp_rank, transfer.transfer_id, "the pull ended while its admission was asked"
+                    )
+                )
+                self._abandons.add(task)
+                task.add_done_callback(self._abandons.discard)
+            raise
         transfer.mark("prepared")
         if prepared.registration_ids != tuple(remote_ranks[r].registration_id for r in pull_plan.remote_ranks):
             raise _StaleHandshake(

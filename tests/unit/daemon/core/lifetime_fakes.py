@@ -514,6 +514,7 @@ class FakePeerTransport:
         self.handshake_answers: dict[str, HandshakeInfo] = {}
         self.prepare_answers: dict[str, PrepareResult] = {}
         self.prepare_gate: Gate | None = None  # holds PreparePull before it reaches the holder
+        self.reply_gate: Gate | None = None  # holds PreparePull's answer after the holder admitted
         self._tags: dict[str, list[str]] = {}  # reader transfer id -> notification tags it was given
 
     def _holder(self, address: str) -> Any:
@@ -565,6 +566,8 @@ class FakePeerTransport:
                 read_timeout_s=read_timeout_s,
             )
         self._tags.setdefault(reader_transfer_id, []).append(result.notif_tag)
+        if self.reply_gate is not None:  # the answer is on its way back (or lost)
+            await self.reply_gate.passage()
         return result
 
     async def abandon_pull(
