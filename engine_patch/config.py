@@ -25,7 +25,10 @@ from kvd_client.paths import default_engine_socket
 
 from .nwor import NworMode
 
-__all__ = ["KvdConnectorConfig"]
+__all__ = ["DEFAULT_PULL_DEADLINE_MS", "KvdConnectorConfig"]
+
+DEFAULT_PULL_DEADLINE_MS = 30_000
+"""A pull's deadline when ``pull_deadline_ms`` is 0 (the daemon's own default, sent explicitly)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +59,22 @@ class KvdConnectorConfig:
     """Lease length asked for at hold time (0: the daemon's default)."""
 
     pull_deadline_ms: int = 0
-    """Deadline of a pull (0: the daemon's default)."""
+    """Deadline of a pull (0: DEFAULT_PULL_DEADLINE_MS). Always sent with the pull, so the daemon
+    and the connector agree on it whatever the daemon's own ``transfer_deadline_s``."""
 
     pull_timeout_slack_s: float = 5.0
-    """A pull the daemon has not reported this long past its deadline is failed locally (recompute)."""
+    """A pull the daemon has not reported this long past its deadline is cancelled
+    (CancelTransfer); it is reported failed (recomputed) once the daemon confirms it ended."""
+
+    pull_last_resort_s: float = 300.0
+    """A pull neither ended by the daemon (done, failed, cancelled) nor fenced (the link's
+    re-registration) this long past its deadline + slack is failed anyway: a last resort
+    against a daemon that never answers, far past any fence the daemon takes."""
+
+    hold_last_resort_s: float = 3600.0
+    """A hard hold the daemon has not ended (finished_sending) this long after it was made is
+    released anyway. The daemon ends every lease itself, expiry included, and reader heartbeats
+    renew leases there: keep this far past the daemon's ``max_lease_ttl_s`` and any queueing."""
 
     require_commits: bool = True
     """Register with require_commits: the daemon serves only tokens this rank committed."""
@@ -100,7 +115,14 @@ class KvdConnectorConfig:
         for name in ("hold_ttl_ms", "pull_deadline_ms", "lease_renew_interval_ms"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("rpc_timeout_s", "reconnect_initial_s", "reconnect_max_s", "pull_timeout_slack_s"):
+        for name in (
+            "rpc_timeout_s",
+            "reconnect_initial_s",
+            "reconnect_max_s",
+            "pull_timeout_slack_s",
+            "pull_last_resort_s",
+            "hold_last_resort_s",
+        ):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0 (and finite), got {getattr(self, name)}")
         if self.reconnect_max_s < self.reconnect_initial_s:
@@ -111,6 +133,11 @@ class KvdConnectorConfig:
             problems.append(f"nwor_mode must be one of stage, immediate, off; got {self.nwor_mode!r}")
         if problems:
             raise ValueError("invalid kvd connector config: " + "; ".join(problems))
+
+    @property
+    def effective_pull_deadline_ms(self) -> int:
+        """The deadline sent with every pull: ``pull_deadline_ms``, or the connector's default."""
+        return self.pull_deadline_ms or DEFAULT_PULL_DEADLINE_MS
 
     @property
     def target(self) -> str:

@@ -8,7 +8,14 @@ The engine must never wait on the daemon and must never crash because of it. So:
   :class:`Disconnected`, then reconnects with capped exponential backoff and *re-registers
   the same memory by itself*, reporting :class:`Connected` with the new incarnation;
 * a pull asked for while there is no daemon fails at once (:class:`PullFailed`): the engine
-  recomputes instead of waiting.
+  recomputes instead of waiting;
+* a pull is reported failed (:class:`PullFailed`) only when none of its bytes can land: the
+  daemon refused it, or it was never sent. A StartPulls whose answer is lost (a deadline, a
+  dropped connection) is asked again, the same orders (idempotent: the daemon answers the
+  transfer ids of pulls it already started); still unanswered, its pulls are
+  :class:`PullInDoubt` and the link re-registers, which fences every pull of the old
+  registration (the daemon cancels them). Every pull event names the connection ``epoch`` its
+  StartPulls was sent under, so the worker ends exactly the pulls a re-registration fenced.
 
 :class:`SchedulerLink` is the scheduler process's side: blocking ``hold_blocks`` calls with a
 short deadline and a circuit breaker, so a dead daemon costs one timeout, not one per request;
@@ -19,8 +26,10 @@ step path (never blocking) after it ends.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -35,11 +44,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Connected",
+    "DaemonGone",
     "DaemonLink",
     "DaemonMessage",
     "Disconnected",
     "LinkEvent",
     "PullFailed",
+    "PullInDoubt",
     "PullOrder",
     "PullStarted",
     "SchedulerLink",
@@ -53,7 +64,10 @@ __all__ = [
 class Connected:
     """Registered with a daemon (first time or again); ``incarnation`` names that daemon run.
 
-    ``epoch`` counts connections of this link: work started under an epoch belongs to it.
+    ``epoch`` counts connections of this link: work started under an epoch belongs to it. A
+    registration is made only once the previous one is gone (a new daemon run, the daemon
+    dropped it, or the link unregistered it after AlreadyExists): every pull into the memory of
+    an older epoch was cancelled and fenced, and every lease of it ended.
     """
 
     incarnation: str
@@ -62,7 +76,18 @@ class Connected:
 
 @dataclasses.dataclass(frozen=True)
 class Disconnected:
-    """The daemon of connection ``epoch`` went away: its leases and in-flight pulls are gone."""
+    """The engine stream of connection ``epoch`` ended. The daemon may still be alive and still
+    serving its pulls and leases: they end for sure only at the next :class:`Connected`."""
+
+    reason: str
+    epoch: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonGone:
+    """Nothing listens on the daemon's socket any more: the daemon of connection ``epoch`` has
+    exited (a daemon shutting down keeps its socket until its pulls and leases are over, and one
+    that died lost them), so every pull and lease of that connection is over."""
 
     reason: str
     epoch: int = 0
@@ -70,14 +95,30 @@ class Disconnected:
 
 @dataclasses.dataclass(frozen=True)
 class PullStarted:
+    """The daemon started the pull as ``transfer_id``, under connection ``epoch``."""
+
     request_id: str
     transfer_id: str
+    epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class PullFailed:
+    """The pull did not start (refused, or never sent): none of its bytes can land."""
+
     request_id: str
     message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PullInDoubt:
+    """StartPulls went out under connection ``epoch`` but no answer came back, even to retries:
+    the daemon may be writing. The link re-registers; the pull is over at the next
+    :class:`Connected` (that fence cancels it), or when the daemon reports it ended."""
+
+    request_id: str
+    message: str
+    epoch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +128,7 @@ class DaemonMessage:
     message: Any
 
 
-LinkEvent = Connected | Disconnected | PullStarted | PullFailed | DaemonMessage
+LinkEvent = Connected | Disconnected | DaemonGone | PullStarted | PullFailed | PullInDoubt | DaemonMessage
 
 
 class _Stream(Protocol):
@@ -135,6 +176,22 @@ class _StartPulls:
 MAX_PULLS_PER_CALL = 1024
 """The daemon's bound on one StartPulls (router.proto): a larger step goes out in several calls."""
 
+START_ATTEMPTS = 3
+"""How many times one StartPulls (StartPull) is asked when no answer comes back. Asking again is
+safe (the daemon answers the same transfer id for the same order) and learns the transfer ids
+the engine needs to cancel what the daemon started."""
+
+# Codes after which the daemon may have acted on a call although it answered nothing usable.
+_IN_DOUBT_CODES = frozenset(
+    {
+        errors.ErrorCode.DEADLINE_EXCEEDED,
+        errors.ErrorCode.UNAVAILABLE,
+        errors.ErrorCode.CANCELLED,
+        errors.ErrorCode.UNKNOWN,
+        errors.ErrorCode.INTERNAL,
+    }
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Cancel:
@@ -157,9 +214,14 @@ class DaemonLink:
         reconnect_initial_s: float = 0.2,
         reconnect_max_s: float = 5.0,
         client_factory: ClientFactory | None = None,
+        gone_check: Callable[[], bool] | None = None,
     ) -> None:
+        """``gone_check`` tells whether the daemon is known to have exited (default: nothing
+        listens on its Unix socket; never for a TCP target)."""
         self.target = target
         self.engine_id = engine_id
+        self._gone_check = gone_check or (lambda: _socket_gone(target))
+        self._gone_epoch = 0
         self.tp_rank = tp_rank
         self._rpc_timeout_s = rpc_timeout_s
         self._backoff0 = reconnect_initial_s
@@ -307,6 +369,7 @@ class DaemonLink:
                     backoff = self._backoff0
                 else:
                     self._fail_queued_pulls()
+                    self._note_gone()
                     self._kick.wait(backoff)
                     self._kick.clear()
                     backoff = min(backoff * 2, self._backoff_max)
@@ -318,6 +381,20 @@ class DaemonLink:
             if command is _STOP:
                 return
             self._execute(command)
+
+    def _note_gone(self) -> None:
+        """After a failed reconnect: report (once per connection) a daemon known to have exited."""
+        if self.connects <= self._gone_epoch:
+            return
+        try:
+            gone = self._gone_check()
+        except Exception:  # a broken check must not kill the link thread
+            logger.debug("checking whether the kvd daemon is gone failed", exc_info=True)
+            return
+        if gone:
+            self._gone_epoch = self.connects
+            logger.warning("kvd daemon at %s is gone (nothing listens on its socket)", self.target)
+            self._events.append(DaemonGone(f"nothing listens on {self.target}", self.connects))
 
     def _describe_stream_end(self) -> str:
         stream = self._stream
@@ -412,16 +489,27 @@ class DaemonLink:
 
     def _start_pulls(self, orders: Sequence[PullOrder]) -> None:
         """One StartPulls for ``orders`` (StartPull each from a daemon that predates it); each
-        pull then reports PullStarted or PullFailed, and the link notices a daemon gone."""
+        pull then reports PullStarted, PullFailed or PullInDoubt, and the link notices a daemon gone.
+        """
+        if not self.connected:
+            # An earlier call of this command lost the link: these were never sent.
+            for order in orders:
+                self._events.append(PullFailed(order.request_id, "kvd daemon link lost before the pull was sent"))
+            return
         if self._one_by_one:
             for order in orders:
                 self._start_one(order)
             return
         try:
-            results = self._client.start_pulls(
-                [_pull_request(self.engine_id, self.tp_rank, order) for order in orders],
-                timeout_s=self._rpc_timeout_s,
-            )
+            requests = [_pull_request(self.engine_id, self.tp_rank, order) for order in orders]
+        except Exception as exc:  # a malformed order: nothing was sent
+            logger.exception("kvd link: building %d pulls failed", len(orders))
+            for order in orders:
+                self._events.append(PullFailed(order.request_id, repr(exc)))
+            return
+        epoch = self.connects  # the registration these pulls write into
+        try:
+            results = self._ask(lambda: self._client.start_pulls(requests, timeout_s=self._rpc_timeout_s))
         except errors.KvdError as err:
             if err.code is errors.ErrorCode.UNIMPLEMENTED:
                 logger.info("kvd daemon at %s predates StartPulls: starting one pull per call", self.target)
@@ -429,14 +517,13 @@ class DaemonLink:
                 for order in orders:
                     self._start_one(order)
                 return
+            # The daemon answered the whole call with a refusal: it started none of them.
             for order in orders:
                 self._events.append(PullFailed(order.request_id, f"{type(err).__name__}: {err.message}"))
             self._lost_if_daemon_gone(err)
             return
-        except Exception as exc:  # never let the link thread die
-            logger.exception("kvd link: starting %d pulls failed", len(orders))
-            for order in orders:
-                self._events.append(PullFailed(order.request_id, repr(exc)))
+        except _NoAnswer as unknown:
+            self._in_doubt(orders, unknown.reason, epoch)
             return
         gone: errors.KvdError | None = None
         for order, result in zip(orders, results, strict=True):
@@ -445,26 +532,111 @@ class DaemonLink:
                 if _daemon_gone(result):
                     gone = result
             else:
-                self._events.append(PullStarted(order.request_id, str(result)))
+                self._events.append(PullStarted(order.request_id, str(result), epoch))
         if gone is not None:
             self._lost_if_daemon_gone(gone)
 
     def _start_one(self, order: PullOrder) -> None:
+        if not self.connected:
+            self._events.append(PullFailed(order.request_id, "kvd daemon link lost before the pull was sent"))
+            return
         try:
-            response = self._client.start_pull(
-                request=_pull_request(self.engine_id, self.tp_rank, order), timeout_s=self._rpc_timeout_s
-            )
-            self._events.append(PullStarted(order.request_id, str(response.transfer_id)))
-        except errors.KvdError as err:
+            request = _pull_request(self.engine_id, self.tp_rank, order)
+        except Exception as exc:  # a malformed order: nothing was sent
+            logger.exception("kvd link: building pull %s failed", order.request_id)
+            self._events.append(PullFailed(order.request_id, repr(exc)))
+            return
+        epoch = self.connects
+        try:
+            response = self._ask(lambda: self._client.start_pull(request=request, timeout_s=self._rpc_timeout_s))
+        except errors.KvdError as err:  # refused: not started
             self._events.append(PullFailed(order.request_id, f"{type(err).__name__}: {err.message}"))
             self._lost_if_daemon_gone(err)
-        except Exception as exc:  # never let the link thread die
-            logger.exception("kvd link: starting pull %s failed", order.request_id)
-            self._events.append(PullFailed(order.request_id, repr(exc)))
+            return
+        except _NoAnswer as unknown:
+            self._in_doubt([order], unknown.reason, epoch)
+            return
+        self._events.append(PullStarted(order.request_id, str(response.transfer_id), epoch))
+
+    def _ask(self, call: Callable[[], Any]) -> Any:
+        """``call`` (a StartPulls or StartPull, idempotent) until the daemon answers.
+
+        Returns the answer; raises the daemon's KvdError when it refused (nothing started), or
+        :class:`_NoAnswer` when :data:`START_ATTEMPTS` calls all ended without one (a deadline, a
+        dropped connection, an internal error: the daemon may have started the pulls).
+        """
+        reason = ""
+        for attempt in range(START_ATTEMPTS):
+            if attempt:
+                logger.info("kvd link: no answer to a pull start (%s); asking again", reason)
+                if self._stop.wait(self._backoff0 * attempt):
+                    break
+            try:
+                return call()
+            except errors.KvdError as err:
+                if not _answer_lost(err):
+                    raise
+                reason = f"{type(err).__name__}: {err.message}"
+            except Exception as exc:  # never let the link thread die; the call may have gone out
+                logger.exception("kvd link: a pull start failed")
+                reason = repr(exc)
+        raise _NoAnswer(reason)
+
+    def _in_doubt(self, orders: Sequence[PullOrder], reason: str, epoch: int) -> None:
+        """Pulls the daemon may have started under ``epoch`` without telling us: fence them by
+        re-registering (the old registration's end cancels every pull into it)."""
+        logger.warning(
+            "kvd link of %s rank %d: %d pull(s) unanswered (%s); re-registering to fence them",
+            self.engine_id,
+            self.tp_rank,
+            len(orders),
+            reason,
+        )
+        for order in orders:
+            self._events.append(PullInDoubt(order.request_id, reason, epoch))
+        if self._stream is not None and epoch == self.connects:
+            self._lost(f"pull starts unanswered: {reason}")
 
     def _lost_if_daemon_gone(self, err: errors.KvdError) -> None:
         if _daemon_gone(err):
             self._lost(f"{type(err).__name__}: {err.message}")
+
+
+class _NoAnswer(Exception):
+    """Every attempt of a call ended without the daemon's answer (it may have acted)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _answer_lost(err: errors.KvdError) -> bool:
+    """Whether ``err`` leaves it unknown what the daemon did (rather than being its refusal)."""
+    if isinstance(err, (errors.LeaseExpired, errors.PeerUnavailable)):
+        return False  # the daemon's own verdict on the pull, not a lost answer
+    return err.code in _IN_DOUBT_CODES
+
+
+def _socket_gone(target: str) -> bool:
+    """Whether nothing listens on ``target``'s Unix socket (False for any other target).
+
+    The daemon removes its socket only after its shutdown released everything, and a dead
+    process's listening socket refuses connections: either way no pull of it can still write.
+    """
+    if not target.startswith("unix:"):
+        return False
+    path = target[len("unix:") :]
+    if path.startswith("//"):
+        path = path[2:]
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(path)
+    except OSError as err:
+        return err.errno in (errno.ENOENT, errno.ECONNREFUSED)
+    finally:
+        probe.close()
+    return False
 
 
 def _daemon_gone(err: errors.KvdError) -> bool:

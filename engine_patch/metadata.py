@@ -36,5 +36,7 @@ class KvdConnectorMetadata:
     final_watermarks: dict[str, int] = dataclasses.field(default_factory=dict)
     # Requests that finished since the last step (their KV will not be written again).
     finished_req_ids: frozenset[str] = frozenset()
-    # Requests whose blocks are held for a remote reader -> lease expiry (unix ms, 0: unknown).
+    # Requests whose blocks are held for a remote reader -> lease expiry (unix ms, 0: unknown) as
+    # granted at hold time. Informational only: reader heartbeats renew the lease at the daemon,
+    # so the worker frees the blocks on the daemon's finished_sending, never at this expiry.
     held: dict[str, int] = dataclasses.field(default_factory=dict)

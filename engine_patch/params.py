@@ -17,6 +17,7 @@ record's (:class:`kvd_client.v1.schema.KvTransferParams`), never spelled out her
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,23 @@ KVD_KEY = "kvd"
 BLOCK_SIZE_KEY = "kvd_block_size"
 
 _FIELDS = field_names(KvTransferParams)
+
+logger = logging.getLogger(__name__)
+
+_U32 = (0, 2**32 - 1)
+_U64 = (0, 2**64 - 1)
+_I64 = (-(2**63), 2**63 - 1)
+# The wire range of each integer field (common.proto): a value outside it could never be sent,
+# and Python's int() takes any size, so each is checked here rather than fail later in a pull.
+_RANGES: dict[str, tuple[int, int]] = {
+    "tp_size": _U32,
+    "block_ids": _U32,
+    "num_tokens": _U64,
+    "lease_expires_unix_ms": _I64,
+    "group_block_ids": _U32,
+    "group_block_counts": _U32,
+}
+_MAX_BLOCK_SIZE = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +81,15 @@ class RemoteKv:
         return RemoteKv(fields, self.block_size)
 
 
-def remote_kv(params: Mapping[str, Any] | None) -> RemoteKv | None:
-    """The remote KV named by ``params``, or None when there is none (or it is malformed)."""
+def remote_kv(params: Mapping[str, Any] | None, *, warn: bool = False) -> RemoteKv | None:
+    """The remote KV named by ``params``, or None when there is none (or it is malformed).
+
+    Never raises: ``params`` come from a client over the API (JSON allows ``1e400``, i.e.
+    infinity), and an exception here would escape into vLLM's scheduler and kill the engine
+    core. Malformed params (a non-finite or out-of-range number, a wrong type) mean "no remote
+    KV": the request is recomputed. ``warn`` logs why (once per request: the caller that first
+    sees the request asks for it).
+    """
     if not params:
         return None
     raw = params.get(KVD_KEY)
@@ -76,13 +101,31 @@ def remote_kv(params: Mapping[str, Any] | None) -> RemoteKv | None:
         given = {name: raw[name] for name in _FIELDS if name in raw}
         typed = as_fields(from_fields(KvTransferParams, given))  # each value as its wire type
         block_size = int(params.get(BLOCK_SIZE_KEY, 0) or 0)
-    except (TypeError, ValueError):
+        problem = _range_problem(typed, block_size)
+    except (TypeError, ValueError, OverflowError, AttributeError) as err:  # OverflowError: int(float("inf"))
+        problem = f"{type(err).__name__}: {err}"
+    if problem:
+        if warn:
+            logger.warning("ignoring malformed kvd kv_transfer_params (%s); the request is recomputed", problem)
         return None
     fields = {name: typed[name] for name in given}
     fields["num_tokens"] = typed["num_tokens"]
     if fields["num_tokens"] <= 0:
         return None
     return RemoteKv(fields, block_size)
+
+
+def _range_problem(typed: Mapping[str, Any], block_size: int) -> str:
+    """Why a converted value cannot be what it claims ("" when every value fits its wire type)."""
+    if not 0 <= block_size <= _MAX_BLOCK_SIZE:
+        return f"{BLOCK_SIZE_KEY} {block_size} out of range"
+    for name, (low, high) in _RANGES.items():
+        value = typed.get(name)
+        values = value if isinstance(value, (list, tuple)) else () if value is None else (value,)
+        for v in values:
+            if not low <= v <= high:
+                return f"{name} {v} out of range"
+    return ""
 
 
 def make_params(held: Mapping[str, Any], *, block_size: int, receiver_pulls_prefill: bool) -> dict[str, Any]:

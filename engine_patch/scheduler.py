@@ -179,7 +179,7 @@ class KvdScheduler:
     def on_new_request(self, request: Any) -> None:
         """A new request: renew the remote lease it carries while it waits to pull, and stop a
         prefill of a model with state groups one prompt token short (:meth:`_truncate_for_state`)."""
-        remote = remote_kv(request.kv_transfer_params)
+        remote = remote_kv(request.kv_transfer_params, warn=True)
         if remote is not None:
             self._awaiting[request.request_id] = (
                 str(remote.fields.get("daemon_address", "")),
@@ -362,7 +362,7 @@ class KvdScheduler:
             request_id=request.request_id,
             local_block_ids=tuple(int(b) for b in block_ids[:local_blocks]),
             remote=fields,
-            deadline_ms=self.config.pull_deadline_ms,
+            deadline_ms=self.config.effective_pull_deadline_ms,  # explicit: the worker times it the same
             local_group_block_ids=tuple(tuple(int(b) for b in ids) for ids in group_block_ids),
         )
         params[PULL_DONE_KEY] = True  # one transfer per request, even if rescheduled
@@ -461,6 +461,8 @@ class KvdScheduler:
             logger.warning("request %s: kvd could not hold its KV (%s); the reader will recompute", rid, err)
             return False, None
         self.holds += 1
+        # The expiry granted now; heartbeats may renew the lease later, so the worker waits for the
+        # daemon's finished_sending rather than free the blocks at this time (KvdConnectorMetadata.held).
         self._new_holds[rid] = int(held.get("lease_expires_unix_ms", 0))
         return True, make_params(held, block_size=self.block_size, receiver_pulls_prefill=is_prefill)
 

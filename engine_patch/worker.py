@@ -10,9 +10,20 @@ What it does per step, never waiting on the daemon:
   behind an event on the step's KV writes (:class:`~kvd_engine.signals.StepSignaler`);
   refused while an NWOR window is still open (the proposer has not run yet);
 * ``get_transfer_results``: fold the daemon's completions into vLLM's sets. A failed load is
-  reported as received *and* failed (vLLM then recomputes); a pull the daemon never answers
-  fails after its deadline; a daemon that went away fails every pull in flight and releases
-  every held request (its leases died with it), so vLLM never leaks blocks.
+  reported as received *and* failed (vLLM then recomputes).
+
+A pull's blocks go back to vLLM only once none of its bytes can still land, else a late write
+would corrupt whatever request vLLM gives them to next. So a pull is reported failed when the
+daemon refused it or reported it ended (``load_failed``, also the answer to a cancel), when the
+link re-registered (the old registration's end fences every pull into it: see
+:class:`~kvd_engine.daemon_link.Connected`) or found the daemon gone (nothing listens on its
+socket), or, as a last resort, ``pull_last_resort_s`` past its deadline. A pull past its
+deadline (sent with it: both sides time it alike) is cancelled, not failed. Likewise a held
+request is reported finished (its blocks freed) on the daemon's ``finished_sending`` (sent for
+every end of a lease, expiry included: reader heartbeats renew leases, so the expiry heard at
+hold time means nothing), at a re-registration or a daemon gone, or as a last resort
+``hold_last_resort_s`` after the hold. An engine stream that merely drops ends nothing: the
+daemon may still be serving its pulls and leases.
 """
 
 from __future__ import annotations
@@ -31,11 +42,13 @@ from .cache_layout import CacheGeometry
 from .config import KvdConnectorConfig
 from .daemon_link import (
     Connected,
+    DaemonGone,
     DaemonLink,
     DaemonMessage,
     Disconnected,
     LinkEvent,
     PullFailed,
+    PullInDoubt,
     PullOrder,
     PullStarted,
 )
@@ -62,9 +75,11 @@ class _Pull:
     request_id: str
     local_block_ids: tuple[int, ...]
     started_at: float
-    deadline_s: float
-    epoch: int = 0  # the daemon connection it was started under
+    cancel_at: float  # its deadline + slack: cancel it (again every slack) while it runs
+    last_resort_at: float  # fail it even though nobody confirmed it ended
+    epoch: int = 0  # the daemon connection its StartPulls went out under (0: not sent yet)
     transfer_id: str = ""
+    in_doubt: bool = False  # sent, never answered: only a fence (or the daemon) ends it
 
 
 @dataclasses.dataclass
@@ -75,6 +90,8 @@ class WorkerStats:
     reconnects: int = 0
     ordering_refusals: int = 0
     holds_released_by_restart: int = 0
+    pulls_cancelled: int = 0  # cancels sent for pulls past their deadline
+    last_resort_failures: int = 0  # pulls failed / holds released without the daemon's word
 
 
 class KvdWorker:
@@ -124,8 +141,8 @@ class KvdWorker:
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
         self._error_blocks: set[int] = set()
-        # request -> (lease expiry in unix ms or 0, the daemon connection the hold belongs to)
-        self._held: dict[str, tuple[int, int]] = {}
+        # request -> (last-resort release time on self._clock, the daemon connection of the hold)
+        self._held: dict[str, tuple[float, int]] = {}
         self._sent: dict[str, float] = {}  # released by the daemon, not yet reported -> when heard
         self._on_gpu = False
         self._deferred_finished: set[str] = set()
@@ -181,23 +198,28 @@ class KvdWorker:
         now = self._clock()
         orders: list[PullOrder] = []
         for spec in meta.pulls:
-            deadline_s = (spec.deadline_ms / 1000.0 if spec.deadline_ms else 30.0) + self.config.pull_timeout_slack_s
+            # The deadline goes out with the pull, so the daemon ends it when this side expects.
+            deadline_ms = spec.deadline_ms or self.config.effective_pull_deadline_ms
+            cancel_at = now + deadline_ms / 1000.0 + self.config.pull_timeout_slack_s
+            # The epoch is stamped by the link when the StartPulls goes out (PullStarted), not
+            # here: a command still queued when the stream drops goes out on the next registration.
             self._pulls[spec.request_id] = _Pull(
-                spec.request_id, spec.local_block_ids, now, now + deadline_s, epoch=self.link.epoch
+                spec.request_id, spec.local_block_ids, now, cancel_at, cancel_at + self.config.pull_last_resort_s
             )
             orders.append(
                 PullOrder(
                     spec.request_id,
                     tuple(spec.local_block_ids),
                     spec.remote,
-                    spec.deadline_ms,
+                    deadline_ms,
                     tuple(tuple(ids) for ids in spec.local_group_block_ids),
                 )
             )
             self.stats.pulls_started += 1
         self.link.start_pulls(orders)  # one StartPulls for the step's loads; each fails on its own
-        for rid, expiry in meta.held.items():
-            self._held[rid] = (expiry, self.link.epoch)
+        # A hold's lease expiry (meta.held's values) is not used: heartbeats renew it at the daemon.
+        for rid in meta.held:
+            self._held[rid] = (now + self.config.hold_last_resort_s, self.link.epoch)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: pulls load whole requests before vLLM schedules them."""
@@ -303,14 +325,33 @@ class KvdWorker:
             self._on_message(event.message)
         elif isinstance(event, PullStarted):
             pull = self._pulls.get(event.request_id)
-            if pull is not None:
+            if pull is None:
+                # Given up already (the last resort): the daemon must not write on.
+                self.link.cancel_pull(event.transfer_id)
+            else:
                 pull.transfer_id = event.transfer_id
+                pull.epoch = event.epoch
+        elif isinstance(event, PullInDoubt):
+            pull = self._pulls.get(event.request_id)
+            if pull is not None:
+                pull.epoch = event.epoch
+                pull.in_doubt = True
+                logger.warning(
+                    "kvd pull of request %s unanswered (%s); waiting for the link's re-registration to end it",
+                    event.request_id,
+                    event.message,
+                )
         elif isinstance(event, PullFailed):
             self._fail_pull(event.request_id, event.message)
         elif isinstance(event, Disconnected):
-            self._daemon_gone(event.reason, event.epoch)
+            # The daemon may live on and still be writing our pulls and serving our leases:
+            # nothing ends before the re-registration (Connected) fences them.
+            logger.info("kvd engine stream of %s rank %d lost (%s)", self.engine_id, self.tp_rank, event.reason)
+        elif isinstance(event, DaemonGone):
+            # The daemon exited: what it did for connection ``epoch`` (and older) is over.
+            self._fence(event.epoch + 1)
         elif isinstance(event, Connected):
-            # A Disconnected always comes first; only count it.
+            self._fence(event.epoch)
             if self._incarnation:
                 self.stats.reconnects += 1
             self._incarnation = event.incarnation
@@ -340,7 +381,11 @@ class KvdWorker:
         else:
             logger.debug("ignoring daemon message %r", kind)
 
-    def _fail_pull(self, request_id: str, message: str, block_ids: Sequence[int] | None = None) -> None:
+    def _fail_pull(
+        self, request_id: str, message: str, block_ids: Sequence[int] | None = None, *, cancel: bool = True
+    ) -> None:
+        """Report a pull failed (vLLM recomputes and reuses its blocks). Only for a pull none of
+        whose bytes can land any more (see the module docstring)."""
         pull = self._pulls.pop(request_id, None)
         if pull is None:
             return
@@ -348,35 +393,65 @@ class KvdWorker:
         self._recv_failed.add(request_id)
         self._error_blocks.update(block_ids if block_ids else pull.local_block_ids)
         self.stats.pulls_failed += 1
-        if pull.transfer_id:
+        if cancel and pull.transfer_id:
             self.link.cancel_pull(pull.transfer_id)
 
     def _expire_pulls(self) -> None:
+        """Cancel pulls past their deadline; fail only those past the last resort.
+
+        A cancelled pull is reported failed when the daemon says it ended (``load_failed``), not
+        here: until then the daemon may still be writing into its blocks.
+        """
         if not self._pulls:
             return
         now = self._clock()
-        for rid in [rid for rid, p in self._pulls.items() if p.deadline_s < now]:
-            self._fail_pull(rid, "no answer from the daemon before the pull's deadline")
+        for rid, pull in list(self._pulls.items()):
+            if now > pull.last_resort_at:
+                self.stats.last_resort_failures += 1
+                logger.error(
+                    "kvd pull of request %s (transfer %r): no end confirmed by the daemon %.0f s past its deadline",
+                    rid,
+                    pull.transfer_id,
+                    self.config.pull_last_resort_s,
+                )
+                self._fail_pull(rid, "no end confirmed by the daemon (last resort)")
+            elif now > pull.cancel_at and pull.transfer_id:
+                pull.cancel_at = now + self.config.pull_timeout_slack_s  # again, should this one be lost
+                self.stats.pulls_cancelled += 1
+                logger.warning(
+                    "kvd pull of request %s past its deadline: cancelling transfer %s", rid, pull.transfer_id
+                )
+                self.link.cancel_pull(pull.transfer_id)
 
     def _expire_holds(self) -> None:
-        """Release holds whose lease expired long ago without a word from the daemon."""
+        """Release holds the daemon has not ended long after any lease could last (last resort).
+
+        The daemon reports every end of a lease (``finished_sending``, expiry included) and
+        reader heartbeats renew leases there, so the expiry heard at hold time is no bound.
+        """
         if not self._held:
             return
-        now_ms = time.time() * 1000.0
-        slack_ms = self.config.pull_timeout_slack_s * 1000.0
-        for rid, (expiry, _epoch) in list(self._held.items()):
-            if expiry and now_ms > expiry + slack_ms:
-                self._sent.setdefault(rid, self._clock())
+        now = self._clock()
+        for rid, (last_resort, _epoch) in list(self._held.items()):
+            if now > last_resort and rid not in self._sent:
+                self.stats.last_resort_failures += 1
+                logger.error(
+                    "kvd hold of request %s: no end from the daemon %.0f s after it was made; releasing its blocks",
+                    rid,
+                    self.config.hold_last_resort_s,
+                )
+                self._sent[rid] = now
 
-    def _daemon_gone(self, reason: str, epoch: int) -> None:
-        """What the daemon of connection ``epoch`` (or older) did for us is lost: fail, release.
+    def _fence(self, epoch: int) -> None:
+        """Registration ``epoch`` replaced every older one, which fenced their pulls (the daemon
+        cancelled them) and ended their leases: fail those pulls, release those holds.
 
-        Pulls and holds of a newer connection (started after the link had reconnected, before
-        this event was polled) belong to the new daemon and are left alone.
+        Pulls not sent yet (epoch 0) go out on the new registration, and work of the new one
+        (started before this event was polled) is left alone.
         """
-        for rid in [rid for rid, p in self._pulls.items() if p.epoch <= epoch]:
-            self._fail_pull(rid, reason)
-        gone = [rid for rid, (_expiry, e) in self._held.items() if e <= epoch]
+        for rid, pull in [(rid, p) for rid, p in self._pulls.items() if 0 < p.epoch < epoch]:
+            self._fail_pull(rid, f"the daemon of connection {pull.epoch} is gone or was replaced", cancel=False)
+        gone = [rid for rid, (_last_resort, e) in self._held.items() if e < epoch]
         if gone:
             self.stats.holds_released_by_restart += len(gone)
             now = self._clock()

@@ -169,3 +169,29 @@ def test_a_speculative_engine_installs_nwor_and_commits_from_the_device(tmp_path
     finally:
         engine.close()
     assert vllm_nwor.installed() is None  # shutdown put vLLM's runner back
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {
+            "do_remote_prefill": True,
+            "kvd": {"daemon_address": "x:1", "lease_id": "L", "block_ids": [1, 2, 3], "num_tokens": float("inf")},
+        },
+        {
+            "do_remote_prefill": True,
+            "kvd": {"daemon_address": "x:1", "lease_id": "L", "block_ids": [1, 2, 3], "num_tokens": 40},
+            "kvd_block_size": float("inf"),
+        },
+    ],
+)
+def test_non_finite_params_are_recomputed_not_raised_into_vllm(
+    daemon: FakeDaemon, engines: Any, params: dict[str, Any]
+) -> None:
+    """JSON's 1e400 is infinity, which vLLM's API accepts: int(inf) raising OverflowError inside
+    Scheduler.add_request would kill the engine core. The request is recomputed instead."""
+    d = engines("d")
+    d.add_request("r", PROMPT, max_tokens=2, kv_transfer_params=params)
+    run(daemon, d)
+    assert not daemon.pulls and len(d.tokens["r"]) == len(PROMPT) + 2
+    assert torch.equal(d.kv_of("r", len(PROMPT)), expected_kv(PROMPT))

@@ -276,3 +276,51 @@ def test_a_failed_load_is_reported_and_recomputed(nodes: Any, engines: Any) -> N
     p.add_request("again", PROMPT, max_tokens=1)
     run(p)
     assert torch.equal(p.kv_of("again", n), expected_kv(PROMPT))
+
+
+def test_a_hold_renewed_by_heartbeats_outlives_its_first_expiry(nodes: Any, tmp_path: Path) -> None:
+    """Decode waits (queued behind a long request) longer than prefill's hold TTL; its heartbeats
+    renew the lease at daemon A. Prefill's worker must not free the held blocks at the expiry it
+    heard at hold time (then vLLM reuses them, and decode pulls someone else's KV): it waits for
+    daemon A's finished_sending, here after the read."""
+    a, b = nodes
+    model = tiny_model_dir(tmp_path / "model")
+    made: list[VllmEngine] = []
+
+    def make(daemon: DaemonProcess, role: str, num_blocks: int = 64, **extra: Any) -> VllmEngine:
+        engine = VllmEngine(model, f"{role}-{uuid.uuid4().hex[:6]}", _extra(daemon, **extra), num_blocks=num_blocks)
+        made.append(engine)
+        _wait(lambda: engine.worker.worker.link.connected, f"{role} did not register:\n{daemon.log_tail()}")
+        return engine
+
+    try:
+        p = make(a, "prefill", num_blocks=10, hold_ttl_ms=1500, pull_timeout_slack_s=1.0)
+        d = make(b, "decode", lease_renew_interval_ms=250)
+        # 62 of decode's 64 blocks, growing to 63 over 24 steps (~5 s): r (4 blocks) waits.
+        d.add_request("hog", [3000 + t for t in range(980)], max_tokens=24)
+        d.step()
+        d.step()
+        conv = list(range(600, 660))
+        params = _prefill(p, "r", conv)
+        d.add_request("r", conv, max_tokens=2, kv_transfer_params=params)
+        start = time.monotonic()
+        steps = 0
+        while time.monotonic() - start < 4.0:  # well past TTL + slack: the lease lives on (renewed)
+            steps += 1
+            if steps % 4 == 0:  # decode steps slowly: the hog lasts past the loop
+                d.step()
+            p.step()
+            time.sleep(0.05)
+            assert d.scheduler.requests["r"].status.name == "WAITING"  # not pulled yet
+            if "r" in sent(p):
+                assert leases_ended(a, "read") >= 1 or leases_ended(a, "expired") >= 1, "freed under a live lease"
+        other = list(range(5000, 5140))  # wants every free block of P: the held ones if freed
+        p.add_request("x", other, max_tokens=1)
+        run(d, p, timeout_s=60)  # x gets r's blocks only once decode read them
+        assert received(d) >= {"r"} and "r" not in failed(d)
+        assert torch.equal(d.kv_of("r", len(conv)), expected_kv(conv))
+        release_holds(p)
+        assert "r" in sent(p) and leases_ended(a, "read") >= 1
+    finally:
+        for engine in made:
+            engine.close()

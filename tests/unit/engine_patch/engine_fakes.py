@@ -116,6 +116,8 @@ class FakePull:
     local_block_ids: list[int]
     remote: Any
     done: bool = False
+    failed: bool = False
+    deadline_ms: int = 0
 
 
 class FakeDaemon:
@@ -138,6 +140,9 @@ class FakeDaemon:
         self.leases: dict[str, dict[str, Any]] = {}
         self.pulls: list[FakePull] = []
         self.pull_error: errors.KvdError | None = None  # fails every StartPull / StartPulls call
+        self.lost_answers = 0  # the next this many StartPulls calls start their pulls, then time out
+        self.cancels: list[str] = []  # transfer ids CancelTransfer was asked for
+        self.cancel_confirms = True  # a cancelled running pull reports load_failed (as kvd does)
         self.pull_item_errors: dict[str, errors.KvdError] = {}  # by request id: that pull's own error
         self.batches: list[list[str]] = []  # each StartPulls call's request ids
         self.batches_unimplemented = False  # a daemon that predates StartPulls
@@ -184,8 +189,9 @@ class FakeDaemon:
         with self.lock:
             self.commits[key] = max(tokens, self.commits.get(key, 0))
 
-    def finish_pull(self, pull: FakePull, error: str = "") -> None:
+    def finish_pull(self, pull: FakePull, error: str = "", error_class: str = "PeerUnavailable") -> None:
         pull.done = True
+        pull.failed = bool(error)
         stream = self.streams.get((pull.engine_id, pull.tp_rank))
         if stream is None:
             return
@@ -195,8 +201,8 @@ class FakeDaemon:
                     load_failed=engine_pb2.LoadFailed(
                         request_id=pull.request_id,
                         transfer_id=pull.transfer_id,
-                        error_code="UNAVAILABLE",
-                        error_class="PeerUnavailable",
+                        error_code="ABORTED" if error_class == "Aborted" else "UNAVAILABLE",
+                        error_class=error_class,
                         error_message=error,
                         block_ids=pull.local_block_ids,
                     )
@@ -318,8 +324,14 @@ class FakeClient:
         )
 
     def unregister_kv_cache(self, *, engine_id: str, tp_rank: int, timeout_s: float | None = None) -> Any:
-        self.daemon.check()
-        self.daemon.registrations.pop((engine_id, tp_rank), None)
+        d = self.daemon
+        d.check()
+        with d.lock:
+            d.registrations.pop((engine_id, tp_rank), None)
+            # The fence: every pull into the rank's memory is cancelled (no byte lands after this).
+            for pull in d.pulls:
+                if not pull.done and (pull.engine_id, pull.tp_rank) == (engine_id, tp_rank):
+                    d.finish_pull(pull, error="the rank was unregistered", error_class="Aborted")
         return engine_pb2.UnregisterKvCacheResponse()
 
     def open_engine_stream(self, engine_id: str, tp_rank: int, **_: Any) -> FakeStream:
@@ -380,16 +392,29 @@ class FakeClient:
     ) -> Any:
         if request is not None:
             engine_id, tp_rank, request_id = request.engine_id, request.tp_rank, request.request_id
-            local_block_ids, remote = request.local_block_ids, request.remote
+            local_block_ids, remote, deadline_ms = request.local_block_ids, request.remote, request.deadline_ms
         d = self.daemon
         d.check()
         if d.pull_error is not None:
             raise d.pull_error
         if request_id in d.pull_item_errors:
             raise d.pull_item_errors[request_id]
+        with d.lock:
+            for old in d.pulls:  # idempotent, as kvd's: the same order answers the same transfer
+                if (
+                    not old.failed
+                    and (old.engine_id, old.tp_rank, old.request_id) == (engine_id, tp_rank, request_id)
+                    and old.local_block_ids == list(local_block_ids)
+                    and old.remote.lease_id == remote.lease_id
+                ):
+                    return router_pb2.StartPullResponse(transfer_id=old.transfer_id)
         transfer_id = f"t{next(d._ids)}"
         with d.lock:
-            d.pulls.append(FakePull(transfer_id, engine_id, tp_rank, request_id, list(local_block_ids), remote))
+            d.pulls.append(
+                FakePull(
+                    transfer_id, engine_id, tp_rank, request_id, list(local_block_ids), remote, deadline_ms=deadline_ms
+                )
+            )
         return router_pb2.StartPullResponse(transfer_id=transfer_id)
 
     def start_pulls(self, pulls: Any, *, timeout_s: float | None = None) -> list[str | errors.KvdError]:
@@ -408,10 +433,18 @@ class FakeClient:
                 results.append(self.start_pull(request=p).transfer_id)
             except errors.KvdError as err:
                 results.append(err)
+        if d.lost_answers > 0:  # the daemon started them; the answer came too late
+            d.lost_answers -= 1
+            raise errors.DeadlineExceeded("Deadline Exceeded")
         return results
 
     def cancel_transfer(self, transfer_id: str, *, timeout_s: float | None = None) -> Any:
-        self.daemon.check()
+        d = self.daemon
+        d.check()
+        d.cancels.append(transfer_id)
+        running = [p for p in d.pulls if p.transfer_id == transfer_id and not p.done]
+        if running and d.cancel_confirms:  # kvd ends the pull, then tells the engine
+            d.finish_pull(running[0], error="cancelled", error_class="Aborted")
         return common_pb2.TransferStatus(transfer_id=transfer_id)
 
     def close(self) -> None:

@@ -126,6 +126,44 @@ def test_malformed_params_mean_no_pull() -> None:
     assert remote_kv({"kvd": {"daemon_address": "a", "lease_id": "l", "block_ids": ["x"], "num_tokens": 3}}) is None
 
 
+@pytest.mark.parametrize(
+    "kvd,block_size",
+    [
+        ({"num_tokens": float("inf")}, 4),  # JSON 1e400
+        ({"num_tokens": float("-inf")}, 4),
+        ({"num_tokens": float("nan")}, 4),
+        ({"num_tokens": 2**64}, 4),  # beyond uint64
+        ({"num_tokens": 8, "block_ids": [1, 2**32]}, 4),  # a block id beyond uint32
+        ({"num_tokens": 8, "block_ids": [1, -2]}, 4),
+        ({"num_tokens": 8, "tp_size": float("inf")}, 4),
+        ({"num_tokens": 8, "lease_expires_unix_ms": float("inf")}, 4),
+        ({"num_tokens": 8}, float("inf")),  # kvd_block_size
+        ({"num_tokens": 8}, float("nan")),
+        ({"num_tokens": 8}, -4),
+        ({"num_tokens": 8}, 2**40),
+    ],
+)
+def test_non_finite_or_out_of_range_numbers_mean_no_pull_never_an_exception(
+    kvd: dict[str, Any], block_size: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """int(float("inf")) raises OverflowError: it must not escape into vLLM's scheduler (which
+    would kill the engine core); the request has no remote KV and is recomputed, with a warning."""
+    sched, _ = _sched()
+    params = {
+        "do_remote_prefill": True,
+        "kvd": {"daemon_address": "a", "lease_id": "l", "block_ids": [1, 2], **kvd},
+        "kvd_block_size": block_size,
+    }
+    assert remote_kv(params) is None
+    req = EngineRequest("r", list(range(10)), 1, params)
+    with caplog.at_level("WARNING", logger="kvd_engine.params"):
+        sched.on_new_request(req)
+    assert "malformed kvd kv_transfer_params" in caplog.text
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(req, [1, 2]) == (False, None)
+
+
 def _finished(
     req: EngineRequest, computed: int, outputs: int, status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED
 ) -> EngineRequest:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any
 
 import pytest
@@ -45,10 +46,21 @@ def caches() -> Any:
 
 
 def _worker(
-    daemon: FakeDaemon, caches: Any, clock: Clock | None = None, config: KvdConnectorConfig = CONFIG, **kw: Any
+    daemon: FakeDaemon,
+    caches: Any,
+    clock: Clock | None = None,
+    config: KvdConnectorConfig = CONFIG,
+    gone_check: Any = None,
+    **kw: Any,
 ) -> KvdWorker:
     link = DaemonLink(
-        "unix:///fake", "eng", 0, reconnect_initial_s=0.01, reconnect_max_s=0.05, client_factory=daemon.client
+        "unix:///fake",
+        "eng",
+        0,
+        reconnect_initial_s=0.01,
+        reconnect_max_s=0.05,
+        client_factory=daemon.client,
+        gone_check=gone_check or (lambda: daemon.down),  # stop(): the daemon died
     )
     worker = KvdWorker(config, "eng", 0, geometry=GEOMETRY, link=link, clock=clock or Clock(), **kw)
     worker.register_kv_caches(caches)
@@ -198,19 +210,66 @@ def test_a_pull_the_daemon_refuses_fails_over_to_recompute(daemon: FakeDaemon, c
     assert wait_until(lambda: _step(worker).failed_recving == {"r1"}, timeout_s=2)
 
 
-def test_a_pull_without_an_answer_fails_after_its_deadline(daemon: FakeDaemon, caches: Any) -> None:
+def test_a_pull_past_its_deadline_is_cancelled_and_fails_once_the_daemon_confirms(
+    daemon: FakeDaemon, caches: Any
+) -> None:
+    """The deadline goes out with the pull; past it (+ slack) the worker cancels, and reports the
+    pull failed only on the daemon's load_failed: until then its bytes may still land."""
     clock = Clock()
     worker = _worker(daemon, caches, clock)
+    daemon.cancel_confirms = False
     _step(
         worker,
         KvdConnectorMetadata(
             pulls=[PullSpec("r1", (3,), {"lease_id": "L", "block_ids": [1], "num_tokens": 4}, deadline_ms=1000)]
         ),
     )
-    assert _step(worker).finished_recving == set()
+    assert wait_until(lambda: len(daemon.pulls) == 1)
+    assert daemon.pulls[0].deadline_ms == 1000
+    assert _step(worker).finished_recving == set()  # learns the transfer id
     clock.now += 1.6
-    res = _step(worker)
-    assert res.failed_recving == {"r1"}
+    assert _step(worker).failed_recving == set()  # cancelled, not failed
+    assert wait_until(lambda: daemon.cancels == [daemon.pulls[0].transfer_id])
+    for _ in range(3):
+        assert _step(worker).failed_recving == set()  # no confirmation: still not failed
+    daemon.finish_pull(daemon.pulls[0], error="cancelled", error_class="Aborted")  # the daemon's word
+    assert _step(worker).failed_recving == {"r1"}
+    assert worker.get_block_ids_with_load_errors() == {3}
+
+
+def test_the_connector_s_deadline_goes_out_when_none_is_configured(daemon: FakeDaemon, caches: Any) -> None:
+    """pull_deadline_ms 0 must not mean "the daemon's transfer_deadline_s" on one side and 30 s on
+    the other: the connector sends its own default, so both time the pull alike."""
+    clock = Clock()
+    worker = _worker(daemon, caches, clock)
+    _step(worker, KvdConnectorMetadata(pulls=[_pull("r1", (3,))]))
+    assert wait_until(lambda: len(daemon.pulls) == 1)
+    assert daemon.pulls[0].deadline_ms == 30_000
+    _step(worker)
+    clock.now += 30 + CONFIG.pull_timeout_slack_s - 0.1
+    _step(worker)
+    assert daemon.cancels == []
+    clock.now += 0.2
+    _step(worker)
+    assert wait_until(lambda: daemon.cancels == [daemon.pulls[0].transfer_id])
+    assert wait_until(lambda: _step(worker).failed_recving == {"r1"}, timeout_s=2)  # the fake confirms
+
+
+def test_an_unconfirmed_cancel_fails_the_pull_only_at_the_last_resort(daemon: FakeDaemon, caches: Any) -> None:
+    clock = Clock()
+    config = dataclasses.replace(CONFIG, pull_last_resort_s=60.0)
+    worker = _worker(daemon, caches, clock, config=config)
+    daemon.cancel_confirms = False
+    _step(worker, KvdConnectorMetadata(pulls=[_pull("r1", (3,))]))
+    assert wait_until(lambda: len(daemon.pulls) == 1)
+    _step(worker)
+    clock.now += 30 + config.pull_timeout_slack_s + 1
+    for _ in range(5):
+        assert _step(worker).failed_recving == set()
+        clock.now += 10  # the cancel is asked again every slack
+    assert wait_until(lambda: len(daemon.cancels) >= 2)
+    clock.now += 20
+    assert _step(worker).failed_recving == {"r1"} and worker.stats.last_resort_failures == 1
 
 
 def test_daemon_restart_fails_pulls_releases_holds_and_reregisters(daemon: FakeDaemon, caches: Any) -> None:
@@ -327,3 +386,156 @@ def test_a_whole_start_pulls_refused_fails_each_of_its_pulls(daemon: FakeDaemon,
     failed: set[str] = set()
     assert wait_until(lambda: failed.update(_step(worker).failed_recving) or failed == {"r1", "r2"}, timeout_s=2)
     assert worker.get_block_ids_with_load_errors() == {3, 4}
+
+
+def test_an_unanswered_start_pulls_is_asked_again_and_learns_the_transfer_id(daemon: FakeDaemon, caches: Any) -> None:
+    """DEADLINE_EXCEEDED after the daemon started the pull: failing it then (no transfer id, no
+    cancel) would let vLLM reuse blocks the transfer still writes. The same StartPulls is asked
+    again (idempotent) and answers the running transfer's id."""
+    worker = _worker(daemon, caches)
+    daemon.lost_answers = 1
+    _step(worker, KvdConnectorMetadata(pulls=[_pull("r1", (3, 4))]))
+    assert wait_until(lambda: len(daemon.batches) == 2)
+    assert len(daemon.pulls) == 1  # one transfer, asked for twice
+    assert wait_until(
+        lambda: not _step(worker).failed_recving and worker._pulls["r1"].transfer_id == daemon.pulls[0].transfer_id
+    )
+    daemon.finish_pull(daemon.pulls[0])
+    assert wait_until(lambda: _step(worker).finished_recving == {"r1"}, timeout_s=2)
+    assert worker.stats.pulls_failed == 0 and worker.link.epoch == 1  # no re-registration needed
+
+
+def test_a_start_pulls_never_answered_fails_only_after_the_re_registration_fenced_it(
+    daemon: FakeDaemon, caches: Any
+) -> None:
+    worker = _worker(daemon, caches)
+    daemon.lost_answers = 100
+    _step(worker, KvdConnectorMetadata(pulls=[_pull("r1", (3, 4))]))
+    failed: set[str] = set()
+
+    def settled() -> bool:
+        failed.update(_step(worker).failed_recving)
+        if failed:
+            # Reported failed only once the daemon's transfer can no longer write.
+            assert all(p.done for p in daemon.pulls)
+        return failed == {"r1"}
+
+    assert wait_until(settled, timeout_s=5)
+    assert len(daemon.batches) == 3 and len(daemon.pulls) == 1  # asked START_ATTEMPTS times
+    assert daemon.register_calls == 2 and worker.link.epoch == 2  # the fence: re-registered
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+
+
+def test_a_whole_call_deadline_is_not_a_refusal(daemon: FakeDaemon, caches: Any) -> None:
+    """A refusal (the daemon answered) fails each pull at once; a lost answer is asked again."""
+    from kvd_engine.daemon_link import _answer_lost
+
+    assert _answer_lost(errors.DeadlineExceeded("x")) and _answer_lost(errors.Unavailable("x"))
+    assert _answer_lost(errors.Internal("x"))
+    for refusal in (errors.ResourceExhausted("x"), errors.PeerUnavailable("x"), errors.LeaseExpired("x")):
+        assert not _answer_lost(refusal)
+
+
+def test_a_pull_queued_when_the_stream_drops_goes_out_on_the_new_registration(
+    daemon: FakeDaemon, caches: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pull's epoch is the one its StartPulls went out under, not the one at queue time: a
+    command still queued at the drop goes out after the re-registration and must not be failed
+    by it (that failure had no transfer id to cancel: the daemon wrote into reused blocks)."""
+    import threading
+
+    worker = _worker(daemon, caches)
+    gate = threading.Event()
+    real_cancel = worker.link._client.cancel_transfer
+
+    def slow_cancel(transfer_id: str, **kw: Any) -> Any:
+        if transfer_id == "busy":
+            gate.wait(5)  # keeps the link thread busy, as any slow call would
+            return None
+        return real_cancel(transfer_id, **kw)
+
+    monkeypatch.setattr(worker.link._client, "cancel_transfer", slow_cancel)
+    worker.link.cancel_pull("busy")
+    _step(worker, KvdConnectorMetadata(pulls=[_pull("r1", (3,))]))  # queued behind the cancel
+    daemon.stream("eng").kill(errors.Unavailable("stream reset"))
+    gate.set()
+    assert wait_until(lambda: worker.link.epoch == 2 and len(daemon.pulls) == 1)
+    results = [_step(worker) for _ in range(3)]
+    assert not any(r.failed_recving for r in results)
+    assert wait_until(lambda: worker._pulls["r1"].epoch == 2 or bool(_step(worker).failed_recving))
+    daemon.finish_pull(daemon.pulls[0])
+    assert wait_until(lambda: _step(worker).finished_recving == {"r1"}, timeout_s=2)
+    assert worker.stats.pulls_failed == 0
+
+
+def test_a_dropped_stream_ends_nothing_before_the_re_registration(daemon: FakeDaemon, caches: Any) -> None:
+    """While the link cannot re-register, the daemon may still be writing the pull and serving
+    the lease: neither is reported over. The re-registration (the fence) ends both."""
+    worker = _worker(daemon, caches, gone_check=lambda: False)  # its socket still answers
+    _step(worker, KvdConnectorMetadata(held={"h1": 0}, pulls=[_pull("r1", (3,))]))
+    assert wait_until(lambda: len(daemon.pulls) == 1)
+    _step(worker)
+    daemon.down = True  # calls fail UNAVAILABLE (a daemon in its shutdown grace still writes)
+    daemon.stream("eng").kill(errors.Unavailable("stream reset"))
+    assert wait_until(lambda: not worker.link.connected)
+    for _ in range(10):  # the link notices the drop, posts Disconnected, fails to reconnect...
+        res = _step(worker)
+        assert res.failed_recving == set() and res.finished_sending == set()
+        time.sleep(0.05)
+    daemon.down = False
+    results: list[Any] = []
+    assert wait_until(lambda: results.append(_step(worker)) or worker.link.epoch == 2)
+    results += [_step(worker) for _ in range(3)]
+    assert any(r.failed_recving == {"r1"} for r in results)
+    assert any(r.finished_sending == {"h1"} for r in results)
+    assert daemon.pulls[0].done  # fenced by the unregistration before it was reported
+
+
+def test_a_hold_ends_on_the_daemon_s_word_not_at_its_original_lease_expiry(daemon: FakeDaemon, caches: Any) -> None:
+    """Reader heartbeats renew the lease at the daemon: the expiry heard at hold time is no
+    bound. The blocks go back to vLLM on finished_sending (expired included), or at the last resort."""
+    from kvd_client.v1 import engine_pb2
+
+    clock = Clock()
+    worker = _worker(daemon, caches, clock)
+    long_ago = 1_000  # unix ms: the lease's first expiry passed long ago
+    _step(worker, KvdConnectorMetadata(held={"h1": long_ago, "h2": long_ago}))
+    clock.now += 600
+    for _ in range(3):
+        assert _step(worker).finished_sending == set()
+    daemon.stream("eng").push(
+        engine_pb2.DaemonMessage(
+            finished_sending=engine_pb2.FinishedSending(request_id="h1", lease_id="L", expired=True)
+        )
+    )
+    assert _step(worker).finished_sending == {"h1"}
+    clock.now += CONFIG.hold_last_resort_s
+    assert _step(worker).finished_sending == {"h2"} and worker.stats.last_resort_failures == 1
+
+
+def test_a_daemon_known_gone_ends_its_pulls_and_holds_without_a_reconnect(daemon: FakeDaemon, caches: Any) -> None:
+    """Nothing listens on the daemon's socket: it exited, its pulls and leases with it."""
+    worker = _worker(daemon, caches)
+    _step(worker, KvdConnectorMetadata(held={"h1": 0}, pulls=[_pull("r1", (3,))]))
+    assert wait_until(lambda: len(daemon.pulls) == 1)
+    _step(worker)
+    daemon.stop()
+    results: list[Any] = []
+    assert wait_until(lambda: results.append(_step(worker)) or any(r.finished_sending for r in results))
+    assert any(r.failed_recving == {"r1"} for r in results) and worker.link.epoch == 1
+
+
+def test_the_socket_check_tells_a_dead_daemon_from_a_live_one(tmp_path: Any) -> None:
+    import socket
+
+    from kvd_engine.daemon_link import _socket_gone
+
+    path = str(tmp_path / "d.sock")
+    assert _socket_gone(f"unix://{path}")  # no socket file
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    assert not _socket_gone(f"unix://{path}") and not _socket_gone(f"unix:{path}")
+    listener.close()  # the process died: its socket file stays, refusing connections
+    assert _socket_gone(f"unix://{path}")
+    assert not _socket_gone("dns:///localhost:1")  # never concluded for TCP
