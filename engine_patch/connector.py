@@ -194,6 +194,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("KvdConnector %s (%s) uses the kvd daemon at %s", self.engine_id, role.name, self.config.target)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: the daemon keeps the engine's KV cache mapped (CUDA IPC) and registered with NIXL
+        for the engine's life, and serves peers' reads of it; sleep mode would release or remap
+        that memory under the daemon. vLLM then refuses ``enable_sleep_mode`` with this
+        connector when it builds its config, instead of letting a peer read freed memory."""
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """Head-major blocks (LBHNC), as vLLM's NIXL connector: per-head runs for TP slicing."""
         model = vllm_config.model_config

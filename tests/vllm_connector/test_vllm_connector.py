@@ -195,3 +195,13 @@ def test_non_finite_params_are_recomputed_not_raised_into_vllm(
     run(daemon, d)
     assert not daemon.pulls and len(d.tokens["r"]) == len(PROMPT) + 2
     assert torch.equal(d.kv_of("r", len(PROMPT)), expected_kv(PROMPT))
+
+
+def test_sleep_mode_is_refused_with_the_connector() -> None:
+    """The daemon keeps the KV cache mapped and registered: vLLM must refuse sleep mode with it."""
+    from vllm.config import KVTransferConfig
+
+    from kvd_engine.connector import KvdConnector
+
+    config = KVTransferConfig(kv_connector="KvdConnector", kv_role="kv_both")
+    assert KvdConnector.supports_sleep_mode(config) is False
