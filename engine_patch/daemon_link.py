@@ -491,14 +491,14 @@ class DaemonLink:
         """One StartPulls for ``orders`` (StartPull each from a daemon that predates it); each
         pull then reports PullStarted, PullFailed or PullInDoubt, and the link notices a daemon gone.
         """
+        if self._one_by_one and len(orders) > 1:
+            for order in orders:
+                self._start_pulls([order])
+            return
         if not self.connected:
             # An earlier call of this command lost the link: these were never sent.
             for order in orders:
                 self._events.append(PullFailed(order.request_id, "kvd daemon link lost before the pull was sent"))
-            return
-        if self._one_by_one:
-            for order in orders:
-                self._start_one(order)
             return
         try:
             requests = [_pull_request(self.engine_id, self.tp_rank, order) for order in orders]
@@ -509,13 +509,12 @@ class DaemonLink:
             return
         epoch = self.connects  # the registration these pulls write into
         try:
-            results = self._ask(lambda: self._client.start_pulls(requests, timeout_s=self._rpc_timeout_s))
+            results = self._ask(lambda: self._send(requests))
         except errors.KvdError as err:
-            if err.code is errors.ErrorCode.UNIMPLEMENTED:
+            if err.code is errors.ErrorCode.UNIMPLEMENTED and not self._one_by_one:
                 logger.info("kvd daemon at %s predates StartPulls: starting one pull per call", self.target)
                 self._one_by_one = True
-                for order in orders:
-                    self._start_one(order)
+                self._start_pulls(orders)
                 return
             # The daemon answered the whole call with a refusal: it started none of them.
             for order in orders:
@@ -536,27 +535,13 @@ class DaemonLink:
         if gone is not None:
             self._lost_if_daemon_gone(gone)
 
-    def _start_one(self, order: PullOrder) -> None:
-        if not self.connected:
-            self._events.append(PullFailed(order.request_id, "kvd daemon link lost before the pull was sent"))
-            return
-        try:
-            request = _pull_request(self.engine_id, self.tp_rank, order)
-        except Exception as exc:  # a malformed order: nothing was sent
-            logger.exception("kvd link: building pull %s failed", order.request_id)
-            self._events.append(PullFailed(order.request_id, repr(exc)))
-            return
-        epoch = self.connects
-        try:
-            response = self._ask(lambda: self._client.start_pull(request=request, timeout_s=self._rpc_timeout_s))
-        except errors.KvdError as err:  # refused: not started
-            self._events.append(PullFailed(order.request_id, f"{type(err).__name__}: {err.message}"))
-            self._lost_if_daemon_gone(err)
-            return
-        except _NoAnswer as unknown:
-            self._in_doubt([order], unknown.reason, epoch)
-            return
-        self._events.append(PullStarted(order.request_id, str(response.transfer_id), epoch))
+    def _send(self, requests: Sequence[Any]) -> list[str | errors.KvdError]:
+        """StartPulls, or StartPull of the one request for a daemon that predates StartPulls (its
+        refusal is then the whole call's): each pull's transfer id or per-pull error."""
+        if self._one_by_one:
+            (request,) = requests
+            return [self._client.start_pull(request=request, timeout_s=self._rpc_timeout_s).transfer_id]
+        return self._client.start_pulls(requests, timeout_s=self._rpc_timeout_s)
 
     def _ask(self, call: Callable[[], Any]) -> Any:
         """``call`` (a StartPulls or StartPull, idempotent) until the daemon answers.

@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -236,11 +236,9 @@ class Puller:
             # once when the reads are final, else when they become final (a pull cut off from
             # its memory still has reads in flight; the holder would otherwise wait them out to
             # the admission's deadline and retire its memory as tainted).
-            task = asyncio.get_running_loop().create_task(
+            self._in_background(
                 self._abandon_when_final(held, session, remote, rank.tp_rank, transfer.transfer_id, error.message)
             )
-            self._abandons.add(task)
-            task.add_done_callback(self._abandons.discard)
 
     async def _fence(self, transfer: Transfer, rank: EngineRank, held: _PullResources, fence_s: float) -> None:
         """Make sure no byte of the pull can still land in the engine's blocks (module docstring)."""
@@ -391,6 +389,12 @@ class Puller:
         if self._still_told(session):
             await self._abandon(remote, reader_rank, transfer_id, reason)
 
+    def _in_background(self, abandon: Coroutine[Any, Any, None]) -> None:
+        """Run an AbandonPull after the pull has ended, kept in ``_abandons`` until it is done."""
+        task = asyncio.get_running_loop().create_task(abandon)
+        self._abandons.add(task)
+        task.add_done_callback(self._abandons.discard)
+
     def _still_told(self, session: PeerSession) -> bool:
         """Is the holder of ``session`` told of an abandoned read (whose READs are final)? When
         the session is current, or was forgotten only because this daemon's worker was lost. Not
@@ -506,13 +510,11 @@ class Puller:
             # lost: tell it the read is over (this pull posted nothing), so the admission does not
             # wait for its deadline and retire the holder's memory as never proven over.
             if self._still_told(session):
-                task = asyncio.get_running_loop().create_task(
+                self._in_background(
                     self._abandon(
                         remote, rank.tp_rank, transfer.transfer_id, "the pull ended while its admission was asked"
                     )
                 )
-                self._abandons.add(task)
-                task.add_done_callback(self._abandons.discard)
             raise
         transfer.mark("prepared")
         if prepared.registration_ids != tuple(remote_ranks[r].registration_id for r in pull_plan.remote_ranks):

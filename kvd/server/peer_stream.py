@@ -129,8 +129,7 @@ async def serve_peer_stream(
         if call.cancel:
             task = running.pop(call.call_id, None)  # withdrawn: its id is free again at once
             if task is not None:
-                task.cancel()
-                wake.set()  # the stream may be over
+                task.cancel()  # its done callback wakes the stream, which may be over
             return
         kind = call.WhichOneof("call")
         if kind is None or kind not in handlers:
