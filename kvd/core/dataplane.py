@@ -220,10 +220,11 @@ class DataPlane:
                 async with asyncio.timeout(self._heartbeat_timeout_s):
                     await self._call("ping")
             except TimeoutError:
-                if self._worker.exiting():
-                    # Not hung but dying (a crash or a kill whose exit outlasts the timeout: a
-                    # big address space takes a while to tear down): the reader reports it, with
-                    # its real cause, once it is reaped.
+                if self._worker.dying():
+                    # Not hung but dying (a crash; a kill whose exit outlasts the timeout: a big
+                    # address space takes a while to tear down; a kill not yet acted on by a
+                    # thread in an uninterruptible call): the reader reports it, with its real
+                    # cause, once it is reaped.
                     return
                 registering_until = max(self._registering.values(), default=0.0)
                 if time.monotonic() < registering_until:

@@ -39,6 +39,7 @@ from kvd_client.errors import KvdError, Unavailable
 logger = logging.getLogger(__name__)
 
 PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting
+SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/<pid>/status's SigPnd/ShdPnd masks
 REAP_WARN_S = 5.0  # a worker not gone this long after it ended or was killed is logged, and again each time
 HELLO_TIMEOUT_S = 60.0  # a worker that has not imported NIXL by then is not coming
 
@@ -78,6 +79,27 @@ class WorkerProcess:
         if not fields:
             return self.exited
         return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
+
+    def dying(self) -> bool:
+        """Whether the process is exiting, or a SIGKILL already waits for it.
+
+        A SIGKILL sent while a thread sits in an uninterruptible kernel call (a page fault on
+        shared memory, a CMA copy) is acted on only when the call returns, seconds later under
+        load: until then the process is neither exiting nor answering. It was killed, not hung,
+        and the reader reports it with that cause once it is reaped."""
+        return self.exiting() or self.kill_pending()
+
+    def kill_pending(self) -> bool:
+        """Whether any of its threads has a SIGKILL pending (queued, not yet acted on)."""
+        try:
+            tasks = list(Path(f"/proc/{self.pid}/task").iterdir())
+        except OSError:
+            return self.exited
+        for task in tasks:
+            with contextlib.suppress(OSError):
+                if sigkill_pending((task / "status").read_text()):
+                    return True
+        return False
 
     async def reap(self) -> int:
         """Wait for the process to be gone (its mappings and endpoints with it); its exit status.
@@ -128,6 +150,16 @@ class WorkerProcess:
 
     def close_channel(self) -> None:
         self.writer.close()
+
+
+def sigkill_pending(status: str) -> bool:
+    """Whether a ``/proc/<pid>[/task/<tid>]/status`` text shows SIGKILL pending (for the thread
+    or the whole process)."""
+    for line in status.splitlines():
+        name, _, value = line.partition(":")
+        if name in ("SigPnd", "ShdPnd") and int(value.strip() or "0", 16) & SIGKILL_BIT:
+            return True
+    return False
 
 
 def exit_reason(returncode: int | None) -> str:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,22 @@ def children_running(pids: set[int]) -> set[int]:
     return children & pids
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: a signal is acted on when
+    its target next runs, so the process may go on (and a READ finish) for a while after kill()."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + STEP_S
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, IndexError):
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {STEP_S}s of SIGSTOP")
+
+
 def test_a_read_between_two_workers_then_the_reader_killed_mid_read(
     shm_regions: list[tuple[str, torch.Tensor]],
 ) -> None:
@@ -169,7 +186,7 @@ def test_a_read_between_two_workers_then_the_reader_killed_mid_read(
             # still cannot finish: the reader does not run), and the reader's worker killed.
             # (The holder resumes before the reader dies: a holder that resumes only after a dead
             # reader's pending READ is aborted by UCX, "Endpoint timeout": not this test's subject.)
-            os.kill(holder.plane.pid, signal.SIGSTOP)
+            stop(holder.plane.pid)
             try:
                 everything = np.arange(BLOCKS, dtype=np.int32)
                 posted = await step(
@@ -177,7 +194,7 @@ def test_a_read_between_two_workers_then_the_reader_killed_mid_read(
                 )
                 assert not posted.final and reader.plane.in_flight() == 1
                 reader_process = reader.process()
-                os.kill(reader.plane.pid, signal.SIGSTOP)
+                stop(reader.plane.pid)
             finally:
                 os.kill(holder.plane.pid, signal.SIGCONT)
             in_flight = [
@@ -248,7 +265,7 @@ def test_a_worker_that_stops_answering_is_found_hung_killed_and_reaped() -> None
         async with planes(hung):
             process = hung.process()
             await step(hung.plane.ping())
-            os.kill(process.pid, signal.SIGSTOP)
+            stop(process.pid)
             pending = asyncio.ensure_future(hung.plane.ping())
             async with asyncio.timeout(10.0):  # a heartbeat every 0.5 s, each given 1 s
                 await hung.lost_event.wait()
@@ -265,6 +282,35 @@ def test_a_worker_that_stops_answering_is_found_hung_killed_and_reaped() -> None
     asyncio.run(main())
 
 
+def test_a_worker_with_a_kill_pending_is_not_called_hung_and_is_reported_by_its_real_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGKILL sent while a worker's thread sits in an uninterruptible kernel call is acted on
+    only when the call returns, and meanwhile the worker answers nothing. The heartbeat must not
+    call that "hung" (killing it again would report SIGKILL as "hung"): it leaves the worker to
+    die and the reader reports the real cause. The pending kill is stood in for (a real one
+    cannot be held pending on demand): the worker is stopped, and WorkerProcess.kill_pending
+    says a SIGKILL waits; the later real SIGKILL is what the plane reports."""
+    from kvd.core.workers import WorkerProcess
+
+    async def main() -> None:
+        killed = Plane("dptest-killpending", heartbeat_timeout_s=1.0)
+        async with planes(killed):
+            process = killed.process()
+            await step(killed.plane.ping())
+            monkeypatch.setattr(WorkerProcess, "kill_pending", lambda self: True)
+            stop(process.pid)
+            await asyncio.sleep(1.0 + 3 * HEARTBEAT_WAIT_S)  # past the timeout, several beats on
+            assert killed.lost == [], "a worker with a kill pending was called hung"
+            assert process.returncode is None, "a worker with a kill pending was killed again"
+            os.kill(process.pid, signal.SIGKILL)
+            async with asyncio.timeout(10.0):
+                await killed.lost_event.wait()
+            assert killed.lost == [(killed.plane, "SIGKILL")]
+
+    asyncio.run(main())
+
+
 def test_a_worker_registering_memory_gets_time_for_its_size_and_then_no_more(
     shm_regions: list[tuple[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -274,7 +320,6 @@ def test_a_worker_registering_memory_gets_time_for_its_size_and_then_no_more(
     flight: it is not killed within that allowance, and once resumed the registration completes
     and the heartbeat is answered again. Stopped for good with one in flight, it is found hung
     after the allowance, not before."""
-    import time
 
     from kvd.core import dataplane as dataplane_module
 
@@ -287,7 +332,7 @@ def test_a_worker_registering_memory_gets_time_for_its_size_and_then_no_more(
             plane = busy.plane
             (region,) = await step(plane.open_regions([RegionRequest(MemoryKind.SHM, SIZE, shm_name=shm_name)]))
             process = busy.process()
-            os.kill(process.pid, signal.SIGSTOP)
+            stop(process.pid)
             registering = asyncio.ensure_future(plane.register(region.address, SIZE, 0, "DRAM"))
             await asyncio.sleep(3.0)  # past the heartbeat's timeout, well within the 6 s allowance
             assert busy.lost == [], "a worker registering memory was killed as hung within its allowance"
@@ -295,7 +340,7 @@ def test_a_worker_registering_memory_gets_time_for_its_size_and_then_no_more(
             registration = await step(registering)
             assert any(r.covers(region.address, SIZE, 0, False) for r in plane.identity().regions)
             await step(plane.ping())
-            os.kill(process.pid, signal.SIGSTOP)
+            stop(process.pid)
             stopped_at = time.monotonic()
             deregistering = asyncio.ensure_future(plane.deregister(registration))
             async with asyncio.timeout(20.0):

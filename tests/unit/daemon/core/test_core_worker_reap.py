@@ -59,3 +59,31 @@ def test_reap_cancelled_leaves_no_waiter_behind() -> None:
         assert not pending, pending
 
     asyncio.run(main())
+
+
+def test_sigkill_pending_reads_the_thread_and_the_process_masks() -> None:
+    """SIGKILL is signal 9: bit 8 of SigPnd (the thread's) or ShdPnd (the process's), in hex."""
+    quiet = "Name:\tpython\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\nSigBlk:\t0000000000000100\n"
+    assert not workers.sigkill_pending(quiet)  # blocked is not pending (and SIGKILL cannot be blocked)
+    assert workers.sigkill_pending(quiet.replace("SigPnd:\t0000000000000000", "SigPnd:\t0000000000000100"))
+    assert workers.sigkill_pending(quiet.replace("ShdPnd:\t0000000000000000", "ShdPnd:\t0000000000004100"))
+    assert not workers.sigkill_pending(quiet.replace("ShdPnd:\t0000000000000000", "ShdPnd:\t0000000000004000"))
+
+
+def test_a_live_process_has_no_kill_pending_and_a_reaped_one_is_dying() -> None:
+    """kill_pending reads every thread of the real process; once it is reaped, dying() is true."""
+
+    async def main() -> None:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import time; print('sleeping', flush=True); time.sleep(60)", stdout=PIPE
+        )
+        assert process.stdout is not None
+        await process.stdout.readline()
+        worker = WorkerProcess(process, asyncio.StreamReader(), None)  # type: ignore[arg-type]
+        assert not worker.kill_pending() and not worker.dying()
+        process.send_signal(signal.SIGKILL)
+        async with asyncio.timeout(10):
+            await worker.reap()
+        assert worker.dying()
+
+    asyncio.run(main())
