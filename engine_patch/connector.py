@@ -236,6 +236,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """True while a soft hold lives: vLLM keeps stepping, so its checks are answered."""
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every transfer group: a pull restores the request's own blocks of each group kvd
+        serves (vLLM's default names only the prefix-cacheable ones, and the scheduler zeroes
+        the new blocks of any group not named, concurrently with the pull writing them)."""
+        config = self._kv_cache_config
+        if config is None:  # no KVCacheConfig from vLLM: one group
+            return (0,)
+        return tuple(config.transfer_group_ids)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -23,6 +23,9 @@ class PullSpec:
     deadline_ms: int = 0
     # Hybrid models: local block ids of the KV cache groups after group 0, one tuple per group.
     local_group_block_ids: tuple[tuple[int, ...], ...] = ()
+    # Not pulled: the scheduler found it cannot be (why). The worker reports it failed at once,
+    # so vLLM recomputes it rather than waiting for KV that no pull will bring.
+    refused: str = ""
 
 
 @dataclasses.dataclass

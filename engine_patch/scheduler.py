@@ -340,19 +340,26 @@ class KvdScheduler:
         local_computed, _ = matched
         remote = remote_kv(params)
         skipped = remote.skipping(local_computed) if remote is not None else None
-        if skipped is None:
-            return
         lease = self._awaiting.pop(request.request_id, None)  # the pull's admitted read holds the lease now
         if lease is not None:
             self._reading[request.request_id] = lease
         local_blocks = math.ceil(num_external_tokens / self.block_size)
-        if len(block_ids) < local_blocks:
-            logger.error(
-                "request %s: %d blocks allocated for %d external tokens; not pulling",
-                request.request_id,
-                len(block_ids),
-                num_external_tokens,
+        refused = ""
+        if skipped is None:  # matched tokens were promised for these params: they no longer parse
+            refused = f"its kv_transfer_params no longer name {num_external_tokens} tokens to pull"
+        elif len(block_ids) < local_blocks:
+            refused = f"{len(block_ids)} blocks allocated for {num_external_tokens} external tokens"
+        if refused or skipped is None:
+            # vLLM now waits for this request's load: a pull that cannot start is reported
+            # failed by the worker at once (recomputed), never left waiting for KV.
+            logger.error("request %s: not pulling: %s", request.request_id, refused)
+            self._pending_pulls[request.request_id] = PullSpec(
+                request_id=request.request_id,
+                local_block_ids=tuple(int(b) for b in block_ids[:local_blocks]),
+                remote={},
+                refused=refused,
             )
+            params[PULL_DONE_KEY] = True
             return
         fields = dict(skipped.fields)
         rbs = skipped.block_size or self.block_size

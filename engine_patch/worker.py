@@ -206,6 +206,9 @@ class KvdWorker:
             self._pulls[spec.request_id] = _Pull(
                 spec.request_id, spec.local_block_ids, now, cancel_at, cancel_at + self.config.pull_last_resort_s
             )
+            if spec.refused:  # the scheduler could not pull it: failed now, recomputed
+                self._fail_pull(spec.request_id, spec.refused, cancel=False)
+                continue
             orders.append(
                 PullOrder(
                     spec.request_id,

@@ -267,6 +267,8 @@ def test_sliding_window_and_full_attention(nodes: Any, engines: Any) -> None:
     p, d = engines(node_a, "prefill", window_specs()), engines(node_b, "decode", window_specs())
     kinds = [g.kind.name for g in d.connector.group_order.groups]
     assert kinds == ["FULL_ATTENTION", "SLIDING_WINDOW"]  # the hybrid KV cache manager kept both groups
+    # A pull writes every group's blocks: vLLM must zero none of them under it.
+    assert d.connector.get_loaded_kv_cache_group_ids(None) == (0, 1) == d.kv_cache_config.transfer_group_ids
     params = prefill(p, "r", PROMPT)
     window_ids = params["kvd"]["group_block_ids"]
     n = pull_into(d, p, "r", PROMPT, params)

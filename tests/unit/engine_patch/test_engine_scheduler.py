@@ -106,6 +106,31 @@ def test_a_local_prefix_hit_skips_whole_remote_blocks() -> None:
     assert pull.remote["block_ids"] == [12, 13, 14] and pull.remote["num_tokens"] == 12
 
 
+def test_too_few_blocks_for_the_promised_tokens_is_a_refused_pull_not_a_silent_wait() -> None:
+    """vLLM waits for the load of any request the scheduler promised external tokens: if it
+    allocated too few blocks for them, the pull goes to the worker refused (failed at once)."""
+    sched, _ = _sched(pull_threshold_tokens=1000)
+    params = _remote(10, [7, 8, 9])
+    req = EngineRequest("r", list(range(10)), 5, params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (10, True)
+    sched.update_state_after_alloc(req, [1, 2], 10)
+    (pull,) = sched.build_connector_meta(StepView()).pulls
+    assert pull.refused and "2 blocks allocated for 10 external tokens" in pull.refused
+    assert pull.local_block_ids == (1, 2) and pull.remote == {}
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # not promised again
+
+
+def test_params_that_stop_parsing_after_the_match_are_a_refused_pull() -> None:
+    sched, _ = _sched(pull_threshold_tokens=1000)
+    params = _remote(10, [7, 8, 9])
+    req = EngineRequest("r", list(range(10)), 5, params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (10, True)
+    params["kvd"]["block_ids"] = "not a list"
+    sched.update_state_after_alloc(req, [1, 2, 3], 10)
+    (pull,) = sched.build_connector_meta(StepView()).pulls
+    assert pull.refused and pull.local_block_ids == (1, 2, 3)
+
+
 def test_a_local_hit_off_the_remote_block_grid_recomputes() -> None:
     sched, _ = _sched(pull_threshold_tokens=0)
     req = EngineRequest("r", list(range(30)), 1, _remote(20, [1, 2, 3], block_size=16, pull_prefill=False))

@@ -351,6 +351,18 @@ def _pull(rid: str, blocks: tuple[int, ...]) -> PullSpec:
     return PullSpec(rid, blocks, {"lease_id": f"L-{rid}", "block_ids": [1], "num_tokens": 4})
 
 
+def test_a_pull_the_scheduler_refused_fails_at_once_and_is_never_sent(daemon: FakeDaemon, caches: Any) -> None:
+    """The scheduler promised vLLM external tokens, then could not pull them: the worker reports
+    the request failed in this step (vLLM recomputes it), its blocks named; nothing goes out."""
+    worker = _worker(daemon, caches)
+    refused = PullSpec("r1", (3, 4), {}, refused="2 blocks allocated for 12 external tokens")
+    res = _step(worker, KvdConnectorMetadata(pulls=[refused, _pull("r2", (5,))]))
+    assert res.finished_recving == {"r1"} and res.failed_recving == {"r1"}
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    assert wait_until(lambda: len(daemon.pulls) == 1)
+    assert daemon.batches == [["r2"]]  # only the pull the scheduler did not refuse
+
+
 def test_a_step_s_loads_go_in_one_start_pulls_and_a_bad_one_fails_alone(daemon: FakeDaemon, caches: Any) -> None:
     """One StartPulls per step; the pull the daemon refused fails over to recompute (its blocks
     reported, as for a refused StartPull), the others start and complete."""
