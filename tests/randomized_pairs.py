@@ -3,7 +3,8 @@
 Two real daemons. Workers (1 or several in parallel) each loop over *cases*: a random model
 (format, heads, head size, dtype, layers), a holder engine of random layout / block size / TP
 registered on one daemon *now* (after the other daemon first handshook it), a reader engine of
-its own layout / block size / TP on the other daemon, then one to a few pulls of random blocks
+its own layout / block size / TP on the other daemon (a quarter of the cases: on the same daemon,
+both engines on one node), then one to a few pulls of random blocks
 and token counts; the holder engine is unregistered (or left to a later case) afterwards, so the
 holder's registered memory changes under the reader's cached handshake all the time.
 
@@ -187,6 +188,9 @@ def logical_heads(engines: Sequence[Engine], block_ids: Sequence[int], num_token
     return heads
 
 
+SAME_DAEMON_SHARE = 0.25  # cases whose reader engine is on the holder's daemon (one node)
+
+
 class Worker:
     """One loop of cases between two daemons; its randomness is ``(seed, index, case)`` only."""
 
@@ -218,6 +222,8 @@ class Worker:
         holder_side, reader_side = random_side(rng, model), random_side(rng, model)
         holder_at = rng.randrange(len(self.daemons))
         holder_daemon, reader_daemon = self.daemons[holder_at], self.daemons[1 - holder_at]
+        if rng.random() < SAME_DAEMON_SHARE:  # both engines on one node: the daemon pulls from itself
+            reader_daemon = holder_daemon
         tag = f"w{self.index}c{case}"
         span = rng.choice([256, 1024, 4096, 16384])  # tokens each engine can hold
         per_layer = rng.random() < 0.5, rng.random() < 0.5

@@ -26,6 +26,7 @@ from kvd.core.holdchecks import HoldChecks, SchedulerChannel
 from kvd.core.holder import HolderReads
 from kvd.core.leases import Lease, LeaseEnd, LeaseTable
 from kvd.core.local_memory import Memories
+from kvd.core.loopback import LoopbackTransport
 from kvd.core.memory import RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
@@ -131,7 +132,8 @@ class Daemon(HolderReads, DataPlaneRestarts):
         self._sweep_now = asyncio.Event()  # a deadline came nearer, or something needs polling
         self._sweep_at = 0.0  # when the sweeper's next round is due (monotonic)
         self._liveness_now = asyncio.Event()  # an engine registered with a pid, or one exited
-        self._transport = transport
+        # Calls to this daemon's own addresses (both engines on this node) stay in the process.
+        self._transport = LoopbackTransport(transport, self)
         self.dataplane: DataPlane | None = None
         self.memories: Memories | None = None
         self.peers: Peers | None = None

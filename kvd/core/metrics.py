@@ -110,7 +110,11 @@ class Metrics:
             registry=r,
         )
         self.peers = Gauge("kvd_peers", "Peer daemons with a live handshake", registry=r)
-        self.remote_agents = Gauge("kvd_remote_agents", "Peer NIXL agents loaded (live or still in use)", registry=r)
+        self.remote_agents = Gauge(
+            "kvd_remote_agents",
+            "Peer NIXL agents loaded (live or still in use; this daemon's own once its engines pull from each other)",
+            registry=r,
+        )
 
     def before_collect(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` before every collection (a scrape, ``generate_latest``): gauges computed

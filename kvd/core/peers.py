@@ -44,7 +44,7 @@ from kvd.core.metrics import Metrics
 from kvd.core.tables import TableCache
 from kvd.layout.geometry import DescGeometry
 from kvd.layout.plan import EngineView
-from kvd_client.errors import DeadlineExceeded, FailedPrecondition, KvdError, PeerUnavailable, Unavailable
+from kvd_client.errors import DeadlineExceeded, KvdError, PeerUnavailable, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -321,12 +321,6 @@ class Peers:
             if unreachable(exc):
                 await self.drop(address, "handshake failed")
             raise
-        if info.incarnation == self._own_incarnation():
-            self._metrics.handshakes.labels(address, "failed").inc()
-            # Not retryable: the same call would meet the same daemon again.
-            raise FailedPrecondition(
-                f"{address} is this daemon itself: a pull reads from a peer daemon (the KV is held on this node)"
-            )
         known = self._agents.get(info.agent_name)
         if known is not None:
             await known.settled()  # its first load (through another address of the peer) is over
@@ -353,6 +347,29 @@ class Peers:
             task.add_done_callback(self._warming.discard)
         logger.info("handshake with %s: agent %s, %d engine ranks", address, session.agent_name, len(session.engines))
         return session
+
+    async def _add_remote(self, info: HandshakeInfo) -> str:
+        """Load the peer agent's metadata into NIXL; the agent's name.
+
+        The daemon itself (both engines on this node, kvd.core.loopback) is not loaded: NIXL
+        serves a transfer to its own agent from its own registrations, and refuses its own
+        metadata."""
+        if info.incarnation == self._own_incarnation():
+            if info.agent_name != self._dataplane.name:
+                raise Unavailable(
+                    f"this daemon's data plane was replaced during the handshake with itself "
+                    f"(agent {info.agent_name!r} is now {self._dataplane.name!r}): retry"
+                )
+            return info.agent_name
+        return await self._dataplane.add_remote(info.agent_metadata)
+
+    async def _remove_remote(self, agent: RemoteAgent) -> None:
+        """Release the agent's lists and forget it in NIXL (this daemon's own agent: the lists only)."""
+        tables = agent.tables.close()
+        if agent.name == self._dataplane.name:
+            await self._dataplane.release_tables(tables)
+        else:
+            await self._dataplane.remove_remote(agent.name, tables)
 
     def _new_agent(self, name: str) -> RemoteAgent:
         """A peer agent known from now on, with its own list cache (its metadata is loaded by the caller)."""
@@ -382,7 +399,7 @@ class Peers:
         session stays cached until they end, so their holders are told their reads are over."""
         agent = session.agent
         try:
-            _require_agent(info, await self._dataplane.add_remote(info.agent_metadata), session.address)
+            _require_agent(info, await self._add_remote(info), session.address)
         except KvdError as exc:
             agent.reloading = True
             logger.warning("loading the NIXL agent of %s failed: %s", session.address, exc.message)
@@ -408,7 +425,7 @@ class Peers:
         if agent is None:
             agent = self._new_agent(info.agent_name)
         try:
-            loaded = await self._dataplane.add_remote(info.agent_metadata)
+            loaded = await self._add_remote(info)
         except KvdError:
             if not fresh:
                 # NIXL forgets an agent whose metadata it could not load: no new pull may read through
@@ -470,7 +487,7 @@ class Peers:
         agent.removed = True
         agent.live = False
         self._agents.pop(agent.name, None)
-        await self._dataplane.remove_remote(agent.name, agent.tables.close())
+        await self._remove_remote(agent)
         self._metrics.agent_reloads.inc()
 
     def pin(self, session: PeerSession) -> RemoteAgent:
@@ -520,9 +537,8 @@ class Peers:
             return
         agent.removed = True
         self._agents.pop(agent.name, None)
-        dataplane = self._dataplane
         await agent.settled()  # never remove an agent while its metadata loads: the load would follow
-        await dataplane.remove_remote(agent.name, agent.tables.close())
+        await self._remove_remote(agent)
         self._gauges()
         logger.debug("removed NIXL agent %s", agent.name)
 

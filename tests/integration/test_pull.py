@@ -93,31 +93,57 @@ def test_one_k_token_request_posts_merged_descriptors(spawn_daemon) -> None:
         reader.close()
 
 
-def test_a_pull_from_the_readers_own_daemon_is_failed_precondition_not_retryable(spawn_daemon) -> None:
-    """Both engines on one node: the daemon reads from peers only, so the pull fails at once with a
-    class a router does not retry (retrying would meet the same daemon)."""
-    from kvd_client import errors
+@pytest.mark.parametrize("transports", ["default", "tcp"])
+def test_a_pull_between_two_engines_of_one_daemon_reads_in_place(spawn_daemon, transports: str) -> None:
+    """Both engines on one node, one daemon: the daemon is the holder and the reader. Concurrent
+    pulls each way arrive byte-exact through NIXL's own agent (over TCP too), the holder's
+    accounting sees each read (served == pulled), and nothing is loaded as a remote agent."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
 
-    a = spawn_daemon(name="a")
-    holder = ShmEngine(a.unix_target, "holder", small_spec(num_blocks=8))
-    reader = ShmEngine(a.unix_target, "reader", small_spec(num_blocks=8))
+    env = {**os.environ, "UCX_TLS": "tcp"} if transports == "tcp" else None
+    a = spawn_daemon(name="a", env=env)
+    spec = small_spec(num_blocks=48)
+    prefill = ShmEngine(a.unix_target, "prefill", spec)
+    decode = ShmEngine(a.unix_target, "decode", spec)
     try:
-        holder.register()
-        reader.register()
-        reader.fill(0x33)
-        params = holder.client.hold_blocks(
-            engine_id="holder", request_id="r", block_ids=[0, 1], num_tokens=20
+        prefill.register()
+        decode.register()
+        prefill.fill_random(seed=5)
+        decode.fill_random(seed=6)
+        pulls = []
+        for i in range(4):  # decode pulls four requests from prefill, prefill one back from decode
+            src = list(range(i * 4, i * 4 + 4))
+            params = prefill.client.hold_blocks(
+                engine_id="prefill", request_id=f"r{i}", block_ids=src, num_tokens=4 * spec.block_size
+            ).kv_transfer_params
+            pulls.append((decode, "decode", src, list(range(24 + i * 4, 28 + i * 4)), params, prefill))
+        back = list(range(40, 44))
+        params = decode.client.hold_blocks(
+            engine_id="decode", request_id="t2", block_ids=back, num_tokens=4 * spec.block_size
         ).kv_transfer_params
-        started = reader.client.start_pull(
-            engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[2, 3], remote=params
-        )
-        with pytest.raises(errors.FailedPrecondition, match="this daemon itself") as caught:
-            reader.client.wait_transfer(started.transfer_id, timeout_s=30)
-        assert caught.value.code not in errors.RETRYABLE_STATUS
-        assert bool((reader.buffer == 0x33).all())
+        pulls.append((prefill, "prefill", back, list(range(16, 20)), params, decode))
+
+        def run(item):  # type: ignore[no-untyped-def]
+            reader, engine_id, _src, dst, params, _holder = item
+            started = reader.client.start_pull(
+                engine_id=engine_id, tp_rank=0, request_id=f"pull-{dst[0]}", local_block_ids=dst, remote=params
+            )
+            return reader.client.wait_transfer(started.transfer_id, timeout_s=60)
+
+        with ThreadPoolExecutor(len(pulls)) as pool:
+            statuses = list(pool.map(run, pulls))
+        for (reader, _, src, dst, _, holder), status in zip(pulls, statuses, strict=True):
+            assert status.state == common_pb2.TRANSFER_STATE_DONE, status
+            assert reader.token_bytes(dst, 4 * spec.block_size).equal(holder.token_bytes(src, 4 * spec.block_size))
+        text = scrape(a.metrics)
+        pulled = metric_value(text, "kvd_transfer_bytes_total", direction="pull")
+        assert pulled == sum(s.bytes for s in statuses) > 0
+        assert metric_value(text, "kvd_transfer_bytes_total", direction="serve") == pulled
+        assert metric_value(text, "kvd_remote_agents") == 1  # its own agent's lists, nothing loaded
     finally:
-        holder.close()
-        reader.close()
+        prefill.close()
+        decode.close()
 
 
 @pytest.mark.parametrize("transports", ["default", "tcp"])

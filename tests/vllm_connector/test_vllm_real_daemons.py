@@ -324,3 +324,43 @@ def test_a_hold_renewed_by_heartbeats_outlives_its_first_expiry(nodes: Any, tmp_
     finally:
         for engine in made:
             engine.close()
+
+
+def test_prefill_and_decode_on_one_node_share_one_daemon_both_ways(spawn_daemon: Any, engines: Any) -> None:
+    """1P1D on one node: both engines register with the one daemon of the node. Decode pulls the
+    prompt's KV from prefill (a hard hold), and the next turn's prefill engine pulls the
+    conversation back from decode (a soft hold its scheduler pins for the read), each bit for bit
+    through the daemon's own NIXL agent."""
+    node = spawn_daemon(name="node")
+    p, d = engines(node, "prefill"), engines(node, "decode")
+    prompt = list(range(500, 560))
+    params = _prefill(p, "t1", prompt)
+    assert params["kvd"]["daemon_address"] == node.tcp
+    prefill_kv = p.kv_of("t1", len(prompt)).clone()
+    d.add_request("t1", prompt, max_tokens=3, kv_transfer_params=params)
+    d.step()
+    assert d.scheduler.requests["t1"].status.name == "WAITING_FOR_REMOTE_KVS"
+    run(d, p)
+    assert "t1" in received(d) and not failed(d) and not invalid_blocks(d)
+    assert torch.equal(d.kv_of("t1", len(prompt)).view(torch.uint8), prefill_kv.view(torch.uint8))
+    release_holds(p)
+    assert "t1" in sent(p) and not p.scheduler.requests
+
+    held = d.outputs["t1"].kv_transfer_params
+    assert held["kvd"]["daemon_address"] == node.tcp
+    n = held["kvd"]["num_tokens"]
+    decode_kv = d.kv_of("t1", n).clone()
+    p2 = engines(node, "prefill2")
+    turn2 = d.tokens["t1"] + [1, 2, 3]
+    p2.add_request("t2", turn2, max_tokens=1, kv_transfer_params=held)
+    p2.step()
+    assert p2.scheduler.requests["t2"].status.name == "WAITING_FOR_REMOTE_KVS"
+    run(p2, d)
+    assert "t2" in received(p2) and not failed(p2)
+    assert torch.equal(p2.kv_of("t2", n).view(torch.uint8), decode_kv.view(torch.uint8))
+    assert torch.equal(p2.kv_of("t2", len(turn2)), expected_kv(turn2))
+    assert transfers(node, peer=node.tcp, direction="pull", outcome="done") == 2
+    assert transfers(node, direction="serve", outcome="done") == 2
+    assert moved_bytes(node, "serve") == moved_bytes(node, "pull") > 0
+    _wait(lambda: leases_ended(node, "read") >= 1, "decode's soft lease did not end on the read")
+    assert d.connector._scheduler.pinned_blocks == 0  # the read's pin was given back

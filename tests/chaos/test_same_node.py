@@ -1,0 +1,209 @@
+"""Chaos with both engines on one node: one daemon holds the KV and pulls it (kvd.core.loopback).
+
+The engine being read from, or the one being written into, is a process of its own and is
+SIGKILLed while a 512 MiB pull between them reads (with UCX_TLS=tcp and UCX's default transports;
+either way NIXL copies within the daemon's own agent, and the daemon maps both engines' memory
+itself, so the read may finish before the daemon sees the death). The daemon survives,
+the pull ends DONE with exact bytes or fails with nothing landing late, nothing stays admitted
+or in flight, and the daemon goes on serving pulls between its engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from kvtest import ShmEngine, llama_spec, metric_value, scrape
+
+from kvd_client import KvdClient, errors
+from kvd_client.shm import unlink_shm
+from kvd_client.v1 import common_pb2
+
+pytestmark = [pytest.mark.chaos, pytest.mark.integration]
+
+BLOCKS = list(range(256))
+TOKENS = 256 * 16
+SEED = 11
+PATTERN = 0x5A
+SETTLED = ("kvd_transfers_in_flight", "kvd_nixl_reads_in_flight", "kvd_admitted_reads")
+
+# An engine in its own process (llama-shaped, one rank), so it can be SIGKILLed: it registers,
+# fills its cache from SEED, prints its shm name and waits.
+_ENGINE = rf"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from kvtest import ShmEngine, llama_spec
+engine = ShmEngine(sys.argv[1], sys.argv[2], llama_spec(num_blocks=256))
+engine.register()
+engine.fill_random({SEED})
+print(engine.shm_name, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def _engine_process(target: str, engine_id: str) -> tuple[subprocess.Popen[bytes], str]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE, target, engine_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    shm_name = process.stdout.readline().decode().strip()
+    if not shm_name.startswith("kvdtest-"):
+        process.kill()
+        raise AssertionError(process.stderr.read().decode() if process.stderr else "the engine did not start")
+    return process, shm_name
+
+
+def _wait_reading(client: KvdClient, transfer_id: str) -> None:
+    deadline = time.monotonic() + 10
+    while client.get_transfer(transfer_id).state != common_pb2.TRANSFER_STATE_READING:
+        assert time.monotonic() < deadline, "the pull never started reading"
+        time.sleep(0.002)
+
+
+def _settle(daemon, names: tuple[str, ...], timeout_s: float = 20.0) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Poll /metrics until every named gauge is 0; what is left (empty when settled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = scrape(daemon.metrics)
+        left = {name: metric_value(text, name) for name in names if metric_value(text, name)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def _expected_tokens() -> torch.Tensor:
+    """The token bytes of BLOCKS in an engine filled from SEED (computed in a scratch engine)."""
+    scratch = ShmEngine("unix:///nowhere", "scratch", llama_spec(num_blocks=256))
+    try:
+        scratch.fill_random(SEED)
+        return scratch.token_bytes(BLOCKS, TOKENS).clone()
+    finally:
+        scratch.close()
+
+
+def _still_serves(daemon, reader: ShmEngine, reader_id: str) -> None:  # type: ignore[no-untyped-def]
+    """A new holder engine on the same daemon: a pull into ``reader`` arrives byte-exact."""
+    holder = ShmEngine(daemon.unix_target, "p-again", llama_spec(num_blocks=256))
+    try:
+        holder.register()
+        holder.fill_random(SEED + 1)
+        params = holder.client.hold_blocks(engine_id="p-again", request_id="again", block_ids=[0, 1], num_tokens=32)
+        started = reader.client.start_pull(
+            engine_id=reader_id, tp_rank=0, request_id="again", local_block_ids=[7, 8], remote=params.kv_transfer_params
+        )
+        status = reader.client.wait_transfer(started.transfer_id, timeout_s=30)
+        assert status.state == common_pb2.TRANSFER_STATE_DONE
+        assert bool(reader.token_bytes([7, 8], 32).equal(holder.token_bytes([0, 1], 32)))
+    finally:
+        holder.close()
+
+
+def test_reader_engine_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict[str, str]) -> None:
+    """The engine being pulled into dies mid-read; its holder neighbour and the daemon live on."""
+    daemon = spawn_daemon(name="node", env=ucx_env)
+    holder = ShmEngine(daemon.unix_target, "p", llama_spec(num_blocks=256))
+    engine, shm_name = None, ""
+    client = KvdClient(daemon.unix_target, timeout_s=30)
+    try:
+        engine, shm_name = _engine_process(daemon.unix_target, "d")
+        holder.register()
+        holder.fill_random(3)
+        stream = holder.client.open_engine_stream("p", 0)
+        params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=BLOCKS, num_tokens=TOKENS)
+        started = client.start_pull(
+            engine_id="d",
+            tp_rank=0,
+            request_id="r",
+            local_block_ids=BLOCKS,
+            remote=params.kv_transfer_params,
+            deadline_ms=20000,
+        )
+        _wait_reading(client, started.transfer_id)
+        engine.kill()
+        engine.wait()
+        try:
+            status = client.wait_transfer(started.transfer_id, timeout_s=30)
+        except (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded):
+            pass
+        else:
+            assert status.state == common_pb2.TRANSFER_STATE_DONE
+        assert daemon.process.poll() is None, "the daemon died with an engine"
+        assert not _settle(daemon, SETTLED), "a pull or read is still counted"
+        assert not _settle(daemon, ("kvd_quarantined_bytes",)), "the dead reader's memory stays quarantined"
+        with contextlib.suppress(errors.UnknownLease):
+            holder.client.release_lease(lease_id=params.lease.lease_id)
+        deadline = time.monotonic() + 10
+        ended = []
+        while not ended and time.monotonic() < deadline:
+            ended = [m for m in stream.poll(timeout_s=0.1) if m.WhichOneof("kind") == "finished_sending"]
+        assert len(ended) == 1, "the holder engine was not told its lease ended"
+        stream.close()
+        again = ShmEngine(daemon.unix_target, "d2", llama_spec(num_blocks=256))
+        try:
+            again.register()
+            _still_serves(daemon, again, "d2")
+        finally:
+            again.close()
+    finally:
+        if engine is not None and engine.poll() is None:
+            engine.kill()
+        holder.close()
+        client.close()
+        if shm_name:
+            unlink_shm(shm_name)
+
+
+def test_holder_engine_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict[str, str]) -> None:
+    """The engine being read from dies mid-read: the pull is DONE with exact bytes or fails with
+    nothing landing after it is reported; the reader engine and the daemon live on."""
+    daemon = spawn_daemon(name="node", env=ucx_env)
+    expected = _expected_tokens()
+    reader = ShmEngine(daemon.unix_target, "d", llama_spec(num_blocks=256))
+    engine, shm_name = None, ""
+    try:
+        engine, shm_name = _engine_process(daemon.unix_target, "p")
+        reader.register()
+        reader.fill(PATTERN)
+        params = reader.client.hold_blocks(engine_id="p", request_id="r", block_ids=BLOCKS, num_tokens=TOKENS)
+        started = reader.client.start_pull(
+            engine_id="d",
+            tp_rank=0,
+            request_id="r",
+            local_block_ids=BLOCKS,
+            remote=params.kv_transfer_params,
+            deadline_ms=20000,
+        )
+        _wait_reading(reader.client, started.transfer_id)
+        engine.kill()
+        engine.wait()
+        try:
+            status = reader.client.wait_transfer(started.transfer_id, timeout_s=30)
+        except (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded, errors.PeerUnavailable) as exc:
+            # Failed: reported only once no byte of it can land. The blocks get a pattern and,
+            # well past when a stray read would have ended, are intact.
+            assert exc.code is not None
+            reader.fill(PATTERN)
+            time.sleep(1.5)
+            assert bool((reader.buffer == PATTERN).all()), "a byte of the failed pull landed after it was reported"
+        else:
+            assert status.state == common_pb2.TRANSFER_STATE_DONE
+            assert bool(reader.token_bytes(BLOCKS, TOKENS).equal(expected)), "a DONE pull's bytes differ"
+        assert daemon.process.poll() is None, "the daemon died with an engine"
+        assert not _settle(daemon, SETTLED), "a pull or read is still counted"
+        deadline = time.monotonic() + 10  # the daemon checks its engines' pids every 250 ms
+        while [e.engine_id for e in reader.client.get_status().engines] != ["d"]:
+            assert time.monotonic() < deadline, "the dead holder engine is still registered"
+            time.sleep(0.05)
+        _still_serves(daemon, reader, "d")
+    finally:
+        if engine is not None and engine.poll() is None:
+            engine.kill()
+        reader.close()
+        if shm_name:
+            unlink_shm(shm_name)
