@@ -207,3 +207,82 @@ def test_holder_engine_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict
         reader.close()
         if shm_name:
             unlink_shm(shm_name)
+
+
+def test_data_plane_worker_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict[str, str]) -> None:
+    """The daemon's data-plane worker (one NIXL agent for the holder and the reader side) is
+    SIGKILLed with four pulls between two of its engines reading: each ends DONE with exact bytes
+    or fails UNAVAILABLE with nothing landing after it is reported; the daemon replaces the worker
+    once, both engines keep their registrations, and the next pull between them is exact."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    daemon = spawn_daemon(name="node", env=ucx_env)
+    holder = ShmEngine(daemon.unix_target, "p", llama_spec(num_blocks=256))
+    reader = ShmEngine(daemon.unix_target, "d", llama_spec(num_blocks=256))
+    try:
+        holder.register()
+        reader.register()
+        holder.fill_random(SEED)
+        reader.fill(PATTERN)
+        status = reader.client.get_status()
+        old_pid, restarts = int(status.dataplane_pid), status.dataplane_restarts
+        pulls = []
+        for i in range(4):
+            blocks = BLOCKS[i * 64 : (i + 1) * 64]
+            params = holder.client.hold_blocks(engine_id="p", request_id=f"r{i}", block_ids=blocks, num_tokens=64 * 16)
+            started = reader.client.start_pull(
+                engine_id="d",
+                tp_rank=0,
+                request_id=f"r{i}",
+                local_block_ids=blocks,
+                remote=params.kv_transfer_params,
+                deadline_ms=20000,
+            )
+            pulls.append((blocks, started.transfer_id))
+        deadline = time.monotonic() + 10
+        while all(reader.client.get_transfer(t).state == common_pb2.TRANSFER_STATE_PLANNED for _, t in pulls):
+            assert time.monotonic() < deadline, "no pull started reading"
+            time.sleep(0.001)
+        import os
+
+        os.kill(old_pid, signal.SIGKILL)
+
+        def outcome(transfer_id: str) -> str:
+            try:
+                return common_pb2.TransferState.Name(reader.client.wait_transfer(transfer_id, timeout_s=30).state)
+            except errors.Unavailable:
+                return "UNAVAILABLE"
+
+        with ThreadPoolExecutor(len(pulls)) as pool:
+            outcomes = list(pool.map(outcome, [t for _, t in pulls]))
+        assert set(outcomes) <= {"TRANSFER_STATE_DONE", "UNAVAILABLE"}, outcomes
+        failed = [blocks for (blocks, _), got in zip(pulls, outcomes, strict=True) if got == "UNAVAILABLE"]
+        for (blocks, _), got in zip(pulls, outcomes, strict=True):
+            if got == "TRANSFER_STATE_DONE":
+                assert bool(reader.token_bytes(blocks, 64 * 16).equal(holder.token_bytes(blocks, 64 * 16)))
+        # Nothing lands after the pulls were reported: the whole cache gets a pattern and, well
+        # past when a stray read would have ended, is intact.
+        reader.fill(PATTERN)
+        time.sleep(1.0)
+        assert bool((reader.buffer == PATTERN).all()), f"a byte landed after the pulls ended ({len(failed)} failed)"
+        deadline = time.monotonic() + 30
+        while True:
+            status = reader.client.get_status()
+            if status.dataplane_pid not in (0, old_pid) and status.dataplane_restarts >= restarts + 1:
+                break
+            assert time.monotonic() < deadline, "the data plane was not restarted"
+            time.sleep(0.01)
+        assert status.dataplane_restarts == restarts + 1
+        assert sorted(e.engine_id for e in status.engines) == ["d", "p"], "an engine lost its registration"
+        assert daemon.process.poll() is None
+        assert not _settle(daemon, SETTLED), "a pull or read is still counted"
+        params = holder.client.hold_blocks(engine_id="p", request_id="after", block_ids=[3, 4], num_tokens=32)
+        started = reader.client.start_pull(
+            engine_id="d", tp_rank=0, request_id="after", local_block_ids=[200, 201], remote=params.kv_transfer_params
+        )
+        assert reader.client.wait_transfer(started.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+        assert bool(reader.token_bytes([200, 201], 32).equal(holder.token_bytes([3, 4], 32)))
+    finally:
+        holder.close()
+        reader.close()
