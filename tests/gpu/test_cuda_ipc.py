@@ -62,10 +62,14 @@ class CudaEngine:
         self.client.close()
 
 
-def test_vram_registration_is_zero_copy_and_pulls_between_daemons(spawn_daemon) -> None:
+@pytest.mark.parametrize("daemons", ["two", "one"], ids=["two-daemons", "one-daemon"])
+def test_vram_registration_is_zero_copy_and_pulls_between_daemons(spawn_daemon, daemons: str) -> None:
+    """VRAM to VRAM between two daemons, and between two engines of one daemon (both engines on
+    one node: NIXL copies within the daemon's own agent, kvd.core.loopback)."""
     from kvtest import small_spec
 
-    a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
+    a = spawn_daemon(name="a")
+    b = spawn_daemon(name="b") if daemons == "two" else a
     spec = small_spec(num_blocks=32)
     holder = CudaEngine(a.unix_target, "holder", spec)
     reader = CudaEngine(b.unix_target, "reader", spec)
@@ -94,7 +98,7 @@ def test_vram_registration_is_zero_copy_and_pulls_between_daemons(spawn_daemon) 
                     n = tokens * spec.token_bytes
                     assert torch.equal(holder.buffer[s : s + n], reader.buffer[d : d + n])
         status_pb = reader.client.get_status()
-        assert status_pb.engines[0].registered_bytes == spec.total_bytes
+        assert {e.registered_bytes for e in status_pb.engines} == {spec.total_bytes}
     finally:
         holder.close()
         reader.close()
