@@ -240,3 +240,62 @@ def test_a_read_over_the_post_bound_goes_in_pieces_and_arrives_exact(spawn_daemo
     finally:
         holder.close()
         reader.close()
+
+
+def test_one_daemon_holder_re_registered_between_and_during_pulls(spawn_daemon) -> None:
+    """Both engines on one daemon, the holder engine unregistered and registered again under the
+    same id (new memory), between pulls and while pulls from it read: a pull after each
+    re-registration is exact (the daemon's cached view of itself is refreshed, its lists over the
+    old memory never used), and a pull caught by one ends DONE and exact or fails with a
+    retryable error naming the cause, never INTERNAL."""
+    import threading
+
+    from kvd_client import errors
+
+    a = spawn_daemon(name="a")
+    spec = small_spec(num_blocks=64)
+    reader = ShmEngine(a.unix_target, "d", spec)
+    holder = ShmEngine(a.unix_target, "p", spec)
+    caught: list[str] = []
+    try:
+        reader.register()
+        for round_ in range(6):
+            holder.register()
+            holder.fill_random(100 + round_)
+            blocks = list(range(8))
+            params = holder.client.hold_blocks(
+                engine_id="p", request_id=f"r{round_}", block_ids=blocks, num_tokens=8 * spec.block_size
+            ).kv_transfer_params
+            started = reader.client.start_pull(
+                engine_id="d", tp_rank=0, request_id=f"r{round_}", local_block_ids=list(range(20, 28)), remote=params
+            )
+            status = reader.client.wait_transfer(started.transfer_id, timeout_s=30)
+            assert status.state == common_pb2.TRANSFER_STATE_DONE, status
+            assert reader.token_bytes(list(range(20, 28)), 8 * spec.block_size).equal(
+                holder.token_bytes(blocks, 8 * spec.block_size)
+            )
+            # Pulls in flight while the holder goes away and comes back.
+            ids = []
+            for i in range(3):
+                params = holder.client.hold_blocks(
+                    engine_id="p", request_id=f"x{round_}-{i}", block_ids=[i], num_tokens=spec.block_size
+                ).kv_transfer_params
+                ids.append(
+                    reader.client.start_pull(
+                        engine_id="d", tp_rank=0, request_id=f"x{round_}-{i}", local_block_ids=[40 + i], remote=params
+                    ).transfer_id
+                )
+            swap = threading.Thread(target=holder.close)
+            swap.start()
+            for transfer_id in ids:
+                try:
+                    reader.client.wait_transfer(transfer_id, timeout_s=30)
+                except errors.KvdError as exc:
+                    assert not isinstance(exc, errors.Internal), f"INTERNAL: {exc}"
+                    caught.append(type(exc).__name__)
+            swap.join()
+            holder = ShmEngine(a.unix_target, "p", spec)
+        assert a.process.poll() is None
+    finally:
+        holder.close()
+        reader.close()
