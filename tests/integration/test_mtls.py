@@ -72,6 +72,29 @@ def test_daemons_pull_over_mtls_and_refuse_clients_without_a_certificate(spawn_d
         reader.close()
 
 
+def test_engines_of_one_mtls_daemon_pull_from_each_other(spawn_daemon, pki: Path) -> None:
+    """Both engines on one node whose daemon serves peers only over mTLS: its handshake with
+    itself goes through its own TLS listener with its own certificate, then the pull reads in place."""
+    a = spawn_daemon(*_tls_flags(pki, "node-a"), name="a")
+    holder = ShmEngine(a.unix_target, "holder", small_spec())
+    reader = ShmEngine(a.unix_target, "reader", small_spec())
+    try:
+        holder.register()
+        reader.register()
+        holder.fill_random(7)
+        params = holder.client.hold_blocks(
+            engine_id="holder", request_id="r", block_ids=[2, 3], num_tokens=30
+        ).kv_transfer_params
+        started = reader.client.start_pull(
+            engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[5, 6], remote=params
+        )
+        assert reader.client.wait_transfer(started.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+        assert reader.token_bytes([5, 6], 30).equal(holder.token_bytes([2, 3], 30))
+    finally:
+        holder.close()
+        reader.close()
+
+
 def _kvd(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvd.cli.main", *args], capture_output=True, text=True, timeout=timeout, check=False
