@@ -119,6 +119,15 @@ def _needs_groups(order: GroupOrder | None) -> bool:
     return order is not None and (len(order.groups) > 1 or order.groups[0].mla)
 
 
+def _bounded_replay(config: KVCacheConfig | None) -> bool:
+    """A sliding-window group under bounded replay (DeepSeek V4.1): vLLM does not replay it after
+    a P/D load, so the decode engine must recompute the last prompt token (vLLM's NIXL connector
+    backs off one token for it, as for Mamba state)."""
+    if config is None:
+        return False
+    return any(getattr(g.kv_cache_spec, "bounded_replay", False) for g in config.kv_cache_groups)
+
+
 class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by the node's kvd daemon (pull-based, both directions).
 
@@ -153,6 +162,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: KvdScheduler | None = None
         self._worker: KvdWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            has_state = (
+                multi
+                and self.group_order is not None
+                and any(g.kind is KvGroupKind.STATE for g in self.group_order.groups)
+            )
+            # A multi-module MTP drafter reads this many prompt tokens ahead (vLLM's own margin).
+            lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
             hold = SchedulerLink(self.config.target, rpc_timeout_s=self.config.rpc_timeout_s)
             hold.start_stream(self.engine_id)
             self._scheduler = KvdScheduler(
@@ -162,10 +178,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 hold_client=hold,
                 speculative=self.speculative,
                 num_groups=len(self.group_order.tables) if self.group_order is not None else 1,
-                has_state=multi
-                and self.group_order is not None
-                and any(g.kind is KvGroupKind.STATE for g in self.group_order.groups),
+                has_state=has_state,
                 stream=hold,
+                prefill_backoff=max(1 if has_state or _bounded_replay(kv_cache_config) else 0, lookahead - 1),
             )
             self._scheduler.metadata_cls = KvdVllmMetadata
         else:

@@ -129,14 +129,18 @@ class KvdScheduler:
         has_state: bool = False,
         stream: SchedulerStreamClient | None = None,
         clock: Callable[[], float] = time.monotonic,
+        prefill_backoff: int | None = None,
     ) -> None:
         """``num_groups``: the engine's KV cache groups (hybrid models > 1); ``has_state``: one of
         them is Mamba / linear-attention state (the prefill engine leaves the last prompt token to
         the decode engine, which derives the final state from the pulled one, as vLLM's NIXL
-        connector does)."""
+        connector does); ``prefill_backoff``: the trailing prompt tokens a prefill for a remote
+        decode leaves to the decode engine (default: 1 with state groups, else 0; a multi-module
+        MTP drafter needs its lookahead window, see :meth:`_truncate_for_decode`)."""
         self.config = config
         self.num_groups = num_groups
         self.has_state = has_state
+        self.prefill_backoff = (1 if has_state else 0) if prefill_backoff is None else max(0, prefill_backoff)
         self.engine_id = engine_id
         self.block_size = block_size
         self.speculative = speculative
@@ -178,14 +182,15 @@ class KvdScheduler:
 
     def on_new_request(self, request: Any) -> None:
         """A new request: renew the remote lease it carries while it waits to pull, and stop a
-        prefill of a model with state groups one prompt token short (:meth:`_truncate_for_state`)."""
+        prefill for a remote decode short of the tokens the decode engine recomputes
+        (:meth:`_truncate_for_decode`)."""
         remote = remote_kv(request.kv_transfer_params, warn=True)
         if remote is not None:
             self._awaiting[request.request_id] = (
                 str(remote.fields.get("daemon_address", "")),
                 str(remote.fields.get("lease_id", "")),
             )
-        self._truncate_for_state(request)
+        self._truncate_for_decode(request)
 
     def _release(self, request: ConnectorRequest, reason: str) -> None:
         """Nobody here will read the request's remote lease: tell the holder now."""
@@ -374,27 +379,39 @@ class KvdScheduler:
         )
         params[PULL_DONE_KEY] = True  # one transfer per request, even if rescheduled
 
-    def _truncate_for_state(self, request: Any) -> None:
-        """A prefill engine of a model with state groups stops one prompt token short.
+    def _truncate_for_decode(self, request: Any) -> None:
+        """A prefill for a remote decode stops ``prefill_backoff`` prompt tokens short.
 
-        The decode engine pulls the state after N-1 tokens and recomputes the last prompt
-        token itself (vLLM always recomputes it), which yields the state after N tokens; a
-        state after N tokens would be advanced twice by that token. vLLM's NIXL connector does
-        the same (``_truncate_request_for_prefill``).
+        With state groups (Mamba) the decode engine pulls the state after N-1 tokens and
+        recomputes the last prompt token itself (vLLM always recomputes it), which yields the
+        state after N tokens; a state after N tokens would be advanced twice by that token. A
+        multi-module MTP drafter reads that many tokens ahead: a prefill that computed them would
+        leave unverified drafts in the MTP layers' KV, which the decode engine never rebuilds. The
+        decode engine pulls what the prefill held (``num_tokens``) and recomputes the rest.
+        vLLM's NIXL connector does the same (``_truncate_request_for_prefill``), and likewise
+        leaves alone a request that skips the prefix cache (it loads nothing remote).
         """
+        backoff = self.prefill_backoff
         params = request.kv_transfer_params
         if (
-            not self.has_state
+            not backoff
             or not params
             or not params.get("do_remote_decode")
             or params.get("_kvd_truncated")
-            or request.num_prompt_tokens <= 1
-            or request.prompt_token_ids is None
+            or request.num_prompt_tokens <= backoff
         ):
             return
-        del request.prompt_token_ids[-1:]
-        del request._all_token_ids[-1:]  # noqa: SLF001 - vLLM keeps prompt + output here (as NIXL does)
-        request.num_prompt_tokens -= 1
+        skips_cache = getattr(request, "get_skip_reading_prefix_cache", None)
+        if skips_cache is not None and skips_cache():
+            return
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-backoff:]
+        elif getattr(request, "prompt_embeds", None) is not None:
+            request.prompt_embeds = request.prompt_embeds[:-backoff]
+        else:
+            return
+        del request._all_token_ids[-backoff:]  # noqa: SLF001 - vLLM keeps prompt + output here (as NIXL does)
+        request.num_prompt_tokens -= backoff
         request.max_tokens = 1
         params["_kvd_truncated"] = True
 

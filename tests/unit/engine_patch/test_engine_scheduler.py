@@ -253,3 +253,55 @@ def test_config_validation_and_extra_config_parsing() -> None:
         KvdConnectorConfig(pull_threshold_tokens=-1)
     with pytest.raises(ValueError, match="nwor_mode"):
         KvdConnectorConfig(nwor_mode="maybe")
+
+
+class _VllmLikeRequest:
+    """The fields of vLLM's Request the prefill truncation touches."""
+
+    def __init__(self, prompt: list[int] | None, embeds: list[float] | None = None, skip_cache: bool = False) -> None:
+        self.request_id = "r"
+        self.prompt_token_ids = None if prompt is None else list(prompt)
+        self.prompt_embeds = embeds
+        self._all_token_ids = list(prompt if prompt is not None else range(len(embeds or [])))
+        self.num_prompt_tokens = len(self._all_token_ids)
+        self.max_tokens = 16
+        self.kv_transfer_params: dict[str, Any] = {"do_remote_decode": True}
+        self._skip = skip_cache
+
+    def get_skip_reading_prefix_cache(self) -> bool:
+        return self._skip
+
+
+@pytest.mark.parametrize(
+    "has_state,backoff,expected",
+    [(False, None, 0), (True, None, 1), (False, 3, 3), (True, 3, 3)],
+    ids=["plain", "state", "mtp-lookahead", "state-and-mtp"],
+)
+def test_a_prefill_for_a_remote_decode_stops_short_by_its_backoff(
+    has_state: bool, backoff: int | None, expected: int
+) -> None:
+    """Mamba state: one token short (the decode engine derives the last state); a multi-module
+    MTP drafter's lookahead: that many tokens short; once only, whatever happens after."""
+    sched = KvdScheduler(
+        KvdConnectorConfig(), "eng", block_size=4, hold_client=None, has_state=has_state, prefill_backoff=backoff
+    )
+    req = _VllmLikeRequest(list(range(10)))
+    sched.on_new_request(req)
+    assert req.num_prompt_tokens == 10 - expected and req.prompt_token_ids == list(range(10 - expected))
+    assert req._all_token_ids == list(range(10 - expected))
+    assert req.max_tokens == (1 if expected else 16)
+    sched.on_new_request(req)  # preempted and scheduled again: not truncated twice
+    assert req.num_prompt_tokens == 10 - expected
+
+
+def test_prompt_embeds_are_truncated_and_a_request_skipping_the_prefix_cache_is_not() -> None:
+    sched = KvdScheduler(KvdConnectorConfig(), "eng", block_size=4, hold_client=None, prefill_backoff=2)
+    embedded = _VllmLikeRequest(None, embeds=[0.5] * 8)
+    sched.on_new_request(embedded)
+    assert embedded.prompt_embeds == [0.5] * 6 and embedded.num_prompt_tokens == 6
+    skipping = _VllmLikeRequest(list(range(8)), skip_cache=True)  # prompt logprobs: decode loads nothing
+    sched.on_new_request(skipping)
+    assert skipping.num_prompt_tokens == 8 and skipping.max_tokens == 16
+    short = _VllmLikeRequest([1, 2])  # no longer than the backoff: left whole
+    sched.on_new_request(short)
+    assert short.num_prompt_tokens == 2
