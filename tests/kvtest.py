@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -158,6 +160,36 @@ def engine_pair(
 def scrape(metrics_address: str) -> str:
     """The daemon's /metrics page (parse it with :func:`metric_value`)."""
     return metrics_text.fetch(metrics_address)
+
+
+def wait_reading(client: KvdClient, transfer_id: str, timeout_s: float = 10.0) -> None:
+    """Until the pull is READING (its NIXL READs posted)."""
+    deadline = time.monotonic() + timeout_s
+    while client.get_transfer(transfer_id).state != common_pb2.TRANSFER_STATE_READING:
+        assert time.monotonic() < deadline, "the pull never started reading"
+        time.sleep(0.002)
+
+
+def gauges_settle(metrics_address: str, names: Sequence[str], timeout_s: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until every named gauge is 0; what is left (empty when settled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = scrape(metrics_address)
+        left = {name: metric_value(text, name) for name in names if metric_value(text, name)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def drain(stream: Any, timeout_s: float) -> list[Any]:
+    """An engine stream's messages until ``timeout_s``, or 0.3 s after the first arrives."""
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got.extend(stream.poll(timeout_s=0.05))
+        if got:
+            deadline = min(deadline, time.monotonic() + 0.3)
+    return got
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -8,11 +8,10 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from kvtest import ShmEngine, llama_spec, metric_value, scrape
+from kvtest import ShmEngine, drain, gauges_settle, llama_spec, metric_value, scrape, wait_reading
 
 from kvd.cli.spawn import child_env
 from kvd_client import KvdClient, errors
@@ -24,24 +23,6 @@ pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 SLOW = child_env(UCX_TLS="tcp")
 ENGINE_PROC = Path(__file__).resolve().parents[1] / "stress" / "engine_proc.py"
 BLOCKS = list(range(256))
-
-
-def _wait_reading(client, transfer_id: str) -> None:
-    deadline = time.monotonic() + 10
-    while client.get_transfer(transfer_id).state != common_pb2.TRANSFER_STATE_READING:
-        assert time.monotonic() < deadline, "the pull never started reading"
-        time.sleep(0.002)
-
-
-def _gauges_settle(daemon, names: tuple[str, ...], timeout_s: float = 20.0) -> dict[str, float]:
-    """Poll /metrics until every named gauge is 0; return what is left (empty when settled)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = scrape(daemon.metrics)
-        left = {name: metric_value(text, name) for name in names if metric_value(text, name)}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
 
 
 def test_reader_engine_killed_mid_read(spawn_daemon, ucx_env: dict[str, str]) -> None:
@@ -78,7 +59,7 @@ def test_reader_engine_killed_mid_read(spawn_daemon, ucx_env: dict[str, str]) ->
             remote=params.kv_transfer_params,
             deadline_ms=20000,
         )
-        _wait_reading(client, started.transfer_id)
+        wait_reading(client, started.transfer_id)
         engine.kill()
         engine.wait()
         try:
@@ -89,17 +70,19 @@ def test_reader_engine_killed_mid_read(spawn_daemon, ucx_env: dict[str, str]) ->
             assert not tcp, "over TCP the 512 MiB read cannot have finished before the engine's death was seen"
             assert status.state == common_pb2.TRANSFER_STATE_DONE
         assert reader_daemon.process.poll() is None, "the reader daemon died with its engine"
-        left = _gauges_settle(
-            reader_daemon,
+        left = gauges_settle(
+            reader_daemon.metrics,
             ("kvd_transfers_in_flight", "kvd_nixl_reads_in_flight", "kvd_engines_registered", "kvd_quarantined_bytes"),
         )
         assert not left, f"the reader daemon kept {left}"
         # The holder: the aborted read was abandoned once fenced (the lease is still held) or it
         # had completed (the lease ended as read); either way nothing is admitted any more.
-        assert not _gauges_settle(holder_daemon, ("kvd_admitted_reads",)), "the holder still counts the dead read"
+        assert not gauges_settle(holder_daemon.metrics, ("kvd_admitted_reads",)), (
+            "the holder still counts the dead read"
+        )
         with contextlib.suppress(errors.UnknownLease):
             holder.client.release_lease(lease_id=params.lease.lease_id)
-        ended = [m for m in _drain(stream, 5.0) if m.WhichOneof("kind") == "finished_sending"]
+        ended = [m for m in drain(stream, 5.0) if m.WhichOneof("kind") == "finished_sending"]
         assert len(ended) == 1, "the holder engine was not told exactly once"
         # The reader daemon still serves: a new engine under the same id pulls fine.
         again = ShmEngine(reader_daemon.unix_target, "d", llama_spec(num_blocks=256))
@@ -145,7 +128,7 @@ def test_puller_daemon_killed_mid_read(spawn_daemon) -> None:
             remote=params.kv_transfer_params,
             deadline_ms=4000,
         )
-        _wait_reading(reader.client, started.transfer_id)
+        wait_reading(reader.client, started.transfer_id)
         reader_daemon.kill()
         reader.registered = False
         text = scrape(holder_daemon.metrics)
@@ -159,9 +142,11 @@ def test_puller_daemon_killed_mid_read(spawn_daemon) -> None:
         )
         # The read was admitted for the pull's deadline (4 s) + margin (1 s): then the lease ends and
         # the engine is told, once.
-        ended = [m for m in _drain(stream, 10.0) if m.WhichOneof("kind") == "finished_sending"]
+        ended = [m for m in drain(stream, 10.0) if m.WhichOneof("kind") == "finished_sending"]
         assert len(ended) == 1 and ended[0].finished_sending.lease_id == params.lease.lease_id
-        assert not _gauges_settle(holder_daemon, ("kvd_admitted_reads", "kvd_leases_draining", "kvd_leases_held"))
+        assert not gauges_settle(
+            holder_daemon.metrics, ("kvd_admitted_reads", "kvd_leases_draining", "kvd_leases_held")
+        )
         # Unregistering the engine now retires its mapping (the dead reader's READ was never
         # proven over): the daemon survives and keeps serving.
         holder.client.unregister_kv_cache(engine_id="p", tp_rank=0)
@@ -172,16 +157,6 @@ def test_puller_daemon_killed_mid_read(spawn_daemon) -> None:
     finally:
         holder.close()
         reader.close()
-
-
-def _drain(stream, timeout_s: float) -> list:
-    got: list = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got.extend(stream.poll(timeout_s=0.05))
-        if got:
-            deadline = min(deadline, time.monotonic() + 0.3)
-    return got
 
 
 _READER_ENGINE = rf"""

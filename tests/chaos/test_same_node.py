@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvtest import ShmEngine, llama_spec, metric_value, scrape
+from kvtest import ShmEngine, drain, gauges_settle, llama_spec, wait_reading
 
 from kvd_client import KvdClient, errors
 from kvd_client.shm import unlink_shm
@@ -59,22 +59,26 @@ def _engine_process(target: str, engine_id: str) -> tuple[subprocess.Popen[bytes
     return process, shm_name
 
 
-def _wait_reading(client: KvdClient, transfer_id: str) -> None:
-    deadline = time.monotonic() + 10
-    while client.get_transfer(transfer_id).state != common_pb2.TRANSFER_STATE_READING:
-        assert time.monotonic() < deadline, "the pull never started reading"
-        time.sleep(0.002)
-
-
-def _settle(daemon, names: tuple[str, ...], timeout_s: float = 20.0) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """Poll /metrics until every named gauge is 0; what is left (empty when settled)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = scrape(daemon.metrics)
-        left = {name: metric_value(text, name) for name in names if metric_value(text, name)}
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
+def _pull_then_kill(client: KvdClient, reader_id: str, params: object, victim: subprocess.Popen[bytes]) -> bool:
+    """Pull every block of the lease into ``reader_id``, SIGKILL ``victim`` once the pull reads;
+    True if the pull ended DONE, False if it failed with an error naming the death."""
+    started = client.start_pull(
+        engine_id=reader_id,
+        tp_rank=0,
+        request_id="r",
+        local_block_ids=BLOCKS,
+        remote=params,  # type: ignore[arg-type]
+        deadline_ms=20000,
+    )
+    wait_reading(client, started.transfer_id)
+    victim.kill()
+    victim.wait()
+    try:
+        status = client.wait_transfer(started.transfer_id, timeout_s=30)
+    except (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded, errors.PeerUnavailable):
+        return False
+    assert status.state == common_pb2.TRANSFER_STATE_DONE
+    return True
 
 
 def _expected_tokens() -> torch.Tensor:
@@ -116,32 +120,15 @@ def test_reader_engine_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict
         holder.fill_random(3)
         stream = holder.client.open_engine_stream("p", 0)
         params = holder.client.hold_blocks(engine_id="p", request_id="r", block_ids=BLOCKS, num_tokens=TOKENS)
-        started = client.start_pull(
-            engine_id="d",
-            tp_rank=0,
-            request_id="r",
-            local_block_ids=BLOCKS,
-            remote=params.kv_transfer_params,
-            deadline_ms=20000,
-        )
-        _wait_reading(client, started.transfer_id)
-        engine.kill()
-        engine.wait()
-        try:
-            status = client.wait_transfer(started.transfer_id, timeout_s=30)
-        except (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded):
-            pass
-        else:
-            assert status.state == common_pb2.TRANSFER_STATE_DONE
+        _pull_then_kill(client, "d", params.kv_transfer_params, engine)
         assert daemon.process.poll() is None, "the daemon died with an engine"
-        assert not _settle(daemon, SETTLED), "a pull or read is still counted"
-        assert not _settle(daemon, ("kvd_quarantined_bytes",)), "the dead reader's memory stays quarantined"
+        assert not gauges_settle(daemon.metrics, SETTLED), "a pull or read is still counted"
+        assert not gauges_settle(daemon.metrics, ("kvd_quarantined_bytes",)), (
+            "the dead reader's memory stays quarantined"
+        )
         with contextlib.suppress(errors.UnknownLease):
             holder.client.release_lease(lease_id=params.lease.lease_id)
-        deadline = time.monotonic() + 10
-        ended = []
-        while not ended and time.monotonic() < deadline:
-            ended = [m for m in stream.poll(timeout_s=0.1) if m.WhichOneof("kind") == "finished_sending"]
+        ended = [m for m in drain(stream, 10.0) if m.WhichOneof("kind") == "finished_sending"]
         assert len(ended) == 1, "the holder engine was not told its lease ended"
         stream.close()
         again = ShmEngine(daemon.unix_target, "d2", llama_spec(num_blocks=256))
@@ -171,31 +158,16 @@ def test_holder_engine_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict
         reader.register()
         reader.fill(PATTERN)
         params = reader.client.hold_blocks(engine_id="p", request_id="r", block_ids=BLOCKS, num_tokens=TOKENS)
-        started = reader.client.start_pull(
-            engine_id="d",
-            tp_rank=0,
-            request_id="r",
-            local_block_ids=BLOCKS,
-            remote=params.kv_transfer_params,
-            deadline_ms=20000,
-        )
-        _wait_reading(reader.client, started.transfer_id)
-        engine.kill()
-        engine.wait()
-        try:
-            status = reader.client.wait_transfer(started.transfer_id, timeout_s=30)
-        except (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded, errors.PeerUnavailable) as exc:
+        if _pull_then_kill(reader.client, "d", params.kv_transfer_params, engine):
+            assert bool(reader.token_bytes(BLOCKS, TOKENS).equal(expected)), "a DONE pull's bytes differ"
+        else:
             # Failed: reported only once no byte of it can land. The blocks get a pattern and,
             # well past when a stray read would have ended, are intact.
-            assert exc.code is not None
             reader.fill(PATTERN)
             time.sleep(1.5)
             assert bool((reader.buffer == PATTERN).all()), "a byte of the failed pull landed after it was reported"
-        else:
-            assert status.state == common_pb2.TRANSFER_STATE_DONE
-            assert bool(reader.token_bytes(BLOCKS, TOKENS).equal(expected)), "a DONE pull's bytes differ"
         assert daemon.process.poll() is None, "the daemon died with an engine"
-        assert not _settle(daemon, SETTLED), "a pull or read is still counted"
+        assert not gauges_settle(daemon.metrics, SETTLED), "a pull or read is still counted"
         deadline = time.monotonic() + 10  # the daemon checks its engines' pids every 250 ms
         while [e.engine_id for e in reader.client.get_status().engines] != ["d"]:
             assert time.monotonic() < deadline, "the dead holder engine is still registered"
@@ -276,7 +248,7 @@ def test_data_plane_worker_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: 
         assert status.dataplane_restarts == restarts + 1
         assert sorted(e.engine_id for e in status.engines) == ["d", "p"], "an engine lost its registration"
         assert daemon.process.poll() is None
-        assert not _settle(daemon, SETTLED), "a pull or read is still counted"
+        assert not gauges_settle(daemon.metrics, SETTLED), "a pull or read is still counted"
         params = holder.client.hold_blocks(engine_id="p", request_id="after", block_ids=[3, 4], num_tokens=32)
         started = reader.client.start_pull(
             engine_id="d", tp_rank=0, request_id="after", local_block_ids=[200, 201], remote=params.kv_transfer_params

@@ -37,23 +37,28 @@ def _tls_flags(pki: Path, node: str) -> list[str]:
     ]
 
 
+def _pull_checked(holder: ShmEngine, reader: ShmEngine) -> None:
+    """Register both engines; the reader pulls two of the holder's blocks, byte-exact."""
+    holder.register()
+    reader.register()
+    holder.fill_random(4)
+    params = holder.client.hold_blocks(
+        engine_id="holder", request_id="r", block_ids=[2, 3], num_tokens=30
+    ).kv_transfer_params
+    started = reader.client.start_pull(
+        engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[5, 6], remote=params
+    )
+    assert reader.client.wait_transfer(started.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
+    assert reader.token_bytes([5, 6], 30).equal(holder.token_bytes([2, 3], 30))
+
+
 def test_daemons_pull_over_mtls_and_refuse_clients_without_a_certificate(spawn_daemon, pki: Path) -> None:
     a = spawn_daemon(*_tls_flags(pki, "node-a"), name="a")
     b = spawn_daemon(*_tls_flags(pki, "node-b"), name="b")
     holder = ShmEngine(a.unix_target, "holder", small_spec())
     reader = ShmEngine(b.unix_target, "reader", small_spec())
     try:
-        holder.register()
-        reader.register()
-        holder.fill_random(4)
-        params = holder.client.hold_blocks(
-            engine_id="holder", request_id="r", block_ids=[2, 3], num_tokens=30
-        ).kv_transfer_params
-        started = reader.client.start_pull(
-            engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[5, 6], remote=params
-        )
-        assert reader.client.wait_transfer(started.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
-        assert reader.token_bytes([5, 6], 30).equal(holder.token_bytes([2, 3], 30))
+        _pull_checked(holder, reader)
 
         router_tls = TlsConfig.from_files(
             root_cert=pki / "ca.pem", client_cert=pki / "router.pem", client_key=pki / "router.key"
@@ -79,17 +84,7 @@ def test_engines_of_one_mtls_daemon_pull_from_each_other(spawn_daemon, pki: Path
     holder = ShmEngine(a.unix_target, "holder", small_spec())
     reader = ShmEngine(a.unix_target, "reader", small_spec())
     try:
-        holder.register()
-        reader.register()
-        holder.fill_random(7)
-        params = holder.client.hold_blocks(
-            engine_id="holder", request_id="r", block_ids=[2, 3], num_tokens=30
-        ).kv_transfer_params
-        started = reader.client.start_pull(
-            engine_id="reader", tp_rank=0, request_id="r", local_block_ids=[5, 6], remote=params
-        )
-        assert reader.client.wait_transfer(started.transfer_id, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
-        assert reader.token_bytes([5, 6], 30).equal(holder.token_bytes([2, 3], 30))
+        _pull_checked(holder, reader)
     finally:
         holder.close()
         reader.close()
