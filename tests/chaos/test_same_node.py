@@ -1,11 +1,11 @@
 """Chaos with both engines on one node: one daemon holds the KV and pulls it (kvd.core.loopback).
 
 The engine being read from, or the one being written into, is a process of its own and is
-SIGKILLed while a 512 MiB pull between them reads (with UCX_TLS=tcp and UCX's default transports;
-either way NIXL copies within the daemon's own agent, and the daemon maps both engines' memory
-itself, so the read may finish before the daemon sees the death). The daemon survives,
-the pull ends DONE with exact bytes or fails with nothing landing late, nothing stays admitted
-or in flight, and the daemon goes on serving pulls between its engines.
+SIGKILLed while a 512 MiB pull between them reads (UCX_TLS=tcp and UCX's default transports,
+alternating by round; either way NIXL copies within the daemon's own agent, and the daemon maps
+both engines' memory itself, so the read may finish before the daemon sees the death). The daemon
+survives, the pull ends DONE with exact bytes or fails with nothing landing late, nothing stays
+admitted or in flight, and the daemon goes on serving pulls between its engines.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import torch
 from kvtest import ShmEngine, drain, gauges_settle, llama_spec, wait_reading
 
+from kvd.cli.spawn import child_env
 from kvd_client import KvdClient, errors
 from kvd_client.shm import unlink_shm
 from kvd_client.v1 import common_pb2
@@ -45,6 +46,13 @@ print(engine.shm_name, flush=True)
 while True:
     time.sleep(3600)
 """
+
+
+def _ucx_env(chaos_round: int) -> dict[str, str]:
+    """UCX_TLS=tcp on odd rounds, UCX's default transports on even ones (the CPU-loaded round
+    among them). One daemon copies within its own agent either way, so the rounds alternate
+    rather than each running twice."""
+    return child_env(UCX_TLS="tcp") if chaos_round % 2 else child_env()
 
 
 def _engine_process(target: str, engine_id: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -108,9 +116,9 @@ def _still_serves(daemon, reader: ShmEngine, reader_id: str) -> None:  # type: i
         holder.close()
 
 
-def test_reader_engine_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict[str, str]) -> None:
+def test_reader_engine_killed_mid_read_on_one_daemon(spawn_daemon, chaos_round: int) -> None:
     """The engine being pulled into dies mid-read; its holder neighbour and the daemon live on."""
-    daemon = spawn_daemon(name="node", env=ucx_env)
+    daemon = spawn_daemon(name="node", env=_ucx_env(chaos_round))
     holder = ShmEngine(daemon.unix_target, "p", llama_spec(num_blocks=256))
     engine, shm_name = None, ""
     client = KvdClient(daemon.unix_target, timeout_s=30)
@@ -146,10 +154,10 @@ def test_reader_engine_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict
             unlink_shm(shm_name)
 
 
-def test_holder_engine_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict[str, str]) -> None:
+def test_holder_engine_killed_mid_read_on_one_daemon(spawn_daemon, chaos_round: int) -> None:
     """The engine being read from dies mid-read: the pull is DONE with exact bytes or fails with
     nothing landing after it is reported; the reader engine and the daemon live on."""
-    daemon = spawn_daemon(name="node", env=ucx_env)
+    daemon = spawn_daemon(name="node", env=_ucx_env(chaos_round))
     expected = _expected_tokens()
     reader = ShmEngine(daemon.unix_target, "d", llama_spec(num_blocks=256))
     engine, shm_name = None, ""
@@ -181,7 +189,7 @@ def test_holder_engine_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict
             unlink_shm(shm_name)
 
 
-def test_data_plane_worker_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: dict[str, str]) -> None:
+def test_data_plane_worker_killed_mid_read_on_one_daemon(spawn_daemon, chaos_round: int) -> None:
     """The daemon's data-plane worker (one NIXL agent for the holder and the reader side) is
     SIGKILLed with four pulls between two of its engines reading: each ends DONE with exact bytes
     or fails UNAVAILABLE with nothing landing after it is reported; the daemon replaces the worker
@@ -189,7 +197,7 @@ def test_data_plane_worker_killed_mid_read_on_one_daemon(spawn_daemon, ucx_env: 
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
-    daemon = spawn_daemon(name="node", env=ucx_env)
+    daemon = spawn_daemon(name="node", env=_ucx_env(chaos_round))
     holder = ShmEngine(daemon.unix_target, "p", llama_spec(num_blocks=256))
     reader = ShmEngine(daemon.unix_target, "d", llama_spec(num_blocks=256))
     try:
