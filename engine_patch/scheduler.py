@@ -349,14 +349,14 @@ class KvdScheduler:
         if lease is not None:
             self._reading[request.request_id] = lease
         local_blocks = math.ceil(num_external_tokens / self.block_size)
-        refused = ""
-        if skipped is None:  # matched tokens were promised for these params: they no longer parse
-            refused = f"its kv_transfer_params no longer name {num_external_tokens} tokens to pull"
-        elif len(block_ids) < local_blocks:
-            refused = f"{len(block_ids)} blocks allocated for {num_external_tokens} external tokens"
-        if refused or skipped is None:
+        if skipped is None or len(block_ids) < local_blocks:
             # vLLM now waits for this request's load: a pull that cannot start is reported
             # failed by the worker at once (recomputed), never left waiting for KV.
+            refused = (
+                f"its kv_transfer_params no longer name {num_external_tokens} tokens to pull"
+                if skipped is None  # matched tokens were promised for these params: they no longer parse
+                else f"{len(block_ids)} blocks allocated for {num_external_tokens} external tokens"
+            )
             logger.error("request %s: not pulling: %s", request.request_id, refused)
             self._pending_pulls[request.request_id] = PullSpec(
                 request_id=request.request_id,

@@ -363,13 +363,15 @@ class Peers:
             return info.agent_name
         return await self._dataplane.add_remote(info.agent_metadata)
 
-    async def _remove_remote(self, agent: RemoteAgent) -> None:
-        """Release the agent's lists and forget it in NIXL (this daemon's own agent: the lists only)."""
+    @staticmethod
+    async def _remove_remote(agent: RemoteAgent, dataplane: DataPlane) -> None:
+        """Release the agent's lists and forget it in ``dataplane``'s NIXL agent (the worker the
+        agent was loaded into; this daemon's own agent: the lists only)."""
         tables = agent.tables.close()
-        if agent.name == self._dataplane.name:
-            await self._dataplane.release_tables(tables)
+        if agent.name == dataplane.name:
+            await dataplane.release_tables(tables)
         else:
-            await self._dataplane.remove_remote(agent.name, tables)
+            await dataplane.remove_remote(agent.name, tables)
 
     def _new_agent(self, name: str) -> RemoteAgent:
         """A peer agent known from now on, with its own list cache (its metadata is loaded by the caller)."""
@@ -487,7 +489,7 @@ class Peers:
         agent.removed = True
         agent.live = False
         self._agents.pop(agent.name, None)
-        await self._remove_remote(agent)
+        await self._remove_remote(agent, self._dataplane)
         self._metrics.agent_reloads.inc()
 
     def pin(self, session: PeerSession) -> RemoteAgent:
@@ -537,8 +539,9 @@ class Peers:
             return
         agent.removed = True
         self._agents.pop(agent.name, None)
+        dataplane = self._dataplane  # the worker it was loaded into, even if a restart rebinds meanwhile
         await agent.settled()  # never remove an agent while its metadata loads: the load would follow
-        await self._remove_remote(agent)
+        await self._remove_remote(agent, dataplane)
         self._gauges()
         logger.debug("removed NIXL agent %s", agent.name)
 
