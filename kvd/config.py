@@ -23,10 +23,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from kvd.dataplane_protocol import DEFAULT_MAX_POST_BYTES
+from kvd.dataplane_protocol import DEFAULT_MAX_POST_BYTES, DEFAULT_PARALLEL_READ_MIN_BYTES
 from kvd_client.paths import default_engine_socket
 
 ENV_PREFIX = "KVD_"
+MAX_COPY_THREADS = 64
+AUTO_COPY_THREADS_MAX = 4  # dataplane_copy_threads = 0: one per usable CPU, at most this many
 
 NOT_CONFIG_ENV = frozenset({"KVD_SETUP_VLLM"})
 """``KVD_*`` variables that belong to other tools (scripts/setup.sh): never warned about."""
@@ -186,6 +188,22 @@ class KvdConfig:
             "heartbeat): bounds one NIXL call well under dataplane_heartbeat_timeout_s."
         },
     )
+    dataplane_copy_threads: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "Threads that copy one large host-memory READ together (NIXL's UCX thread pool, as vLLM's NIXL "
+            "connector uses it): over shared memory the thread that posts a READ copies it, so one thread "
+            "moves about one core's memory bandwidth. 0: one per CPU this process may run on, at most 4; "
+            "1: one thread, no pool."
+        },
+    )
+    dataplane_parallel_read_min_bytes: int = dataclasses.field(
+        default=DEFAULT_PARALLEL_READ_MIN_BYTES,
+        metadata={
+            "help": "A host-memory READ (or piece) of at least this many bytes is cut into equal descriptors "
+            "for the copy threads (dataplane_copy_threads); smaller READs finish within their post on one thread."
+        },
+    )
     dataplane_max_restarts: int = dataclasses.field(
         default=5,
         metadata={
@@ -331,6 +349,15 @@ class KvdConfig:
             problems.append(f"lease_ttl_s {self.lease_ttl_s} exceeds max_lease_ttl_s {self.max_lease_ttl_s}")
         if self.max_run_blocks < 1 or self.max_run_blocks & (self.max_run_blocks - 1):
             problems.append(f"max_run_blocks must be a power of two >= 1, got {self.max_run_blocks}")
+        if not 0 <= self.dataplane_copy_threads <= MAX_COPY_THREADS:
+            problems.append(
+                f"dataplane_copy_threads must be 0 (automatic) to {MAX_COPY_THREADS}, got {self.dataplane_copy_threads}"
+            )
+        if self.dataplane_parallel_read_min_bytes < 1 << 20:
+            problems.append(
+                "dataplane_parallel_read_min_bytes must be >= 1 MiB (1048576), "
+                f"got {self.dataplane_parallel_read_min_bytes}"
+            )
         if self.dataplane_max_post_bytes < 1 << 20:
             problems.append(f"dataplane_max_post_bytes must be >= 1 MiB (1048576), got {self.dataplane_max_post_bytes}")
         if self.dataplane_max_restarts < 0:
@@ -350,6 +377,14 @@ class KvdConfig:
             problems.append(f"log_level {self.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
         if problems:
             raise ValueError("invalid kvd configuration: " + "; ".join(problems))
+
+    @property
+    def copy_threads(self) -> int:
+        """dataplane_copy_threads resolved: 0 is one per CPU this process may run on, at most
+        AUTO_COPY_THREADS_MAX (more threads than cores only contend for them)."""
+        if self.dataplane_copy_threads:
+            return self.dataplane_copy_threads
+        return max(1, min(AUTO_COPY_THREADS_MAX, len(os.sched_getaffinity(0))))
 
     @property
     def tls_enabled(self) -> bool:

@@ -58,6 +58,18 @@ LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for the agent's own memory in pre
 # The default bound of the bytes one NIXL call of the worker copies (config
 # dataplane_max_post_bytes; why: kvd.worker.nixl_agent, READs posted in pieces).
 DEFAULT_MAX_POST_BYTES = 256 << 20
+# dataplane_parallel_read_min_bytes; why: kvd.worker.nixl_agent, large READs copied by several threads.
+DEFAULT_PARALLEL_READ_MIN_BYTES = 64 << 20
+
+
+class CopySettings(NamedTuple):
+    """How the worker's agent copies READs, sent with its ``start`` call (config
+    dataplane_max_post_bytes, dataplane_copy_threads resolved, dataplane_parallel_read_min_bytes)."""
+
+    max_post_bytes: int = DEFAULT_MAX_POST_BYTES
+    copy_threads: int = 1
+    parallel_read_min_bytes: int = DEFAULT_PARALLEL_READ_MIN_BYTES
+
 
 WireError = tuple[str, str]  # (KvdError class name, message)
 

@@ -181,6 +181,8 @@ class Daemon(HolderReads, DataPlaneRestarts):
             self.config.gil_switch_interval_s,
             prefault=self.config.prefault_host_memory,
             max_post_bytes=self.config.dataplane_max_post_bytes,
+            copy_threads=self.config.copy_threads,
+            parallel_read_min_bytes=self.config.dataplane_parallel_read_min_bytes,
         )
         dataplane = self._new_dataplane()
         try:

@@ -27,9 +27,11 @@ from pathlib import Path
 from kvd.dataplane_protocol import (
     CALL,
     DEFAULT_MAX_POST_BYTES,
+    DEFAULT_PARALLEL_READ_MIN_BYTES,
     HELLO,
     REPLY,
     AgentIdentity,
+    CopySettings,
     decode_error,
     frame,
     read_frame,
@@ -187,9 +189,11 @@ class WorkerLauncher:
         spare: bool = True,
         prefault: bool = True,
         max_post_bytes: int = DEFAULT_MAX_POST_BYTES,
+        copy_threads: int = 1,
+        parallel_read_min_bytes: int = DEFAULT_PARALLEL_READ_MIN_BYTES,
     ) -> None:
         self._agent_base = agent_base
-        self._max_post_bytes = max_post_bytes
+        self._copying = CopySettings(max_post_bytes, copy_threads, parallel_read_min_bytes)
         self._backends = backends
         self._progress_thread = progress_thread
         self._log_level = log_level
@@ -265,7 +269,7 @@ class WorkerLauncher:
                     raise Unavailable(f"the data-plane worker said {message[0]!r} instead of hello")
                 # Create the agent now, under the name its incarnation will have.
                 writer.writelines(
-                    frame((CALL, 0, "start", (agent_name, self._backends, self._progress_thread, self._max_post_bytes)))
+                    frame((CALL, 0, "start", (agent_name, self._backends, self._progress_thread, tuple(self._copying))))
                 )
                 reply = await read_frame(reader)
                 if reply[0] != REPLY or reply[1] != 0:

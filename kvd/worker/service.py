@@ -38,6 +38,7 @@ from kvd.dataplane_protocol import (
     REPLY,
     SETTLED,
     AgentIdentity,
+    CopySettings,
     MappedRegion,
     ReadOrder,
     RegionRequest,
@@ -164,11 +165,19 @@ class WorkerService:
     # --- life ---------------------------------------------------------------------------------
 
     async def start(
-        self, agent_name: str, backends: tuple[str, ...], progress_thread: bool, max_post_bytes: int
+        self, agent_name: str, backends: tuple[str, ...], progress_thread: bool, copying: tuple[int, int, int]
     ) -> AgentIdentity:
         if self._agent is not None:
             raise FailedPrecondition("the data-plane worker is already started")
-        agent = NixlAgent(agent_name, backends, progress_thread, max_post_bytes=max_post_bytes)
+        settings = CopySettings(*copying)
+        agent = NixlAgent(
+            agent_name,
+            backends,
+            progress_thread,
+            max_post_bytes=settings.max_post_bytes,
+            copy_threads=settings.copy_threads,
+            parallel_min_bytes=settings.parallel_read_min_bytes,
+        )
         await agent.start(self._notifications, self._settled)
         self._agent = agent
         return agent.identity()
