@@ -189,12 +189,13 @@ class KvdConfig:
         },
     )
     dataplane_copy_threads: int = dataclasses.field(
-        default=0,
+        default=1,
         metadata={
             "help": "Threads that copy one large host-memory READ together (NIXL's UCX thread pool, as vLLM's NIXL "
             "connector uses it): over shared memory the thread that posts a READ copies it, so one thread "
-            "moves about one core's memory bandwidth. 0: one per CPU this process may run on, at most 4; "
-            "1: one thread, no pool."
+            "moves about one core's memory bandwidth. 1 (the default): one thread, no pool; 0: one per CPU "
+            "this process may run on, at most 4. Off by default: with NIXL 1.5.1's thread pool, a reader's "
+            "worker killed mid-read over TCP crashed the holder's worker (SIGSEGV in its notification poll)."
         },
     )
     dataplane_parallel_read_min_bytes: int = dataclasses.field(

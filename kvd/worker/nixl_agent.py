@@ -27,7 +27,9 @@ with the last piece only, so the holder hears of it once every byte is read. Pie
 READ's runs by count (the runs of one READ are of similar size), so a piece can be larger by up
 to one run. The READ is final when its last piece is, or when a piece ends in ERR.
 
-**Large READs are copied by several threads.** With ``copy_threads`` > 1 the agent's UCX backend is
+**Large READs can be copied by several threads** (opt-in: config dataplane_copy_threads, default 1;
+with NIXL 1.5.1's pool a reader's worker killed mid-read over TCP crashed the holder's worker inside
+``get_new_notifs``, docs/performance.md). With ``copy_threads`` > 1 the agent's UCX backend is
 NIXL's thread pool (``num_threads``, as vLLM's NIXL connector creates it): a transfer of at least
 SPLIT_BATCH_SIZE descriptors is cut by NIXL into ``copy_threads`` consecutive chunks, each posted
 and progressed by a dedicated thread on its own UCX worker, and NIXL sends the notification once
