@@ -122,7 +122,15 @@ def machine() -> dict[str, Any]:
                 break
     cores = os.cpu_count() or 0
     load = os.getloadavg()
-    summary = f"{cores} cores ({cpu}), load {load[0]:.1f} at start, host memory"
+    # The daemons the bench starts take their config from this environment (KVD_*): the copy
+    # threads change the large-pull figures, so they are part of what was measured.
+    from kvd.config import load_config  # noqa: PLC0415
+
+    copy_threads = load_config().copy_threads
+    summary = (
+        f"{cores} cores ({cpu}), load {load[0]:.1f} at start, host memory, "
+        f"{copy_threads} copy thread{'s' if copy_threads > 1 else ''} per READ"
+    )
     return {
         "summary": summary,
         "cpu": cpu,
@@ -133,6 +141,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": bool(torch.cuda.is_available()),
+        "copy_threads": copy_threads,
     }
 
 
