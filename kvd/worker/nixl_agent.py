@@ -527,9 +527,12 @@ class NixlAgent:
         """Prepare a descriptor list (blocking; run in a worker thread, see the module docstring)."""
         if self.agent is None:
             raise Unavailable("the NIXL data plane is not started")
+        # The table keeps the rows as given: compressed, they are a few rows per plane even where
+        # this NIXL must be given one row per descriptor.
+        given = rows
         if rows.shape[1] == 5 and not takes_strided_lists(self.agent):
             rows = expand_strided(rows)
-        return PreparedTable.of(self.agent.prep_xfer_dlist(agent_name, rows, mem_type), agent_name, mem_type, rows)
+        return PreparedTable.of(self.agent.prep_xfer_dlist(agent_name, rows, mem_type), agent_name, mem_type, given)
 
     async def release_tables(self, tables: Sequence[Any]) -> None:
         if tables:

@@ -224,3 +224,26 @@ def test_a_parallel_read_is_polled_without_spinning_until_its_bytes_time() -> No
         agent._stopping = True
         agent._wake.set()
         thread.join(WAIT_S)
+
+
+def test_a_table_keeps_its_rows_compressed_where_nixl_is_given_them_expanded() -> None:
+    """A NIXL without the compressed form gets one row per descriptor; the table itself keeps
+    the few compressed rows (millions of descriptors would otherwise be held twice)."""
+
+    class OldNixl:
+        def __init__(self) -> None:
+            self.given: np.ndarray | None = None
+
+        def prep_xfer_dlist(self, _agent: str, rows: np.ndarray, _mem: str) -> object:
+            self.given = rows
+            return object()
+
+    agent = NixlAgent("me")
+    old = OldNixl()
+    agent.agent = old
+    strided = _geometry().strided([1 << 30, 3 << 30])
+    table = agent.prepare_table("peer", strided, "DRAM")
+    assert old.given is not None and old.given.shape[1] == 3  # expanded for this NIXL
+    assert table.rows.shape == strided.shape  # kept compressed
+    indices = np.arange(old.given.shape[0])
+    assert np.array_equal(table.descriptors(indices)[0], old.given[:, 0])
