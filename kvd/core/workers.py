@@ -269,7 +269,7 @@ class WorkerLauncher:
                     raise Unavailable(f"the data-plane worker said {message[0]!r} instead of hello")
                 # Create the agent now, under the name its incarnation will have.
                 writer.writelines(
-                    frame((CALL, 0, "start", (agent_name, self._backends, self._progress_thread, tuple(self._copying))))
+                    frame((CALL, 0, "start", (agent_name, self._backends, self._progress_thread, self._copying)))
                 )
                 reply = await read_frame(reader)
                 if reply[0] != REPLY or reply[1] != 0:

@@ -625,10 +625,12 @@ class NixlAgent:
                 logger.debug(
                     "READ %d from %s: its last piece posted, %d in all", xfer.xfer_id, piece.peer, xfer.pieces_posted
                 )
-            # A parallel piece is never spun on: the spinning thread took a copy thread's core.
             now = time.monotonic()
-            xfer.spin_until = 0.0 if xfer.parallel else now + SPIN_S + piece.nbytes / SPIN_BYTES_PER_S
-            xfer.poll_from = now + piece.nbytes / (PARALLEL_BYTES_PER_S * self._copy_threads)
+            if xfer.parallel:  # never spun on: the spinning thread took a copy thread's core
+                xfer.spin_until = 0.0
+                xfer.poll_from = now + piece.nbytes / (PARALLEL_BYTES_PER_S * self._copy_threads)
+            else:
+                xfer.spin_until = now + SPIN_S + piece.nbytes / SPIN_BYTES_PER_S
             try:
                 state = self.agent.transfer(xfer.handle)
             except Exception as exc:

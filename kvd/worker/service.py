@@ -165,18 +165,17 @@ class WorkerService:
     # --- life ---------------------------------------------------------------------------------
 
     async def start(
-        self, agent_name: str, backends: tuple[str, ...], progress_thread: bool, copying: tuple[int, int, int]
+        self, agent_name: str, backends: tuple[str, ...], progress_thread: bool, copying: CopySettings
     ) -> AgentIdentity:
         if self._agent is not None:
             raise FailedPrecondition("the data-plane worker is already started")
-        settings = CopySettings(*copying)
         agent = NixlAgent(
             agent_name,
             backends,
             progress_thread,
-            max_post_bytes=settings.max_post_bytes,
-            copy_threads=settings.copy_threads,
-            parallel_min_bytes=settings.parallel_read_min_bytes,
+            max_post_bytes=copying.max_post_bytes,
+            copy_threads=copying.copy_threads,
+            parallel_min_bytes=copying.parallel_read_min_bytes,
         )
         await agent.start(self._notifications, self._settled)
         self._agent = agent
