@@ -144,6 +144,19 @@ def batched_table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def floor_table(result: dict[str, Any]) -> list[str]:
+    """The hops alone (kvd.bench.floor): the least any control path of this shape costs here."""
+    one, lat, pulls, wall = result["one_at_a_time_s"], result["latency_s"], result["pulls"], result["wall_s"]
+    cpu = ", ".join(f"{name} {seconds / pulls * 1e3:.2f}" for name, seconds in result["cpu_s"].items())
+    return [
+        "the control path's floor: a pull's hops (client -> reader -> holder -> reader -> worker -> reader -> "
+        "engine stream) in Python gRPC/asyncio with no kvd logic, no bytes, no TLS",
+        f"  one at a time: p50 {_ms(median(one))} ms ({len(one)} pulls); {result['in_flight']} in flight: "
+        f"{pulls / wall:.0f} pulls/s, p50 {_ms(median(lat))} ms, p99 {_ms(percentile(lat, 99))} ms; "
+        f"CPU ms per pull: {cpu}",
+    ]
+
+
 def idle_table(result: dict[str, Any]) -> list[str]:
     percent = result["core_percent"]
     return [

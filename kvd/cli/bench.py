@@ -3,8 +3,9 @@
 Starts two daemons on loopback (and, for first-contact samples, fresh holders), registers an
 engine on one, and measures (see :mod:`kvd.bench.runs`): pull vs raw NIXL by size, the control
 overhead distribution, engine steps of 8 and 32 pulls (StartPull each vs one StartPulls), 2 MiB
-pulls with 1..64 in flight and every process's CPU per pull, the
-cost of a first contact, the daemons' CPU while idle, and the layout-conversion pairs
+pulls with 1..64 in flight and every process's CPU per pull, the same hops with no kvd logic in
+them (the control path's floor, :mod:`kvd.bench.floor`), the cost of a first contact, the
+daemons' CPU while idle, and the layout-conversion pairs
 (:mod:`kvd.bench.convert`). Prints the tables (a progress bar meanwhile) and the goals table
 (:mod:`kvd.bench.goals`), writes ``bench.json`` with every sample and PNG plots into ``--out``.
 ``--quick`` is the small configuration (under two minutes on a 2-core machine).
@@ -44,10 +45,14 @@ class BenchConfig:
     idle_s: float  # the idle daemons' sampling window (0: no idle section)
     idle_settle_s: float  # without a pull before the window opens
     batches: tuple[int, ...] = (8, 32)  # pulls per engine step in the batched section (empty: none)
+    floor_pulls: int = 2000  # pulls through the floor's hops at 32 in flight (0: no floor section)
 
 
 QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5, 3.0, 1.0)
-FULL = BenchConfig((2, 8, 32, 128, 512), 10, 300, (1, 2, 4, 8, 16, 32, 64), 1000, 2, 20, 1024, 5, 10.0, 1.0)
+FULL = BenchConfig(
+    (2, 8, 32, 128, 512), 10, 300, (1, 2, 4, 8, 16, 32, 64), 1000, 2, 20, 1024, 5, 10.0, 1.0, floor_pulls=6000
+)
+FLOOR_IN_FLIGHT = 32  # the level of the pulls/s goal
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +78,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=-1.0,
         help="seconds the idle daemons' CPU is sampled (0: skip; quick 3, full 10)",
+    )
+    parser.add_argument(
+        "--floor-pulls",
+        type=int,
+        default=-1,
+        help="pulls through the control path's hops with no kvd logic, 32 in flight, to show the path's floor "
+        "beside the goals (0: skip; quick 2000, full 6000)",
     )
     parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
 
@@ -103,6 +115,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         changes["convert_tokens"] = args.convert_tokens
     if args.idle_s >= 0:
         changes["idle_s"] = args.idle_s
+    if args.floor_pulls >= 0:
+        changes["floor_pulls"] = args.floor_pulls
     config = dataclasses.replace(base, **changes)
     bad = [s for s in config.sizes_mb if s < 2 or s % 2 or s > 1024]
     if bad or any(n < 1 for n in config.levels) or any(b < 1 or b > 1024 for b in config.batches):
@@ -146,8 +160,8 @@ def machine() -> dict[str, Any]:
 
 
 async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressBar) -> dict[str, Any]:
-    from kvd.bench import report, runs  # noqa: PLC0415
-    from kvd.bench.rig import BLOCK_BYTES, Engine, RawReader, start_daemons  # noqa: PLC0415
+    from kvd.bench import floor, report, runs  # noqa: PLC0415
+    from kvd.bench.rig import BLOCK_BYTES, Engine, RawReader, cpu_seconds, start_daemons  # noqa: PLC0415
     from kvd_client.aio import AsyncKvdClient  # noqa: PLC0415
 
     result: dict[str, Any] = {}
@@ -195,6 +209,12 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
                 )
                 _show(bar, report.concurrency_table(result["concurrency"]))
                 lap("concurrency")
+                if config.floor_pulls > 0:  # the same hops with nothing of kvd in them (kvd.bench.floor)
+                    result["floor"] = await floor.measure(
+                        workdir, config.overhead_samples, FLOOR_IN_FLIGHT, config.floor_pulls, cpu_seconds, bar
+                    )
+                    _show(bar, report.floor_table(result["floor"]))
+                    lap("floor")
                 if config.idle_s > 0:  # last: every pull of the run has finished
                     result["idle"] = await runs.idle(session, config.idle_s, config.idle_settle_s, bar)
                     _show(bar, report.idle_table(result["idle"]))

@@ -31,6 +31,7 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         "--fresh-peers", "1",
         "--convert-tokens", "16",
         "--idle-s", "1",
+        "--floor-pulls", "64",
     ]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "kvd.cli.main", *args], capture_output=True, text=True, timeout=240, check=False
@@ -43,6 +44,7 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         "engine steps of B 2 MiB pulls",
         "first pull to a new peer",
         "idle daemons",
+        "the control path's floor",
         "goals",
     ):
         assert table in result.stdout, result.stdout
@@ -87,8 +89,14 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert data["config"]["idle_s"] == 1 and idle["wall_s"] >= 1
     assert set(idle["core_percent"]) == {"reader", "holder", "fresh holder 0"}
     assert all(math.isfinite(v) and v >= 0 for v in [*idle["core_percent"].values(), idle["client_core_percent"]])
+    floor = data["floor"]  # the same hops with no kvd logic: one at a time, then 32 in flight
+    assert len(floor["one_at_a_time_s"]) == 4 and all(s > 0 for s in floor["one_at_a_time_s"])
+    assert floor["in_flight"] == 32 and floor["pulls"] == len(floor["latency_s"]) == 64
+    assert set(floor["cpu_s"]) == {"holder", "worker", "reader", "client", "all"}
+    assert floor["cpu_s"]["reader"] > 0 and floor["cpu_s"]["holder"] > 0 and floor["cpu_s"]["worker"] > 0
     sections = list(data["section_s"])
-    assert sections.index("idle") == sections.index("concurrency") + 1  # the last section with daemons
+    assert sections.index("floor") == sections.index("concurrency") + 1
+    assert sections.index("idle") == sections.index("floor") + 1  # the last section with daemons
     pairs = {row["pair"]: row for row in data["conversions"]}
     assert "same layout (baseline)" in pairs and any(row["mode"] == "staged" for row in pairs.values())
     assert all("vs_copy" in row for row in pairs.values() if row["mode"] == "staged")
@@ -114,6 +122,8 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     worst = max(row["cpu_s"]["all"] / row["pulls"] for row in data["concurrency"])
     assert goals["cpu_per_pull_all"]["value"] == pytest.approx(worst)
     assert goals["idle_daemon_cpu"]["value"] == pytest.approx(max(idle["core_percent"].values()))
+    hops = {key for key, goal in goals.items() if goal["floor"]}
+    assert hops == {"control_overhead_p50", "pulls_per_s_32", "cpu_per_pull_all"}, goals
 
     for name in ("throughput.png", "latency_cdf.png", "concurrency.png"):
         png = (out / name).read_bytes()

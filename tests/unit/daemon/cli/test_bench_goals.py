@@ -92,6 +92,29 @@ def test_a_section_that_did_not_run_is_not_measured_rather_than_a_number() -> No
     assert goals.as_json(list(bare.values()))[1]["figure"].startswith("not measured")
 
 
+def test_the_hops_alone_stand_beside_their_three_goals_when_the_floor_ran() -> None:
+    floor = {
+        "one_at_a_time_s": [0.0011, 0.0012, 0.0013],
+        "in_flight": 32,
+        "pulls": 2000,
+        "wall_s": 1.25,
+        "latency_s": [0.019] * 1960 + [0.030] * 40,
+        "cpu_s": {"holder": 0.36, "worker": 0.14, "reader": 1.04, "client": 0.64, "all": 2.18},
+    }
+    with_floor = _by_key(_run(floor=floor))
+    assert with_floor["control_overhead_p50"].floor == "1.20 ms"  # the hops' latency, one at a time
+    assert with_floor["pulls_per_s_32"].floor == "1600/s, p99 30 ms"
+    assert with_floor["cpu_per_pull_all"].floor == "1.09 ms (32 in flight)"
+    others = [goal for key, goal in with_floor.items() if key not in goals.FLOORS]
+    assert others and all(goal.floor == "" for goal in others)
+    # the floor changes no figure and no verdict: it stands beside them
+    without = _by_key(_run())
+    assert all(without[key].figure == goal.figure and without[key].met == goal.met for key, goal in with_floor.items())
+    assert all(goal.floor == "" for goal in without.values())
+    lines = goals.table(list(with_floor.values()))
+    assert "the hops alone" in lines[1] and any("1600/s, p99 30 ms" in line for line in lines)
+
+
 def test_cpu_seconds_counts_a_process_and_grows_with_its_work() -> None:
     import os
     import time

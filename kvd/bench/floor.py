@@ -1,0 +1,324 @@
+"""The control path's floor: the hops a pull crosses, with nothing of kvd in them.
+
+A 2 MiB pull costs a few ms more than the raw NIXL read of its bytes. How much of that is kvd's
+own work, and how much the shape of the path (Python processes talking gRPC and a socket)? This
+section answers by running the same hops with no logic at all, beside the pulls, in the same run:
+
+    client --unary ``Start`` (Unix socket)--> reader --one message on a bidirectional stream
+    (TCP)--> holder --the same message back--> reader --one frame on a Unix socket--> worker
+    --the frame back--> reader --one message on a server stream--> client
+
+which is a pull's critical path in kvd: ``StartPull``, the holder's admission (``PreparePull`` on
+the peer stream), the READ order to the data-plane worker and its reply, the completion on the
+engine stream. Each process is Python with an asyncio loop and ``grpc.aio``, as kvd's are; the
+messages carry ~200 bytes and nobody parses them; there are no bytes to copy, no TLS and no
+interceptor. So what it measures is a floor: no control path of this shape can cost less on the
+machine. The bench prints it beside the goals (:mod:`kvd.bench.goals`).
+
+Each role runs as ``python -m kvd.bench.floor ROLE ...`` and prints one ``ready`` line; it exits
+when its standard input closes (the bench holds the other end), so none outlives the bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import IO, Any
+
+PAYLOAD = b"p" * 192  # about the size of a StartPull / PreparePull message
+_FRAME = struct.Struct("<I")
+_SERVICE_HOLDER = "kvdfloor.Holder"
+_SERVICE_READER = "kvdfloor.Reader"
+READY_TIMEOUT_S = 30.0
+
+
+def _same(message: bytes) -> bytes:
+    """Serializer and deserializer: the floor moves bytes nobody parses."""
+    return message
+
+
+def _exit_with_parent() -> None:
+    """End this process when the bench's end of its standard input closes (the bench ended)."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while sys.stdin.buffer.read(1):
+                pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="kvd-floor-parent", daemon=True).start()
+
+
+async def _holder() -> None:
+    """Answers every message of the peer stream with itself: the admission with no admission."""
+    import grpc  # noqa: PLC0415
+
+    async def peer(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        async for message in requests:
+            yield message
+
+    server = grpc.aio.server()
+    handlers = {"Peer": grpc.stream_stream_rpc_method_handler(peer, _same, _same)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_HOLDER, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"ready {port}", flush=True)
+    await server.wait_for_termination()
+
+
+async def _worker(socket_path: str) -> None:
+    """Answers every frame with itself: the READ order with no READ."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                header = await reader.readexactly(_FRAME.size)
+                body = await reader.readexactly(_FRAME.unpack(header)[0])
+                writer.write(header + body)
+
+    server = await asyncio.start_unix_server(serve, socket_path)
+    print("ready", flush=True)
+    await server.serve_forever()
+
+
+async def _reader(holder_address: str, worker_path: str, socket_path: str) -> None:
+    """A pull with nothing but its hops: ``Start`` answers at once; the pull's task sends one
+    message to the holder and waits for its answer, one frame to the worker and waits for its
+    answer, and puts the request on the engine stream. Replies come back in order on each
+    channel, so a FIFO of waiters matches them (as kvd's channels match by id)."""
+    import grpc  # noqa: PLC0415
+
+    loop = asyncio.get_running_loop()
+    channel = grpc.aio.insecure_channel(holder_address)
+    peer = channel.stream_stream(f"/{_SERVICE_HOLDER}/Peer", _same, _same)()
+    worker_in, worker_out = await asyncio.open_unix_connection(worker_path)
+    to_holder: asyncio.Queue[tuple[asyncio.Future[bytes], bytes]] = asyncio.Queue()
+    holder_waiters: asyncio.Queue[asyncio.Future[bytes]] = asyncio.Queue()
+    worker_waiters: asyncio.Queue[asyncio.Future[bytes]] = asyncio.Queue()
+    completions: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def write_peer() -> None:  # one writer: a gRPC stream takes one write at a time
+        while True:
+            waiter, message = await to_holder.get()
+            holder_waiters.put_nowait(waiter)
+            await peer.write(message)
+
+    async def read_peer() -> None:
+        async for message in peer:
+            holder_waiters.get_nowait().set_result(message)
+
+    async def read_worker() -> None:
+        while True:
+            header = await worker_in.readexactly(_FRAME.size)
+            body = await worker_in.readexactly(_FRAME.unpack(header)[0])
+            worker_waiters.get_nowait().set_result(body)
+
+    async def pull(request: bytes) -> None:
+        admitted: asyncio.Future[bytes] = loop.create_future()
+        to_holder.put_nowait((admitted, request))
+        await admitted
+        read: asyncio.Future[bytes] = loop.create_future()
+        worker_waiters.put_nowait(read)
+        worker_out.write(_FRAME.pack(len(request)) + request)
+        await read
+        completions.put_nowait(request)
+
+    running: set[asyncio.Task[None]] = set()
+    background = [asyncio.create_task(c()) for c in (write_peer, read_peer, read_worker)]
+
+    async def start(request: bytes, context: Any) -> bytes:
+        task = asyncio.create_task(pull(request))
+        running.add(task)
+        task.add_done_callback(running.discard)
+        return b""
+
+    async def engine(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        while True:
+            yield await completions.get()
+
+    server = grpc.aio.server()
+    handlers = {
+        "Start": grpc.unary_unary_rpc_method_handler(start, _same, _same),
+        "Engine": grpc.unary_stream_rpc_method_handler(engine, _same, _same),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_READER, handlers),))
+    server.add_insecure_port(f"unix:{socket_path}")
+    await server.start()
+    print("ready", flush=True)
+    try:
+        await server.wait_for_termination()
+    finally:
+        for task in background:
+            task.cancel()
+
+
+class FloorProcesses:
+    """The three processes of the floor (holder, worker, reader), started and ended together."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> None:
+        worker_path, reader_path = str(self.workdir / "floor-worker.sock"), str(self.workdir / "floor-reader.sock")
+        port = self._spawn("holder")
+        self._spawn("worker", "--socket", worker_path)
+        self._spawn("reader", "--holder", f"127.0.0.1:{port}", "--worker", worker_path, "--socket", reader_path)
+        self.reader_target = f"unix:{reader_path}"
+
+    def _spawn(self, role: str, *args: str) -> str:
+        """Start ``role`` and wait for its ``ready`` line; what follows ``ready`` (the holder's port)."""
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvd.bench.floor", role, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self.processes[role] = process
+        assert process.stdout is not None
+        line = _read_line(process.stdout, READY_TIMEOUT_S)
+        if not line.startswith("ready"):
+            raise RuntimeError(f"the floor's {role} did not start (exit {process.poll()}, said {line!r})")
+        return line[len("ready") :].strip()
+
+    def pids(self) -> dict[str, int]:
+        return {role: process.pid for role, process in self.processes.items()}
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            with contextlib.suppress(OSError):
+                assert process.stdin is not None
+                process.stdin.close()  # the role exits on it
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _read_line(stream: IO[bytes], timeout_s: float) -> str:
+    """One line from a child's stdout, or "" after ``timeout_s`` (a child that never starts must
+    not hang the bench)."""
+    box: list[bytes] = []
+    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return box[0].decode(errors="replace").strip() if box else ""
+
+
+async def measure(
+    workdir: Path,
+    one_at_a_time: int,
+    in_flight: int,
+    pulls: int,
+    cpu_seconds: Callable[[int], float],
+    progress: Callable[[str, float], None],
+) -> dict[str, Any]:
+    """Run the hops: ``one_at_a_time`` pulls one after the other (their latencies), then ``pulls``
+    with ``in_flight`` at once (pulls/s, latencies, and each process's CPU over that window;
+    ``client`` is this process)."""
+    import grpc  # noqa: PLC0415
+
+    floor = FloorProcesses(workdir)
+    try:
+        floor.start()
+        async with grpc.aio.insecure_channel(floor.reader_target) as channel:
+            start = channel.unary_unary(f"/{_SERVICE_READER}/Start", _same, _same)
+            completions = channel.unary_stream(f"/{_SERVICE_READER}/Engine", _same, _same)(b"")
+            waiting: dict[bytes, asyncio.Future[None]] = {}
+            loop = asyncio.get_running_loop()
+            numbers = iter(range(1 << 62))
+
+            async def deliver() -> None:
+                async for message in completions:
+                    waiting.pop(message).set_result(None)
+
+            delivering = asyncio.create_task(deliver())
+
+            async def one() -> float:
+                request = PAYLOAD + str(next(numbers)).encode()
+                done = loop.create_future()
+                waiting[request] = done
+                t0 = time.perf_counter()
+                await start(request, timeout=30)
+                await asyncio.wait_for(done, 30)
+                return time.perf_counter() - t0
+
+            try:
+                for _ in range(min(100, one_at_a_time)):  # warm every channel and code path
+                    await one()
+                single = []
+                for n in range(one_at_a_time):
+                    single.append(await one())
+                    if n % 50 == 0:
+                        progress("floor", 0.5 * n / max(1, one_at_a_time))
+                pids = floor.pids()
+                cpu0 = {role: cpu_seconds(pid) for role, pid in pids.items()}
+                client0 = time.process_time()
+                t0 = time.perf_counter()
+                latencies = await _in_flight(one, in_flight, pulls, lambda done: progress("floor", 0.5 + 0.5 * done))
+                wall = time.perf_counter() - t0
+                cpu = {role: cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
+                cpu["client"] = time.process_time() - client0
+                cpu["all"] = sum(cpu.values())
+            finally:
+                delivering.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await delivering
+    finally:
+        floor.stop()
+    return {
+        "one_at_a_time_s": single,
+        "in_flight": in_flight,
+        "pulls": pulls,
+        "wall_s": wall,
+        "latency_s": latencies,
+        "cpu_s": cpu,
+    }
+
+
+async def _in_flight(one: Callable[[], Any], in_flight: int, pulls: int, tick: Callable[[float], None]) -> list[float]:
+    """``pulls`` calls of ``one`` with ``in_flight`` running at a time; their latencies."""
+    latencies: list[float] = []
+    remaining = iter(range(pulls))
+
+    async def lane() -> None:
+        for n in remaining:
+            latencies.append(await one())
+            if n % 200 == 0:
+                tick(n / pulls)
+
+    await asyncio.gather(*(lane() for _ in range(in_flight)))
+    return latencies
+
+
+def _arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kvd.bench.floor", description=__doc__.split("\n")[0])
+    parser.add_argument("role", choices=("holder", "worker", "reader"))
+    parser.add_argument("--socket", default="")
+    parser.add_argument("--holder", default="")
+    parser.add_argument("--worker", default="")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(sys.argv[1:] if argv is None else argv)
+    _exit_with_parent()
+    if args.role == "holder":
+        asyncio.run(_holder())
+    elif args.role == "worker":
+        asyncio.run(_worker(args.socket))
+    else:
+        asyncio.run(_reader(args.holder, args.worker, args.socket))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
