@@ -41,6 +41,11 @@ _SERVICE_READER = "kvdfloor.Reader"
 READY_TIMEOUT_S = 30.0
 
 
+class FloorFailure(Exception):
+    """The floor could not be measured (a role did not start, died, or did not answer): the bench
+    reports it as not measured and goes on, since kvd's own figures do not depend on it."""
+
+
 def _same(message: bytes) -> bytes:
     """Serializer and deserializer: the floor moves bytes nobody parses."""
     return message
@@ -224,6 +229,22 @@ async def measure(
     """Run the hops: ``one_at_a_time`` pulls one after the other (their latencies), then ``pulls``
     with ``in_flight`` at once (pulls/s, latencies, and each process's CPU over that window;
     ``client`` is this process)."""
+    import grpc  # noqa: PLC0415
+
+    try:
+        return await _measure(workdir, one_at_a_time, in_flight, pulls, cpu_seconds, progress)
+    except (OSError, RuntimeError, TimeoutError, grpc.aio.AioRpcError) as exc:
+        raise FloorFailure(str(exc) or type(exc).__name__) from exc
+
+
+async def _measure(
+    workdir: Path,
+    one_at_a_time: int,
+    in_flight: int,
+    pulls: int,
+    cpu_seconds: Callable[[int], float],
+    progress: Callable[[str, float], None],
+) -> dict[str, Any]:
     import grpc  # noqa: PLC0415
 
     floor = FloorProcesses(workdir)
