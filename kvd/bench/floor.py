@@ -24,21 +24,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import struct
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ParamSpec
 
 PAYLOAD = b"p" * 192  # about the size of a StartPull / PreparePull message
 _FRAME = struct.Struct("<I")
 _SERVICE_HOLDER = "kvdfloor.Holder"
 _SERVICE_READER = "kvdfloor.Reader"
 READY_TIMEOUT_S = 30.0
+_Params = ParamSpec("_Params")
 
 
 class FloorFailure(Exception):
@@ -218,6 +220,24 @@ def _read_line(stream: IO[bytes], timeout_s: float) -> str:
     return box[0].decode(errors="replace").strip() if box else ""
 
 
+def _as_floor_failure(
+    run: Callable[_Params, Awaitable[dict[str, Any]]],
+) -> Callable[_Params, Awaitable[dict[str, Any]]]:
+    """``run``, with what can go wrong in the floor's processes and channels as a FloorFailure."""
+
+    @functools.wraps(run)
+    async def guarded(*args: _Params.args, **kwargs: _Params.kwargs) -> dict[str, Any]:
+        import grpc  # noqa: PLC0415
+
+        try:
+            return await run(*args, **kwargs)
+        except (OSError, RuntimeError, TimeoutError, grpc.aio.AioRpcError) as exc:
+            raise FloorFailure(str(exc) or type(exc).__name__) from exc
+
+    return guarded
+
+
+@_as_floor_failure
 async def measure(
     workdir: Path,
     one_at_a_time: int,
@@ -228,23 +248,7 @@ async def measure(
 ) -> dict[str, Any]:
     """Run the hops: ``one_at_a_time`` pulls one after the other (their latencies), then ``pulls``
     with ``in_flight`` at once (pulls/s, latencies, and each process's CPU over that window;
-    ``client`` is this process)."""
-    import grpc  # noqa: PLC0415
-
-    try:
-        return await _measure(workdir, one_at_a_time, in_flight, pulls, cpu_seconds, progress)
-    except (OSError, RuntimeError, TimeoutError, grpc.aio.AioRpcError) as exc:
-        raise FloorFailure(str(exc) or type(exc).__name__) from exc
-
-
-async def _measure(
-    workdir: Path,
-    one_at_a_time: int,
-    in_flight: int,
-    pulls: int,
-    cpu_seconds: Callable[[int], float],
-    progress: Callable[[str, float], None],
-) -> dict[str, Any]:
+    ``client`` is this process). Anything that keeps the floor from running is a FloorFailure."""
     import grpc  # noqa: PLC0415
 
     floor = FloorProcesses(workdir)
