@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import itertools
 import os
 import struct
 import subprocess
@@ -174,6 +175,7 @@ class FloorProcesses:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.reader_target = ""  # the reader's gRPC target, once started
 
     def start(self) -> None:
         worker_path, reader_path = str(self.workdir / "floor-worker.sock"), str(self.workdir / "floor-reader.sock")
@@ -259,7 +261,7 @@ async def measure(
             completions = channel.unary_stream(f"/{_SERVICE_READER}/Engine", _same, _same)(b"")
             waiting: dict[bytes, asyncio.Future[None]] = {}
             loop = asyncio.get_running_loop()
-            numbers = iter(range(1 << 62))
+            numbers = itertools.count()
 
             async def deliver() -> None:
                 async for message in completions:

@@ -60,12 +60,19 @@ def _level(result: dict[str, Any], in_flight: int) -> dict[str, Any] | None:
     return next((row for row in result.get("concurrency") or [] if row["in_flight"] == in_flight), None)
 
 
+def _rate_and_p99(row: dict[str, Any]) -> tuple[float, float, str]:
+    """Pulls/s and p99 latency of a window of pulls (a concurrency level, or the floor's), and
+    their figure."""
+    rate, p99 = row["pulls"] / row["wall_s"], percentile(row["latency_s"], 99)
+    return rate, p99, f"{rate:.0f}/s, p99 {p99 * 1e3:.0f} ms"
+
+
 def _pulls_per_s(result: dict[str, Any]) -> _Measured | str:
     row = _level(result, 32)
     if row is None:
         return "no level of 32 in flight"
-    rate, p99 = row["pulls"] / row["wall_s"], percentile(row["latency_s"], 99)
-    return _Measured(f"{rate:.0f}/s, p99 {p99 * 1e3:.0f} ms", rate, rate >= 2000 and p99 < 0.05)
+    rate, p99, figure = _rate_and_p99(row)
+    return _Measured(figure, rate, rate >= 2000 and p99 < 0.05)
 
 
 def _size_ratio(result: dict[str, Any], size_mb: int) -> float | None:
@@ -158,8 +165,7 @@ def _floor_one_at_a_time(floor: dict[str, Any]) -> str:
 
 
 def _floor_rate(floor: dict[str, Any]) -> str:
-    rate = floor["pulls"] / floor["wall_s"]
-    return f"{rate:.0f}/s, p99 {percentile(floor['latency_s'], 99) * 1e3:.0f} ms"
+    return _rate_and_p99(floor)[2]
 
 
 def _floor_cpu(floor: dict[str, Any]) -> str:
