@@ -5,6 +5,7 @@ kvd serve      run the daemon (config: defaults < --config TOML < KVD_* env < fl
 kvd selftest   move a checksummed pattern between two daemons through NIXL and verify it
                (--vram: engines' KV in GPU memory, registered through CUDA IPC)
 kvd status     what a daemon is doing (--json for machines, --watch to refresh)
+kvd health     exit 0 if a daemon's health service says SERVING, else 1 (probes, HEALTHCHECK)
 kvd bench      kvd pulls vs raw NIXL reads of the same bytes, side by side; JSON and plots
 kvd demo       prefill -> decode -> next turn with two daemons and two reference engines
 """
@@ -19,6 +20,7 @@ import sys
 
 from kvd import __version__
 from kvd.cli.bench import add_bench_arguments
+from kvd.cli.health import add_health_arguments
 from kvd.cli.status import add_status_arguments
 from kvd.cli.tls import add_tls_arguments
 from kvd.config import add_config_flags, format_config, resolve_from_args
@@ -83,6 +85,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return run_status(args)
 
 
+def _cmd_health(args: argparse.Namespace) -> int:
+    from kvd.cli.health import run_health  # noqa: PLC0415
+
+    return run_health(args)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from kvd.cli.bench import run_bench  # noqa: PLC0415
 
@@ -133,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="what a daemon is doing (person-readable; --json, --watch)")
     add_status_arguments(status)
     status.set_defaults(func=_cmd_status)
+
+    health = sub.add_parser("health", help="exit 0 if a daemon's health service says SERVING, else 1")
+    add_health_arguments(health)
+    health.set_defaults(func=_cmd_health)
 
     bench = sub.add_parser(
         "bench", help="kvd pulls vs raw NIXL reads, concurrency, first contact, conversions; JSON and plots"

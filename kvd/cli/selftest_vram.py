@@ -104,7 +104,7 @@ def measure_pull_vram(
     nbytes = spec.total_bytes
     name = torch.cuda.get_device_name(gpu)
     progress(f"holder engine fills a {nbytes >> 20} MiB KV cache on cuda:{device} ({name}) with pattern {seed} ...")
-    expected = scratch.Pattern(nbytes, seed).expected.to(gpu)
+    expected = torch.from_numpy(scratch.Pattern(nbytes, seed).expected).to(gpu)
     holder = expected.clone()
     reader = torch.zeros_like(expected)
     torch.cuda.synchronize(gpu)  # the holder's bytes are in place before any daemon reads them

@@ -10,10 +10,12 @@ worker after a restart) and the worker's answer (addresses, for descriptor lists
 from __future__ import annotations
 
 import dataclasses
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvd.dataplane_protocol import CudaIpcSpec, MappedRegion, MemoryKind, RegionRequest
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CudaIpcSpec", "MemoryKind", "OpenedRegion", "RegionRequest", "cuda_ipc_spec_of"]
 
@@ -58,7 +60,10 @@ class OpenedRegion:
 
 
 def cuda_ipc_spec_of(tensor: torch.Tensor) -> CudaIpcSpec:
-    """What an engine sends for a CUDA tensor's storage (the worker opens it: kvd.worker.regions)."""
+    """What an engine sends for a CUDA tensor's storage (the worker opens it: kvd.worker.regions).
+
+    Takes a tensor, so its caller has torch; this module does not import it (the control process
+    never needs torch: docs/performance.md, "Start-up")."""
     (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
         tensor.untyped_storage()._share_cuda_()
     )

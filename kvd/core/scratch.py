@@ -9,11 +9,19 @@ comparison against a pattern generated once (:class:`Pattern`), not by regenerat
 
 The layout is Llama-3-8B-shaped (32 layers, 8 KV heads of 128 dims, bf16, blocks of 16
 tokens), so the bytes and descriptor counts are realistic.
+
+numpy, not torch: the daemon's control process fills its scratch engine here and must not import
+torch (it would add seconds of CPU to every daemon's start: docs/performance.md, "Start-up").
+Buffers may be numpy arrays or CPU torch tensors (read through ``.numpy()``, no copy); a caller
+with a GPU buffer copies the pattern's bytes to the device itself.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec
 
@@ -42,30 +50,51 @@ def scratch_layout(size_bytes: int, tp_rank: int = 0) -> LayoutSpec:
     )
 
 
-def _fill_words(words: torch.Tensor, first: int, seed: int) -> None:
+Bytes = npt.NDArray[np.uint8]
+Words = npt.NDArray[np.int64]
+
+
+def as_bytes(buffer: Any) -> Bytes:
+    """A flat uint8 numpy view of ``buffer`` (a numpy array, or a CPU torch tensor: no copy)."""
+    array = buffer if isinstance(buffer, np.ndarray) else buffer.detach().numpy()
+    flat = array.reshape(-1)
+    if flat.dtype != np.uint8:
+        raise ValueError(f"a scratch buffer holds bytes (uint8), got {flat.dtype}")
+    return flat
+
+
+def _fill_words(words: Words, first: int, seed: int) -> None:
     """Word ``first + j`` of the pattern into ``words[j]``, in place.
 
     Multiplying by an odd constant and xor-shifting (logical shifts, hence the masks) are both
-    bijections of 64-bit words, so distinct positions never share a word.
+    bijections of 64-bit words, so distinct positions never share a word. numpy's int64
+    arithmetic wraps around as the pattern needs (no overflow checks on arrays).
     """
-    torch.arange(first, first + words.numel(), dtype=torch.int64, out=words)
-    words.mul_(_MUL_1).add_(seed * 0x632BE59BD9B4E019 % (1 << 63))
-    words.bitwise_xor_((words >> 31).bitwise_and_(_LOW_33))
-    words.mul_(_MUL_2)
-    words.bitwise_xor_((words >> 29).bitwise_and_(_LOW_35))
+    words[:] = np.arange(first, first + words.size, dtype=np.int64)
+    np.multiply(words, _MUL_1, out=words)
+    np.add(words, seed * 0x632BE59BD9B4E019 % (1 << 63), out=words)
+    shifted = np.empty_like(words)
+    np.right_shift(words, 31, out=shifted)
+    np.bitwise_and(shifted, _LOW_33, out=shifted)
+    np.bitwise_xor(words, shifted, out=words)
+    np.multiply(words, _MUL_2, out=words)
+    np.right_shift(words, 29, out=shifted)
+    np.bitwise_and(shifted, _LOW_35, out=shifted)
+    np.bitwise_xor(words, shifted, out=words)
 
 
-def fill_pattern(buffer: torch.Tensor, seed: int) -> None:
-    """Write the pattern of ``seed`` into a flat uint8 tensor (any length; 8-byte aligned start)."""
-    total = buffer.numel()
+def fill_pattern(buffer: Any, seed: int) -> None:
+    """Write the pattern of ``seed`` into a flat byte buffer (any length; 8-byte aligned start)."""
+    flat = as_bytes(buffer)
+    total = flat.size
     whole = total // 8
-    words = buffer[: whole * 8].view(torch.int64)
+    words = flat[: whole * 8].view(np.int64)
     for lo in range(0, whole, CHUNK_WORDS):
         _fill_words(words[lo : min(whole, lo + CHUNK_WORDS)], lo, seed)
     if total % 8:
-        tail = torch.empty(1, dtype=torch.int64)
+        tail = np.empty(1, dtype=np.int64)
         _fill_words(tail, whole, seed)
-        buffer[whole * 8 :].copy_(tail.view(torch.uint8)[: total % 8])
+        flat[whole * 8 :] = tail.view(np.uint8)[: total % 8]
 
 
 class Pattern:
@@ -73,22 +102,26 @@ class Pattern:
 
     def __init__(self, nbytes: int, seed: int) -> None:
         self.seed = seed
-        self.expected = torch.empty(nbytes, dtype=torch.uint8)
+        self.expected: Bytes = np.empty(nbytes, dtype=np.uint8)
         fill_pattern(self.expected, seed)
 
-    def mismatches(self, buffer: torch.Tensor) -> int:
+    def mismatches(self, buffer: Any) -> int:
         """How many bytes of ``buffer`` differ from the pattern (0: all good).
 
-        ``torch.equal`` is a memcmp-speed pass; counting only happens when something differs.
+        The common case (all equal) is one pass over 64-bit words; bytes are counted only when
+        something differs.
         """
-        flat = buffer.reshape(-1)
-        if flat.numel() != self.expected.numel():
-            raise ValueError(f"buffer has {flat.numel()} bytes, the pattern {self.expected.numel()}")
-        if torch.equal(flat, self.expected):
+        flat = as_bytes(buffer)
+        if flat.size != self.expected.size:
+            raise ValueError(f"buffer has {flat.size} bytes, the pattern {self.expected.size}")
+        whole = flat.size // 8 * 8
+        if np.array_equal(flat[:whole].view(np.uint64), self.expected[:whole].view(np.uint64)) and np.array_equal(
+            flat[whole:], self.expected[whole:]
+        ):
             return 0
-        return int((flat != self.expected).sum())
+        return int(np.count_nonzero(flat != self.expected))
 
 
-def pattern_mismatches(buffer: torch.Tensor, seed: int) -> int:
+def pattern_mismatches(buffer: Any, seed: int) -> int:
     """How many bytes of ``buffer`` differ from the pattern of ``seed`` (generates it: one-off checks)."""
-    return Pattern(buffer.numel(), seed).mismatches(buffer)
+    return Pattern(as_bytes(buffer).size, seed).mismatches(buffer)

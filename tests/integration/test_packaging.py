@@ -13,61 +13,47 @@ from __future__ import annotations
 
 import email.parser
 import importlib.metadata
-import shutil
-import subprocess
 import sys
 import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+from release_kit import REPO, one, run, tracked_files
 
 import kvd
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 CLIENT_DEPS = ("grpcio", "protobuf", "typing-extensions")  # typing-extensions: grpcio's own dependency
 DAEMON_CLI_DEPS = (*CLIENT_DEPS, "prometheus_client")  # what `kvd --version` and `--print-config` import
+SOURCE_FOLDERS = {"kvd": "kvd", "client": "kvd_client", "engine_patch": "kvd_engine"}
+"""Folder in the repository -> its import name (setup.py's mapping, the other way round)."""
+NOT_SHIPPED = {"client/setup.py", "client/pyproject.toml", "client/README.md"}
+"""The client folder's own build files: in the folder, not in the package."""
 
 
-def _run(*args: str | Path, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    assert result.returncode == 0, f"{' '.join(map(str, args))}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return result
+@pytest.fixture
+def dist(release_dist: Path) -> Path:
+    return release_dist
 
 
-def _source_copy(dest: Path) -> Path:
-    """What a clean clone of this checkout holds (tracked and new, unignored files): no build
-    leftovers (egg-info, build/) of the working tree leak into the distributions."""
-    listed = _run("git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", cwd=REPO).stdout
-    for name in filter(None, listed.split("\0")):
-        source = REPO / name
-        if source.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, dest / name)
-    return dest
+def shipped_files(folder: str) -> set[str]:
+    """Every file of a source folder that the code can import or read (modules, stubs, markers),
+    by the name it has in a wheel: ``client/v1/router_pb2.pyi`` -> ``kvd_client/v1/router_pb2.pyi``."""
+    names = set()
+    for name in tracked_files():
+        top, _, rest = name.partition("/")
+        if top != folder or name in NOT_SHIPPED or "/tests/" in name:
+            continue
+        if name.endswith((".py", ".pyi")) or rest.endswith("py.typed"):
+            names.add(f"{SOURCE_FOLDERS[top]}/{rest}")
+    return names
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """sdists and wheels of both distributions, built as a release would build them."""
-    if shutil.which("git") is None or not (REPO / ".git").exists():
-        pytest.skip("needs a git checkout to know which files a clean clone holds")
-    work = tmp_path_factory.mktemp("packaging")
-    src = _source_copy(work / "src")
-    out = work / "dist"
-    _run(sys.executable, "-m", "build", "--outdir", out, src, cwd=work)
-    _run(sys.executable, "-m", "build", "--outdir", out, src / "client", cwd=work)
-    return out
-
-
-def _one(dist: Path, pattern: str) -> Path:
-    found = sorted(dist.glob(pattern))
-    assert len(found) == 1, (pattern, found)
-    return found[0]
+def wheel_files(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        return {n for n in zf.namelist() if ".dist-info/" not in n}
 
 
 def _metadata(wheel: Path) -> email.message.Message:
@@ -84,9 +70,9 @@ def _requires(wheel: Path) -> set[str]:
 
 def _venv(path: Path, *requirements: str | Path) -> Path:
     """A fresh venv (no pip, no system site-packages) holding exactly ``requirements``."""
-    _run(sys.executable, "-m", "venv", "--without-pip", path, cwd=path.parent)
+    run(sys.executable, "-m", "venv", "--without-pip", path, cwd=path.parent)
     python = path / "bin" / "python"
-    _run(
+    run(
         sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
         "--disable-pip-version-check", *requirements, cwd=path.parent,
     )  # fmt: skip
@@ -95,6 +81,20 @@ def _venv(path: Path, *requirements: str | Path) -> Path:
 
 def _pinned(*names: str) -> list[str]:
     return [f"{name}=={importlib.metadata.version(name)}" for name in names]
+
+
+def test_every_importable_file_is_in_the_wheels_and_nothing_else(dist: Path) -> None:
+    """Packages are discovered (setup.py), not listed: a new subpackage, stub or marker ships
+    without anyone naming it, and the daemon's wheel has all three folders (the data-plane
+    worker included: a wheel once shipped without ``kvd/worker`` and no daemon could start)."""
+    daemon, client = wheel_files(one(dist, "kvd-*.whl")), wheel_files(one(dist, "kvd_client-*.whl"))
+    wanted_daemon = shipped_files("kvd") | shipped_files("client") | shipped_files("engine_patch")
+    assert any(name.startswith("kvd/worker/") for name in wanted_daemon)
+    assert sorted(wanted_daemon - daemon) == [], "missing from the daemon's wheel"
+    assert sorted(daemon - wanted_daemon) == [], "in the daemon's wheel but not in the source folders"
+    wanted_client = shipped_files("client")
+    assert sorted(wanted_client - client) == [], "missing from the client's wheel"
+    assert sorted(client - wanted_client) == [], "in the client's wheel but not in client/"
 
 
 def test_both_distributions_build_at_the_one_version_and_pass_twine_check(dist: Path) -> None:
@@ -106,10 +106,10 @@ def test_both_distributions_build_at_the_one_version_and_pass_twine_check(dist: 
         f"kvd_client-{version}-py3-none-any.whl",
         f"kvd_client-{version}.tar.gz",
     ]
-    result = _run(sys.executable, "-m", "twine", "check", "--strict", *sorted(dist.iterdir()), cwd=dist)
+    result = run(sys.executable, "-m", "twine", "check", "--strict", *sorted(dist.iterdir()), cwd=dist)
     assert result.stdout.count("PASSED") == 4, result.stdout
 
-    client = _one(dist, "kvd_client-*.whl")
+    client = one(dist, "kvd_client-*.whl")
     assert _requires(client) == {"grpcio", "protobuf"}
     assert _metadata(client)["Version"] == version
     with zipfile.ZipFile(client) as zf:
@@ -117,7 +117,7 @@ def test_both_distributions_build_at_the_one_version_and_pass_twine_check(dist: 
     assert {"kvd_client/version.py", "kvd_client/py.typed", "kvd_client/v1/router_pb2.pyi"} <= files
     assert not any(f.startswith(("kvd/", "kvd_engine/")) for f in files)
 
-    daemon = _one(dist, "kvd-*.whl")
+    daemon = one(dist, "kvd-*.whl")
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert _requires(daemon) == {d.split(">")[0].split("=")[0].strip() for d in declared}
     with zipfile.ZipFile(daemon) as zf:
@@ -134,7 +134,7 @@ def test_both_distributions_build_at_the_one_version_and_pass_twine_check(dist: 
 
 def test_the_client_wheel_installs_and_works_alone(dist: Path, tmp_path: Path) -> None:
     """grpcio and protobuf only: no torch, no NIXL, no daemon, and `pip check` is satisfied."""
-    python = _venv(tmp_path / "client-venv", _one(dist, "kvd_client-*.whl"), *_pinned(*CLIENT_DEPS))
+    python = _venv(tmp_path / "client-venv", one(dist, "kvd_client-*.whl"), *_pinned(*CLIENT_DEPS))
     code = f"""
 import asyncio, importlib, importlib.metadata, importlib.util, pkgutil
 import kvd_client
@@ -155,17 +155,17 @@ async def main():
 asyncio.run(main())
 print("client ok")
 """
-    assert _run(python, "-I", "-c", code, cwd=tmp_path).stdout.strip() == "client ok"
-    _run(sys.executable, "-m", "pip", "--python", python, "check", cwd=tmp_path)
+    assert run(python, "-I", "-c", code, cwd=tmp_path).stdout.strip() == "client ok"
+    run(sys.executable, "-m", "pip", "--python", python, "check", cwd=tmp_path)
 
 
 def test_the_daemon_wheel_installs_and_runs_its_cli(dist: Path, tmp_path: Path) -> None:
     """The wheel, not the checkout (not editable): `kvd --version` and `kvd serve --print-config`."""
     venv = tmp_path / "daemon-venv"
-    _venv(venv, _one(dist, "kvd-*.whl"), *_pinned(*DAEMON_CLI_DEPS))
+    _venv(venv, one(dist, "kvd-*.whl"), *_pinned(*DAEMON_CLI_DEPS))
     kvd_script = venv / "bin" / "kvd"
-    assert _run(kvd_script, "--version", cwd=tmp_path).stdout.strip() == f"kvd {kvd.__version__}"
-    printed = _run(kvd_script, "serve", "--print-config", "--port", "50199", cwd=tmp_path).stdout
+    assert run(kvd_script, "--version", cwd=tmp_path).stdout.strip() == f"kvd {kvd.__version__}"
+    printed = run(kvd_script, "serve", "--print-config", "--port", "50199", cwd=tmp_path).stdout
     assert "50199" in printed and "unix_socket" in printed
-    where = _run(venv / "bin" / "python", "-I", "-c", "import kvd; print(kvd.__file__)", cwd=tmp_path).stdout
+    where = run(venv / "bin" / "python", "-I", "-c", "import kvd; print(kvd.__file__)", cwd=tmp_path).stdout
     assert where.startswith(str(venv)), where
