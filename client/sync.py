@@ -20,6 +20,7 @@ from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, r
 
 from . import _base, _health, errors
 from ._engine_stream import EngineStream
+from ._transfer_watch import TransferWatch
 from .channel import ChannelOptions, TlsConfig, create_channel
 from .grpc_errors import rpc_error_code, to_kvd_error, translate, translate_iter
 
@@ -56,6 +57,8 @@ class KvdClient:
         self._router = router_pb2_grpc.RouterServiceStub(channel)
         self._health_check = _health.check_method(channel)
         self._streams: weakref.WeakSet[EngineStream] = weakref.WeakSet()
+        # The one WatchTransfers stream every wait_transfer(s) of this client rides (opened at the first).
+        self._watch = TransferWatch(self._router, target)
 
     @property
     def channel(self) -> grpc.Channel:
@@ -225,7 +228,43 @@ class KvdClient:
 
     def wait_transfer(self, transfer_id: str, timeout_s: float | None = None) -> common_pb2.TransferStatus:
         """Block until the transfer ends: its DONE status, or the mapped error if it failed or was
-        aborted (e.g. ``errors.Unavailable`` for a peer that died) or did not end in time."""
+        aborted (e.g. ``errors.Unavailable`` for a peer that died) or did not end in time.
+
+        Every wait of this client rides one ``WatchTransfers`` stream, opened at the first wait and
+        opened again after a failure; a transfer that ended before the wait is answered at once.
+        A daemon that is unreachable or shutting down raises ``errors.Unavailable``."""
+        timeout = self._timeout(timeout_s)
+        if self._watch.supported:
+            try:
+                return self._watch.wait(transfer_id, timeout)
+            except errors.KvdError:
+                if self._watch.supported:
+                    raise
+        return self._watch_one_transfer(transfer_id, timeout_s)  # a daemon older than WatchTransfers
+
+    def wait_transfers(
+        self, transfer_ids: Iterable[str], timeout_s: float | None = None
+    ) -> list[common_pb2.TransferStatus | errors.KvdError]:
+        """Wait until every transfer ends (on the stream :meth:`wait_transfer` rides): per id, in
+        order, its DONE status or the exact error it ended with (returned, not raised);
+        ``errors.DeadlineExceeded`` for one still running after ``timeout_s``."""
+        ids = list(transfer_ids)
+        timeout = self._timeout(timeout_s)
+        if self._watch.supported:
+            results = self._watch.wait_many(ids, timeout)
+            if self._watch.supported:
+                return results
+        deadline = _base.deadline_after(timeout)
+        out: list[common_pb2.TransferStatus | errors.KvdError] = []
+        for transfer_id in ids:  # a daemon older than WatchTransfers: one watch after the other
+            try:
+                out.append(self._watch_one_transfer(transfer_id, _base.time_left(deadline)))
+            except errors.KvdError as exc:
+                out.append(exc)
+        return out
+
+    def _watch_one_transfer(self, transfer_id: str, timeout_s: float | None) -> common_pb2.TransferStatus:
+        """wait_transfer on a WatchTransfer stream of its own (daemons before 0.2.0)."""
         timeout = self._timeout(timeout_s)
         deadline = _base.deadline_after(timeout)
         watch = self.watch_transfer(transfer_id, timeout_s=timeout_s)
@@ -331,9 +370,11 @@ class KvdClient:
         return _health.is_serving(response)
 
     def close(self) -> None:
-        """Close the engine streams this client opened, then the channel (if the client made it)."""
+        """Close the engine streams and the transfer watch this client opened, then the channel (if
+        the client made it)."""
         for stream in list(self._streams):
             stream.close()
+        self._watch.close()
         if self._owns_channel:
             self._channel.close()
 

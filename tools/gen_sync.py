@@ -98,6 +98,8 @@ TOKENS: tuple[tuple[str, str], ...] = (
     (r"\bAsyncKvdClient\b", "KvdClient"),
     (r"\bAsyncEngineStream\b", "EngineStream"),
     (r"\b_aio_engine_stream\b", "_engine_stream"),
+    (r"\bAsyncTransferWatch\b", "TransferWatch"),
+    (r"\b_aio_transfer_watch\b", "_transfer_watch"),
     (r"\bcreate_aio_channel\b", "create_channel"),
     (r"\btranslate_async\b", "translate"),
     (r"\btranslate_aiter\b", "translate_iter"),

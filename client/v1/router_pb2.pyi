@@ -79,6 +79,36 @@ class GetTransferRequest(_message.Message):
     transfer_id: str
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
+class WatchTransfersRequest(_message.Message):
+    __slots__ = ("transfer_ids", "unwatch_transfer_ids")
+    TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNWATCH_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_ids: _containers.RepeatedScalarFieldContainer[str]
+    unwatch_transfer_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, transfer_ids: _Optional[_Iterable[str]] = ..., unwatch_transfer_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TransferWatchRefusal(_message.Message):
+    __slots__ = ("transfer_id", "error_code", "error_message", "error_class")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    error_code: str
+    error_message: str
+    error_class: str
+    def __init__(self, transfer_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., error_class: _Optional[str] = ...) -> None: ...
+
+class WatchTransfersResponse(_message.Message):
+    __slots__ = ("incarnation", "finished", "refused")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    finished: _containers.RepeatedCompositeFieldContainer[_common_pb2.TransferStatus]
+    refused: _containers.RepeatedCompositeFieldContainer[TransferWatchRefusal]
+    def __init__(self, incarnation: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[_common_pb2.TransferStatus, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[TransferWatchRefusal, _Mapping]]] = ...) -> None: ...
+
 class CancelTransferRequest(_message.Message):
     __slots__ = ("transfer_id",)
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]

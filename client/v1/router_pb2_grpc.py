@@ -55,6 +55,11 @@ class RouterServiceStub:
                 request_serializer=kvd_dot_v1_dot_router__pb2.GetTransferRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_common__pb2.TransferStatus.FromString,
                 _registered_method=True)
+        self.WatchTransfers = channel.stream_stream(
+                '/kvd.v1.RouterService/WatchTransfers',
+                request_serializer=kvd_dot_v1_dot_router__pb2.WatchTransfersRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_router__pb2.WatchTransfersResponse.FromString,
+                _registered_method=True)
         self.CancelTransfer = channel.unary_unary(
                 '/kvd.v1.RouterService/CancelTransfer',
                 request_serializer=kvd_dot_v1_dot_router__pb2.CancelTransferRequest.SerializeToString,
@@ -121,6 +126,22 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchTransfers(self, request_iterator, context):
+        """Wait on many transfers on one stream (a router's pulls, or a client's wait_transfer calls).
+        The caller sends the ids to watch as it starts pulls; the daemon first sends its incarnation,
+        then answers every id it was sent exactly once, batched where several are ready together:
+        the transfer's final status (DONE, FAILED or ABORTED) when it ends, or at once if it ended
+        already (while the daemon still keeps it: its last 4096 finished transfers), or a refusal of
+        that id alone (NOT_FOUND: unknown; INVALID_ARGUMENT: empty; RESOURCE_EXHAUSTED: this stream
+        already watches 16384 ids), the stream going on. A message of more than 4096 ids ends the
+        stream INVALID_ARGUMENT. After the caller half-closes, the stream ends OK once every watched id
+        is answered; a daemon shutting down sends the outcomes of the pulls it finished or aborted,
+        then ends the stream UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CancelTransfer(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -181,6 +202,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.WatchTransfer,
                     request_deserializer=kvd_dot_v1_dot_router__pb2.GetTransferRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_common__pb2.TransferStatus.SerializeToString,
+            ),
+            'WatchTransfers': grpc.stream_stream_rpc_method_handler(
+                    servicer.WatchTransfers,
+                    request_deserializer=kvd_dot_v1_dot_router__pb2.WatchTransfersRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_router__pb2.WatchTransfersResponse.SerializeToString,
             ),
             'CancelTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelTransfer,
@@ -321,6 +347,33 @@ class RouterService:
             '/kvd.v1.RouterService/WatchTransfer',
             kvd_dot_v1_dot_router__pb2.GetTransferRequest.SerializeToString,
             kvd_dot_v1_dot_common__pb2.TransferStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTransfers(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvd.v1.RouterService/WatchTransfers',
+            kvd_dot_v1_dot_router__pb2.WatchTransfersRequest.SerializeToString,
+            kvd_dot_v1_dot_router__pb2.WatchTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,5 @@
-"""The bench's goals table: each goal of issue 19 (and those of issue 11 that still apply) with
-this run's figure and whether it is met.
+"""The bench's goals table: each goal of issue 19 (and those of issue 11 that still apply, and
+issue 40's router path) with this run's figure and whether it is met.
 
 Every figure comes from the run's own samples (``result``: what ``bench.json`` holds); a goal
 whose section did not run in this configuration (no level of 32 in flight, no 128 MiB size, no
@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from kvd.bench.runs import median, percentile
+from kvd.bench.runs import median, percentile, router_rates
 
 MIB = 1 << 20
 
@@ -73,6 +73,20 @@ def _pulls_per_s(result: dict[str, Any]) -> _Measured | str:
         return "no level of 32 in flight"
     rate, p99, figure = _rate_and_p99(row)
     return _Measured(figure, rate, rate >= 2000 and p99 < 0.05)
+
+
+def _router_vs_engine(result: dict[str, Any]) -> _Measured | str:
+    """Issue 40: a router's pulls (StartPull over TCP, waited on one WatchTransfers stream) at 32
+    in flight against the engine's path, measured in turns in the router section."""
+    rows = [row for row in result.get("router") or [] if row["in_flight"] == 32]
+    rates = router_rates(rows)
+    if "engine" not in rates or "one stream" not in rates:
+        return "no router section at 32 in flight"
+    ratio = rates["one stream"] / rates["engine"]
+    figure = f"{ratio:.2f}x ({rates['one stream']:.0f}/s vs {rates['engine']:.0f}/s"
+    if "stream per pull" in rates:
+        figure += f"; a stream per pull {rates['stream per pull'] / rates['engine']:.2f}x"
+    return _Measured(figure + ")", ratio, ratio >= 0.8)
 
 
 def _size_ratio(result: dict[str, Any], size_mb: int) -> float | None:
@@ -147,6 +161,7 @@ GOALS: tuple[tuple[str, int, str, str, _Check], ...] = (
     ("cpu_per_pull_all", 19, "CPU per pull, all processes together", "< 0.5 ms", _cpu_per_pull),
     ("first_contact_extra", 19, "first pull to a new peer, over later pulls", "< 10 ms", _first_contact),
     ("idle_daemon_cpu", 19, "CPU of an idle daemon (worst daemon)", "< 0.5 % of a core", _idle),
+    ("router_vs_engine_32", 40, "router pulls/s / engine pulls/s, 32 in flight", ">= 0.8x", _router_vs_engine),
     ("pull_8mib_vs_raw", 11, "8 MiB pull / raw NIXL read", ">= 0.8x", _size_vs_raw(8, 0.8)),
     ("pull_over_128mib_vs_raw", 11, "pulls above 128 MiB / raw NIXL (worst)", ">= 0.95x", _larger_pulls),
     ("staged_conversion_vs_copy", 11, "staged conversion / copy_ (worst pair)", ">= 0.8x", _worst_pair("vs_copy", 0.8)),
@@ -199,8 +214,8 @@ def evaluate(result: dict[str, Any]) -> list[Goal]:
 
 def table(goals: list[Goal]) -> list[str]:
     out = [
-        "goals (issue 19; issue 11's that still apply), this run's figures; 'the hops alone': the same "
-        "figure for the control path's hops with no kvd logic (the floor section)",
+        "goals (issue 19; issue 11's that still apply; issue 40's router path), this run's figures; "
+        "'the hops alone': the same figure for the control path's hops with no kvd logic (the floor section)",
         f"  {'goal':52} {'target':22} {'this run':40} {'met':8} {'the hops alone':22}",
     ]
     for goal in goals:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvd.bench.runs import median, percentile
+from kvd.bench.runs import median, percentile, router_rates
 
 GB = 1e9
 
@@ -141,6 +141,30 @@ def batched_table(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         pulls, wall = row["pulls"], row["wall_s"]
         out.append(f"{row['batch']:4d} {row['mode']:>8} {pulls:6d} {pulls / wall:8.0f} " + _latency_and_cpu(row))
+    return out
+
+
+def router_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The router section: each path's pulls/s, p50/p99 and CPU per pull, over its rounds."""
+    in_flight = rows[0]["in_flight"] if rows else 0
+    out = [
+        f"2 MiB pulls with {in_flight} in flight, by path, in turns (engine: StartPull on the Unix socket, "
+        "FinishedRecving on the engine stream; one stream: a router's StartPull over TCP, waited on the client's "
+        "one WatchTransfers stream; stream per pull: a WatchTransfer stream per pull, the path before 0.2.0); "
+        "CPU ms per pull as in the concurrency table; ratio: pulls/s over the engine path's",
+        f"{'path':>16} {'pulls':>6} {'pulls/s':>8} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'reader':>7} {'r-wkr':>7} {'holder':>7} {'h-wkr':>7} {'client':>7} {'all':>7}",
+    ]
+    rates = router_rates(rows)
+    engine = rates.get("engine", math.nan)
+    for mode, rate in rates.items():
+        mine = [row for row in rows if row["mode"] == mode]
+        merged = {
+            "pulls": sum(row["pulls"] for row in mine),
+            "latency_s": [s for row in mine for s in row["latency_s"]],
+            "cpu_s": {k: sum(row["cpu_s"][k] for row in mine) for k in mine[0]["cpu_s"]},
+        }
+        out.append(f"{mode:>16} {merged['pulls']:6d} {rate:8.0f} {rate / engine:6.2f} " + _latency_and_cpu(merged))
     return out
 
 

@@ -6,6 +6,9 @@
   CPU per pull of every process (reader and holder from /proc, the client from this process);
 * **batched**: an engine step's B pulls of 2 MiB at once, B StartPull calls against one
   StartPulls, step after step (pulls/s, p50/p99 from the step's start, CPU per pull per process);
+* **router path**: 2 MiB pulls with 32 in flight started by a router over TCP and waited on
+  the client's one ``WatchTransfers`` stream, beside the engine's path (the concurrency section's)
+  and the path before it (a ``WatchTransfer`` stream per pull), in turns, in the same window shape;
 * **first contact**: the first pull to a daemon never seen, against later pulls to it;
 * **idle**: every daemon's CPU (% of a core) over a few seconds with no engine pulling.
 
@@ -22,7 +25,7 @@ import dataclasses
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvd.bench.rig import (
@@ -35,6 +38,7 @@ from kvd.bench.rig import (
     scratch_engine_id,
 )
 from kvd_client.aio import AsyncKvdClient
+from kvd_client.v1 import common_pb2
 
 Progress = Callable[[str, float], None]
 
@@ -153,7 +157,7 @@ async def concurrency(
         def tick(done: int, n: int = n, level: int = level, count: int = count) -> None:
             progress(f"concurrency {level}", (n + done / count) / len(levels))
 
-        latencies = await _in_flight(engine, held, level, tick)
+        latencies = await _in_flight(engine.pull, held, level, tick)
         wall = time.perf_counter() - t0
         cpu = _cpu_since(session, cpu0, client0)
         for block in range(level):  # every block a pull landed in holds the pattern
@@ -210,8 +214,12 @@ async def batched(
     return out
 
 
+PullOne = Callable[[common_pb2.KvTransferParams, int], Awaitable[float]]
+"""One pull of held params into a block, timed from its start to its end as the caller learns it."""
+
+
 async def _in_flight(
-    engine: Engine, held: collections.deque[Any], level: int, tick: Callable[[int], None]
+    pull: PullOne, held: collections.deque[Any], level: int, tick: Callable[[int], None]
 ) -> list[float]:
     """Pull every hold in ``held`` with ``level`` pulls in flight, each into a block of its own."""
     free = collections.deque(range(level))
@@ -221,13 +229,85 @@ async def _in_flight(
         while held:
             hold = held.popleft()
             block = free.popleft()
-            latencies.append(await engine.pull(hold.kv_transfer_params, block))
+            latencies.append(await pull(hold.kv_transfer_params, block))
             free.append(block)
             if len(latencies) % 16 == 0:
                 tick(len(latencies))
 
     await asyncio.gather(*(worker() for _ in range(level)))
     return latencies
+
+
+ROUTER_MODES = ("engine", "one stream", "stream per pull")
+"""The router section's paths: the engine's (StartPull on the Unix socket, FinishedRecving on the
+engine stream), a router's waiting on the client's one WatchTransfers stream (``wait_transfer``),
+and a router's with a WatchTransfer stream per pull (how a router waited before 0.2.0)."""
+
+
+async def router_path(
+    session: Session, router: AsyncKvdClient, in_flight: int, pulls: int, rounds: int, progress: Progress
+) -> list[dict[str, Any]]:
+    """2 MiB pulls with ``in_flight`` in flight, each of :data:`ROUTER_MODES` in turn, ``rounds``
+    times (so the three share the machine's load), into the same engine's blocks from the same
+    holder, leases fetched before each window (as in the concurrency section): pulls/s, p50/p99
+    and the CPU per pull of every process, per mode and round.
+
+    A router's pull is ``StartPull`` on the reader's TCP port (``router``), then its wait."""
+    engine = session.engine
+    in_flight = min(in_flight, engine.capacity_blocks)
+
+    async def one_stream(params: common_pb2.KvTransferParams, block: int) -> float:
+        t0 = time.perf_counter()
+        started = await router.start_pull(
+            engine_id=engine.engine_id, request_id=params.request_id, local_block_ids=[block], remote=params
+        )
+        await router.wait_transfer(started.transfer_id)
+        return time.perf_counter() - t0
+
+    async def stream_per_pull(params: common_pb2.KvTransferParams, block: int) -> float:
+        t0 = time.perf_counter()
+        started = await router.start_pull(
+            engine_id=engine.engine_id, request_id=params.request_id, local_block_ids=[block], remote=params
+        )
+        async for status in router.watch_transfer(started.transfer_id):
+            if status.state == common_pb2.TRANSFER_STATE_DONE:
+                break
+            if status.state in (common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_ABORTED):
+                raise BenchFailure(f"a router's pull failed: {status.error_code}: {status.error_message}")
+        return time.perf_counter() - t0
+
+    paths: dict[str, PullOne] = {"engine": engine.pull, "one stream": one_stream, "stream per pull": stream_per_pull}
+    out = []
+    steps = rounds * len(ROUTER_MODES)
+    for r in range(rounds):
+        for m, mode in enumerate(ROUTER_MODES):
+            held = collections.deque(await session.hold(BLOCK_BYTES, pulls))
+            engine.buffer.zero_()
+            cpu0 = session.daemons.cpu()
+            client0 = own_cpu_seconds()
+            t0 = time.perf_counter()
+            step = r * len(ROUTER_MODES) + m
+
+            def tick(done: int, step: int = step, mode: str = mode) -> None:
+                progress(f"router path ({mode})", (step + done / pulls) / steps)
+
+            latencies = await _in_flight(paths[mode], held, in_flight, tick)
+            wall = time.perf_counter() - t0
+            cpu = _cpu_since(session, cpu0, client0)
+            for block in range(in_flight):
+                session.verify(block, BLOCK_BYTES)
+            out.append(
+                {
+                    "mode": mode,
+                    "round": r,
+                    "in_flight": in_flight,
+                    "pulls": pulls,
+                    "wall_s": wall,
+                    "latency_s": latencies,
+                    "cpu_s": cpu,
+                }
+            )
+    return out
 
 
 async def first_contact(session: Session, fresh: list[Any], later: int, progress: Progress) -> dict[str, Any]:
@@ -274,6 +354,15 @@ async def idle(session: Session, seconds: float, settle_s: float, progress: Prog
         "core_percent": {k: 100.0 * v / wall for k, v in cpu.items()},
         "client_core_percent": 100.0 * (client1 - client0) / wall,
     }
+
+
+def router_rates(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Pulls/s of each path of the router section, over all its rounds (pulls over wall time)."""
+    rates: dict[str, float] = {}
+    for mode in dict.fromkeys(row["mode"] for row in rows):
+        mine = [row for row in rows if row["mode"] == mode]
+        rates[mode] = sum(row["pulls"] for row in mine) / sum(row["wall_s"] for row in mine)
+    return rates
 
 
 def median(values: list[float]) -> float:

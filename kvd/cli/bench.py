@@ -3,7 +3,8 @@
 Starts two daemons on loopback (and, for first-contact samples, fresh holders), registers an
 engine on one, and measures (see :mod:`kvd.bench.runs`): pull vs raw NIXL by size, the control
 overhead distribution, engine steps of 8 and 32 pulls (StartPull each vs one StartPulls), 2 MiB
-pulls with 1..64 in flight and every process's CPU per pull, the same hops with no kvd logic in
+pulls with 1..64 in flight and every process's CPU per pull, a router's pulls at 32 in flight
+waited on one WatchTransfers stream beside the engine's path, the same hops with no kvd logic in
 them (the control path's floor, :mod:`kvd.bench.floor`), the cost of a first contact, the
 daemons' CPU while idle, and the layout-conversion pairs
 (:mod:`kvd.bench.convert`). Prints the tables (a progress bar meanwhile) and the goals table
@@ -46,13 +47,28 @@ class BenchConfig:
     idle_settle_s: float  # without a pull before the window opens
     batches: tuple[int, ...] = (8, 32)  # pulls per engine step in the batched section (empty: none)
     floor_pulls: int = 2000  # pulls through the floor's hops at 32 in flight (0: no floor section)
+    router_pulls: int = 256  # pulls per path and round in the router section, 32 in flight (0: none)
+    router_rounds: int = 2  # the router section's rounds (each path once per round, in turn)
 
 
 QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5, 3.0, 1.0)
 FULL = BenchConfig(
-    (2, 8, 32, 128, 512), 10, 300, (1, 2, 4, 8, 16, 32, 64), 1000, 2, 20, 1024, 5, 10.0, 1.0, floor_pulls=6000
+    (2, 8, 32, 128, 512),
+    10,
+    300,
+    (1, 2, 4, 8, 16, 32, 64),
+    1000,
+    2,
+    20,
+    1024,
+    5,
+    10.0,
+    1.0,
+    floor_pulls=6000,
+    router_pulls=1000,
 )
 FLOOR_IN_FLIGHT = 32  # the level of the pulls/s goal
+ROUTER_IN_FLIGHT = 32  # the level of the router path's goal (issue 40)
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +102,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="pulls through the control path's hops with no kvd logic, 32 in flight, to show the path's floor "
         "beside the goals (0: skip; quick 2000, full 6000)",
     )
+    parser.add_argument(
+        "--router-pulls",
+        type=int,
+        default=-1,
+        help="pulls per path and round in the router section (a router's pulls at 32 in flight waited on one "
+        "WatchTransfers stream, beside the engine's path and a WatchTransfer stream per pull; 0: skip; "
+        "quick 256, full 1000)",
+    )
     parser.add_argument("--no-plots", action="store_true", help="write the JSON only")
 
 
@@ -117,6 +141,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         changes["idle_s"] = args.idle_s
     if args.floor_pulls >= 0:
         changes["floor_pulls"] = args.floor_pulls
+    if args.router_pulls >= 0:
+        changes["router_pulls"] = args.router_pulls
     config = dataclasses.replace(base, **changes)
     bad = [s for s in config.sizes_mb if s < 2 or s % 2 or s > 1024]
     if bad or any(n < 1 for n in config.levels) or any(b < 1 or b > 1024 for b in config.batches):
@@ -178,10 +204,12 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
         daemons = start_daemons(stack, workdir, config.fresh_peers)
         lap("start daemons")
         largest = max((*config.sizes_mb, 2)) << 20
-        capacity = max(largest // BLOCK_BYTES, max(config.levels), max(config.batches, default=0), 2)
+        router_blocks = ROUTER_IN_FLIGHT if config.router_pulls > 0 else 0
+        capacity = max(largest // BLOCK_BYTES, max(config.levels), max(config.batches, default=0), router_blocks, 2)
         async with (
             AsyncKvdClient(daemons.local.unix_target, timeout_s=120) as local,
             AsyncKvdClient(daemons.peer.tcp, timeout_s=120) as peer,
+            AsyncKvdClient(daemons.local.tcp, timeout_s=120) as router,
         ):
             engine = Engine(local, capacity)
             await engine.open()
@@ -204,6 +232,12 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
                     result["batched"] = await runs.batched(session, list(config.batches), config.pulls_per_level, bar)
                     _show(bar, report.batched_table(result["batched"]))
                     lap("batched")
+                if config.router_pulls > 0:  # a router's pulls, beside the engine's, in the same windows
+                    result["router"] = await runs.router_path(
+                        session, router, ROUTER_IN_FLIGHT, config.router_pulls, config.router_rounds, bar
+                    )
+                    _show(bar, report.router_table(result["router"]))
+                    lap("router")
                 result["concurrency"] = await runs.concurrency(
                     session, list(config.levels), config.pulls_per_level, bar
                 )

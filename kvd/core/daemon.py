@@ -35,6 +35,7 @@ from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.restarts import DataPlaneRestarts
 from kvd.core.transfers import RequestKey, Transfer, TransferState, TransferTable
+from kvd.core.watches import TransferWatches
 from kvd.core.workers import WorkerLauncher
 from kvd.layout import groups as kv_groups
 from kvd.layout.plan import EngineView, block_geometry
@@ -129,6 +130,7 @@ class Daemon(HolderReads, DataPlaneRestarts):
         self.holdchecks = HoldChecks()
         self.holds_ended: dict[str, int] = {}  # LeaseEnd value -> count since start
         self.transfers = TransferTable()
+        self.watches = TransferWatches(self.transfers)  # WatchTransfers streams, by the ids they wait on
         self._sweep_now = asyncio.Event()  # a deadline came nearer, or something needs polling
         self._sweep_at = 0.0  # when the sweeper's next round is due (monotonic)
         self._liveness_now = asyncio.Event()  # an engine registered with a pid, or one exited
@@ -234,6 +236,9 @@ class Daemon(HolderReads, DataPlaneRestarts):
                 task.cancel("daemon shutting down")
             if still:  # an aborted pull fences its reads first (bounded by fence_timeout_s)
                 await asyncio.wait(still, timeout=self.config.fence_timeout_s + 5.0)
+        # Every pull has ended and its outcome is queued on the streams watching it: they send it,
+        # then end UNAVAILABLE (a router's waiters learn how each pull ended, then that we left).
+        self.watches.close(Unavailable("the daemon is shutting down: watch transfers on its replacement"))
         # Leases end now; a read still admitted cannot be proven over: its memory is retired.
         self.leases.end_all(LeaseEnd.SHUTDOWN)
         self.leases.force_end_admissions()

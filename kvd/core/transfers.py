@@ -125,6 +125,13 @@ class TransferTable:
         self._transfers: dict[str, Transfer] = {}
         self._live: dict[str, Transfer] = {}
         self._latest: dict[RequestKey, Transfer] = {}
+        self._final_listeners: list[Callable[[Transfer], None]] = []
+
+    def on_final(self, listener: Callable[[Transfer], None]) -> None:
+        """Call ``listener`` with each transfer as it ends (final, its error set), in the call that
+        ended it: how one stream waits on many transfers (kvd.core.watches) without a task each.
+        A listener must not raise: it runs inside the pull's state change."""
+        self._final_listeners.append(listener)
 
     def new(self, **fields: object) -> Transfer:
         transfer = Transfer(transfer_id=uuid.uuid4().hex, _on_final=self._ended, **fields)  # type: ignore[arg-type]
@@ -141,6 +148,8 @@ class TransferTable:
 
     def _ended(self, transfer: Transfer) -> None:
         self._live.pop(transfer.transfer_id, None)
+        for listener in self._final_listeners:
+            listener(transfer)
 
     def get(self, transfer_id: str) -> Transfer:
         transfer = self._transfers.get(transfer_id)

@@ -93,6 +93,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
     "/kvd.v1.RouterService/StartPulls": frozenset({ROUTER, ENGINE}),
     "/kvd.v1.RouterService/GetTransfer": frozenset({ROUTER, ENGINE}),
     "/kvd.v1.RouterService/WatchTransfer": frozenset({ROUTER, ENGINE}),
+    "/kvd.v1.RouterService/WatchTransfers": frozenset({ROUTER, ENGINE}),
     "/kvd.v1.RouterService/CancelTransfer": frozenset({ROUTER, ENGINE}),
     # Lease ids are capabilities: the holder's engines, its peers and routers only.
     "/kvd.v1.RouterService/LookupHeld": frozenset({ROUTER, ENGINE, PEER}),

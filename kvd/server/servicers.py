@@ -19,6 +19,7 @@ from kvd.core.registry import EngineRank
 from kvd.server import convert
 from kvd.server.edge import bounded, rpc
 from kvd.server.peer_stream import PeerHandlers, serve_peer_stream
+from kvd.server.watch_stream import serve_watch_stream
 from kvd_client.errors import InvalidArgument, KvdError
 from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -434,6 +435,14 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         transfer = self.daemon.transfers.get(request.transfer_id)
         async for current in transfer.changes():
             yield convert.transfer_to_pb(current)
+
+    @rpc
+    async def WatchTransfers(
+        self, requests: AsyncIterator[router_pb2.WatchTransfersRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.WatchTransfersResponse]:
+        self.daemon.require_serving()
+        async for response in serve_watch_stream(self.daemon.watches, self.daemon.incarnation, requests):
+            yield response
 
     @rpc
     async def CancelTransfer(

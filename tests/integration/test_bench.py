@@ -32,6 +32,7 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         "--convert-tokens", "16",
         "--idle-s", "1",
         "--floor-pulls", "64",
+        "--router-pulls", "40",
     ]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "kvd.cli.main", *args], capture_output=True, text=True, timeout=240, check=False
@@ -45,6 +46,7 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         "first pull to a new peer",
         "idle daemons",
         "the control path's floor",
+        "by path, in turns",
         "goals",
     ):
         assert table in result.stdout, result.stdout
@@ -83,6 +85,15 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         assert row["cpu_s"]["reader"] > 0 and row["cpu_s"]["client"] > 0
     header = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("N "))
     assert header.split()[-6:] == ["reader", "r-wkr", "holder", "h-wkr", "client", "all"], header
+    sections = list(data["section_s"])
+    router = data["router"]  # a router's pulls (one stream, a stream per pull) beside the engine's, in turns
+    assert [(row["round"], row["mode"]) for row in router] == [
+        (r, mode) for r in range(2) for mode in ("engine", "one stream", "stream per pull")
+    ]
+    for row in router:
+        assert row["in_flight"] == 32 and row["pulls"] == len(row["latency_s"]) == 40
+        assert row["cpu_s"]["reader"] > 0 and row["cpu_s"]["client"] > 0
+    assert sections.index("router") == sections.index("concurrency") - 1
     first = data["first_contact"]
     assert len(first["first_s"]) == 1 and len(first["later_s"]) == data["config"]["later_pulls"]
     idle = data["idle"]  # the daemons with no engine pulling, after every other daemon section
@@ -94,7 +105,6 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert floor["in_flight"] == 32 and floor["pulls"] == len(floor["latency_s"]) == 64
     assert set(floor["cpu_s"]) == {"holder", "worker", "reader", "client", "all"}
     assert floor["cpu_s"]["reader"] > 0 and floor["cpu_s"]["holder"] > 0 and floor["cpu_s"]["worker"] > 0
-    sections = list(data["section_s"])
     assert sections.index("floor") == sections.index("concurrency") + 1
     assert sections.index("idle") == sections.index("floor") + 1  # the last section with daemons
     pairs = {row["pair"]: row for row in data["conversions"]}

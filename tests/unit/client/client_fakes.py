@@ -159,6 +159,9 @@ class FakeRouterService(router_pb2_grpc.RouterServiceServicer):
         self.watch_scripts: dict[str, list[Any]] = {}
         self.transfers: dict[str, common_pb2.TransferStatus] = {}
         self.watch_cancelled = threading.Event()
+        self.watch_transfers_unimplemented = False  # a daemon older than WatchTransfers
+        self.watch_transfers_requests: list[router_pb2.WatchTransfersRequest] = []
+        self.watch_transfers_streams = 0
 
     def StartPull(
         self, request: router_pb2.StartPullRequest, context: grpc.ServicerContext
@@ -216,6 +219,64 @@ class FakeRouterService(router_pb2_grpc.RouterServiceServicer):
                 abort_with_class(context, *item)
             else:
                 yield item
+
+    def WatchTransfers(
+        self, request_iterator: Iterator[router_pb2.WatchTransfersRequest], context: grpc.ServicerContext
+    ) -> Iterator[router_pb2.WatchTransfersResponse]:
+        """Answers each id from :meth:`final_answer` as soon as it is sent (or never)."""
+        if self.watch_transfers_unimplemented:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        self.watch_transfers_streams += 1
+        yield router_pb2.WatchTransfersResponse(incarnation=INCARNATION)
+        for request in request_iterator:
+            self.watch_transfers_requests.append(request)
+            response = router_pb2.WatchTransfersResponse()
+            for transfer_id in request.transfer_ids:
+                answer = self.final_answer(transfer_id)
+                if isinstance(answer, common_pb2.TransferStatus):
+                    response.finished.append(answer)
+                elif answer is not None:
+                    response.refused.append(answer)
+            if response.finished or response.refused:
+                yield response
+
+    def final_answer(self, transfer_id: str) -> common_pb2.TransferStatus | router_pb2.TransferWatchRefusal | None:
+        """What WatchTransfers answers for an id: its final status in ``transfers``, else its watch
+        script's first final status (None: never, if a pause comes first; an error tuple is a
+        refusal), else a refusal NOT_FOUND."""
+        status = self.transfers.get(transfer_id)
+        if status is not None and status.state in (
+            common_pb2.TRANSFER_STATE_DONE,
+            common_pb2.TRANSFER_STATE_FAILED,
+            common_pb2.TRANSFER_STATE_ABORTED,
+        ):
+            return status
+        script = self.watch_scripts.get(transfer_id)
+        if script is None:
+            return router_pb2.TransferWatchRefusal(
+                transfer_id=transfer_id,
+                error_code="NOT_FOUND",
+                error_message=f"no transfer {transfer_id}",
+                error_class="UnknownTransfer",
+            )
+        for item in script:
+            if isinstance(item, float):
+                return None
+            if isinstance(item, tuple):
+                code, details, *rest = item
+                return router_pb2.TransferWatchRefusal(
+                    transfer_id=transfer_id,
+                    error_code=code.name,
+                    error_message=details,
+                    error_class=rest[0] if rest else "",
+                )
+            if item.state in (
+                common_pb2.TRANSFER_STATE_DONE,
+                common_pb2.TRANSFER_STATE_FAILED,
+                common_pb2.TRANSFER_STATE_ABORTED,
+            ):
+                return item
+        return None
 
     def CancelTransfer(
         self, request: router_pb2.CancelTransferRequest, context: grpc.ServicerContext

@@ -239,17 +239,74 @@ def test_wait_transfer_times_out(client: KvdClient, daemon: FakeDaemon) -> None:
     assert time.monotonic() - started < 2.0
 
 
-def test_wait_transfer_falls_back_to_get_when_watch_ends_early(client: KvdClient, daemon: FakeDaemon) -> None:
+def test_wait_transfer_answers_a_transfer_that_ended_before_the_wait(client: KvdClient, daemon: FakeDaemon) -> None:
+    """A transfer that ended before anyone waited is answered at once with how it ended."""
+    daemon.router.transfers["t6"] = common_pb2.TransferStatus(
+        transfer_id="t6", state=common_pb2.TRANSFER_STATE_ABORTED, error_code="ABORTED", error_class="Aborted"
+    )
+    with pytest.raises(errors.Aborted):
+        client.wait_transfer("t6", timeout_s=5)
+
+
+def test_waits_share_one_watch_stream(client: KvdClient, daemon: FakeDaemon) -> None:
+    """Every wait of a client rides one WatchTransfers stream; an unknown id fails alone."""
+    for i in range(5):
+        daemon.router.transfers[f"s{i}"] = common_pb2.TransferStatus(
+            transfer_id=f"s{i}", state=common_pb2.TRANSFER_STATE_DONE, bytes=i
+        )
+    assert [client.wait_transfer(f"s{i}", timeout_s=5).bytes for i in range(5)] == list(range(5))
+    with pytest.raises(errors.UnknownTransfer):
+        client.wait_transfer("nosuch", timeout_s=5)
+    results = client.wait_transfers(["s1", "nosuch", "s3"], timeout_s=5)
+    assert isinstance(results[0], common_pb2.TransferStatus) and results[0].bytes == 1
+    assert isinstance(results[1], errors.UnknownTransfer)
+    assert isinstance(results[2], common_pb2.TransferStatus) and results[2].bytes == 3
+    assert daemon.router.watch_transfers_streams == 1
+    assert "WatchTransfer" not in daemon.router.requests
+
+
+def test_wait_transfers_reports_each_outcome_and_the_ones_still_running(client: KvdClient, daemon: FakeDaemon) -> None:
+    """wait_transfers returns per id, in order, its status or its error; DeadlineExceeded for an
+    id still running at the deadline (nothing raised)."""
+    daemon.router.transfers["w1"] = common_pb2.TransferStatus(transfer_id="w1", state=common_pb2.TRANSFER_STATE_DONE)
+    daemon.router.watch_scripts["w2"] = [30.0]
+    daemon.router.watch_scripts["w3"] = [
+        common_pb2.TransferStatus(
+            transfer_id="w3",
+            state=common_pb2.TRANSFER_STATE_FAILED,
+            error_code="DEADLINE_EXCEEDED",
+            error_class="LeaseExpired",
+        )
+    ]
+    started = time.monotonic()
+    done, running, failed = client.wait_transfers(["w1", "w2", "w3"], timeout_s=0.3)
+    assert time.monotonic() - started < 2.0
+    assert isinstance(done, common_pb2.TransferStatus)
+    assert isinstance(running, errors.DeadlineExceeded) and "w2" in running.message
+    assert isinstance(failed, errors.LeaseExpired)
+    assert client.wait_transfers([], timeout_s=1) == []
+
+
+def test_wait_transfer_against_a_daemon_without_watch_transfers(client: KvdClient, daemon: FakeDaemon) -> None:
+    """A daemon older than WatchTransfers (UNIMPLEMENTED): each wait watches its transfer alone,
+    and falls back to GetTransfer when that watch ends early."""
+    daemon.router.watch_transfers_unimplemented = True
     daemon.router.watch_scripts["t6"] = [
         common_pb2.TransferStatus(transfer_id="t6", state=common_pb2.TRANSFER_STATE_READING)
     ]
-    daemon.router.transfers["t6"] = common_pb2.TransferStatus(transfer_id="t6", state=common_pb2.TRANSFER_STATE_DONE)
-    assert client.wait_transfer("t6", timeout_s=5).state == common_pb2.TRANSFER_STATE_DONE
-
+    daemon.router.transfers["t6"] = common_pb2.TransferStatus(transfer_id="t6", state=common_pb2.TRANSFER_STATE_READING)
     daemon.router.watch_scripts["t7"] = []
     daemon.router.transfers["t7"] = common_pb2.TransferStatus(transfer_id="t7", state=common_pb2.TRANSFER_STATE_READING)
-    with pytest.raises(errors.Unavailable, match="t7"):
-        client.wait_transfer("t7", timeout_s=5)
+    with pytest.raises(errors.Unavailable, match="t6"):
+        client.wait_transfer("t6", timeout_s=5)
+    daemon.router.transfers["t7"] = common_pb2.TransferStatus(transfer_id="t7", state=common_pb2.TRANSFER_STATE_DONE)
+    assert client.wait_transfer("t7", timeout_s=5).state == common_pb2.TRANSFER_STATE_DONE
+    daemon.router.watch_scripts["t8"] = [
+        common_pb2.TransferStatus(transfer_id="t8", state=common_pb2.TRANSFER_STATE_ABORTED, error_code="ABORTED")
+    ]
+    (aborted,) = client.wait_transfers(["t8"], timeout_s=5)
+    assert isinstance(aborted, errors.Aborted)
+    assert daemon.router.requests["WatchTransfer"].transfer_id == "t8"
 
 
 def test_health_check(client: KvdClient, daemon: FakeDaemon) -> None:

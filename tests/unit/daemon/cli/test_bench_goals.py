@@ -14,6 +14,19 @@ from kvd.bench.rig import cpu_seconds
 MIB = 1 << 20
 
 
+def _router_row(mode: str, round_: int, wall_s: float, in_flight: int = 32) -> dict[str, Any]:
+    """One window of the router section: 256 pulls of one path."""
+    return {
+        "mode": mode,
+        "round": round_,
+        "in_flight": in_flight,
+        "pulls": 256,
+        "wall_s": wall_s,
+        "latency_s": [0.04] * 256,
+        "cpu_s": {"reader": 0.1, "holder": 0.1, "client": 0.1, "all": 0.3},
+    }
+
+
 def _run(**changes: Any) -> dict[str, Any]:
     """A run's samples where every goal of issue 19 is met."""
     result: dict[str, Any] = {
@@ -31,6 +44,11 @@ def _run(**changes: Any) -> dict[str, Any]:
                 "cpu_s": {"reader": 0.1, "holder": 0.1, "client": 0.1, "all": 0.3},
             }
             for n in (1, 32)
+        ],
+        "router": [
+            _router_row(mode, r, wall)
+            for r in range(2)
+            for mode, wall in (("engine", 0.4), ("one stream", 0.45), ("stream per pull", 0.9))
         ],
         "first_contact": {"first_s": [0.012], "later_s": [0.004, 0.005]},
         "idle": {"core_percent": {"reader": 0.2, "holder": 0.1}},
@@ -78,6 +96,22 @@ def test_each_threshold_of_issue_19() -> None:
     assert _by_key(_run(first_contact={"first_s": [0.016], "later_s": [0.005]}))["first_contact_extra"].met is False
     idle = _by_key(_run(idle={"core_percent": {"reader": 0.2, "holder": 0.5}}))["idle_daemon_cpu"]
     assert idle.met is False and idle.figure.endswith("(holder)")
+
+
+def test_the_router_path_against_the_engine_path_issue_40() -> None:
+    """A router's pulls/s (one WatchTransfers stream) over the engine path's, both over every round
+    of the router section: at least 0.8x is met; the stream-per-pull path stands in the figure."""
+    met = _by_key(_run())["router_vs_engine_32"]
+    assert met.issue == 40 and met.met is True and met.value == pytest.approx(0.4 / 0.45)
+    assert met.figure == "0.89x (569/s vs 640/s; a stream per pull 0.44x)"
+    slow = [_router_row(mode, 0, wall) for mode, wall in (("engine", 0.4), ("one stream", 0.51))]
+    missed = _by_key(_run(router=slow))["router_vs_engine_32"]
+    assert missed.met is False and missed.value == pytest.approx(0.4 / 0.51)
+    assert missed.figure.endswith("/s)")  # no stream-per-pull path in this run
+    other_level = [_router_row(mode, 0, 0.4, in_flight=8) for mode in ("engine", "one stream")]
+    for router in ([], other_level):
+        goal = _by_key(_run(router=router))["router_vs_engine_32"]
+        assert goal.met is None and goal.figure == "not measured (no router section at 32 in flight)"
 
 
 def test_a_section_that_did_not_run_is_not_measured_rather_than_a_number() -> None:

@@ -1,0 +1,177 @@
+"""One blocking client's ``WatchTransfers`` stream: every transfer wait of the client rides it.
+
+The thread twin of :mod:`kvd_client._aio_transfer_watch`, with the same rules
+(:mod:`kvd_client._watch_book`): a background thread reads the stream, grpc's request thread
+sends what the waiting threads queued (every id queued while a message is being written goes out
+in the next one), and a lock guards the book, since any thread may wait. The stream opens at the
+first wait and lives as long as the client.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvd_client.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+from . import errors
+from ._watch_book import CLOSE, WatchBook, ended_by_daemon, request_messages, unsupported, waited_too_long
+from .grpc_errors import to_kvd_error
+
+logger = logging.getLogger(__name__)
+
+_Order = tuple[str, bool]  # (transfer id, watch it: True / stop: False)
+_Future = concurrent.futures.Future[common_pb2.TransferStatus]
+
+CLOSE_TIMEOUT_S = 5.0
+"""How long close() waits for the stream's thread after cancelling the RPC."""
+
+
+class TransferWatch:
+    """The WatchTransfers stream one :class:`~kvd_client.sync.KvdClient` waits on (thread-safe)."""
+
+    def __init__(self, stub: router_pb2_grpc.RouterServiceStub, target: str = "") -> None:
+        self._stub = stub
+        self._target = target
+        self._lock = threading.Lock()
+        self._book = WatchBook()
+        self._outbox: queue.SimpleQueue[_Order | object] | None = None
+        self._call: Any = None
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.supported = True  # False once the daemon answered UNIMPLEMENTED (older than 0.2.0)
+
+    def wait(self, transfer_id: str, timeout: float | None) -> common_pb2.TransferStatus:
+        """The transfer's DONE status, or the exact error it failed with; DeadlineExceeded after
+        ``timeout`` seconds (None: no limit)."""
+        waiter: _Future = concurrent.futures.Future()
+        self._register(transfer_id, waiter)
+        try:
+            return waiter.result(timeout)
+        except TimeoutError:
+            raise waited_too_long(transfer_id, timeout or 0.0) from None
+        finally:
+            self._forget(transfer_id, waiter)
+
+    def wait_many(
+        self, transfer_ids: Sequence[str], timeout: float | None
+    ) -> list[common_pb2.TransferStatus | errors.KvdError]:
+        """Per id, in order, its DONE status or its error (returned, not raised); an id still
+        running after ``timeout`` seconds gets DeadlineExceeded."""
+        waiters: list[_Future] = []
+        try:
+            for transfer_id in transfer_ids:
+                waiters.append(concurrent.futures.Future())
+                self._register(transfer_id, waiters[-1])
+            if waiters:
+                concurrent.futures.wait(waiters, timeout=timeout)
+            out: list[common_pb2.TransferStatus | errors.KvdError] = []
+            for transfer_id, waiter in zip(transfer_ids, waiters, strict=True):
+                if not waiter.done():
+                    out.append(waited_too_long(transfer_id, timeout or 0.0))
+                elif isinstance(error := waiter.exception(), errors.KvdError):
+                    out.append(error)
+                elif error is not None:
+                    raise error
+                else:
+                    out.append(waiter.result())
+            return out
+        finally:
+            for transfer_id, waiter in zip(transfer_ids, waiters, strict=False):
+                self._forget(transfer_id, waiter)
+
+    def close(self) -> None:
+        """End the stream; whoever still waits gets Cancelled. Idempotent."""
+        with self._lock:
+            self._closing = True
+            call, thread = self._call, self._thread
+            if self._outbox is not None:
+                self._outbox.put(CLOSE)
+        if call is not None:
+            call.cancel()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_TIMEOUT_S)
+        with self._lock:
+            self._book.fail_all(errors.Cancelled("the client was closed while waiting on the transfer"))
+
+    # -- the stream ---------------------------------------------------------------------------
+
+    def _register(self, transfer_id: str, waiter: _Future) -> None:
+        with self._lock:
+            if self._closing:
+                raise errors.Cancelled("the client is closed")
+            if not self._book.add(transfer_id, waiter):
+                return
+            if self._thread is None:
+                self._open()  # sends every id waited on, this one with them
+            else:
+                assert self._outbox is not None
+                self._outbox.put((transfer_id, True))
+
+    def _forget(self, transfer_id: str, waiter: _Future) -> None:
+        with self._lock:
+            if self._book.discard(transfer_id, waiter) and self._thread is not None and self._outbox is not None:
+                self._outbox.put((transfer_id, False))
+
+    def _open(self) -> None:
+        """Open a stream (under the lock)."""
+        outbox: queue.SimpleQueue[_Order | object] = queue.SimpleQueue()
+        for transfer_id in self._book.stream_opened():
+            outbox.put((transfer_id, True))
+        self._outbox = outbox
+        call = self._stub.WatchTransfers(self._requests(outbox))
+        self._call = call
+        self._thread = threading.Thread(
+            target=self._receive, args=(call, outbox), name=f"kvd-transfer-watch-{self._target}", daemon=True
+        )
+        self._thread.start()
+
+    @staticmethod
+    def _requests(outbox: queue.SimpleQueue[_Order | object]) -> Iterator[router_pb2.WatchTransfersRequest]:
+        """What grpc's request thread sends: every order queued since the last message."""
+        while True:
+            item = outbox.get()
+            orders: list[_Order] = []
+            while item is not CLOSE:
+                orders.append(item)  # type: ignore[arg-type]
+                try:
+                    item = outbox.get_nowait()
+                except queue.Empty:
+                    break
+            yield from request_messages(orders)
+            if item is CLOSE:
+                return
+
+    def _receive(self, call: Any, outbox: queue.SimpleQueue[_Order | object]) -> None:
+        """Thread body: settle each response until the stream ends, then decide what comes next."""
+        error: errors.KvdError
+        try:
+            for response in call:
+                with self._lock:
+                    self._book.settle(response)
+            error = ended_by_daemon()
+        except grpc.RpcError as rpc_error:
+            error = to_kvd_error(rpc_error)
+            error.__cause__ = rpc_error
+        except Exception as exc:  # a background thread must record what killed it
+            logger.exception("transfer watch stream to %s failed", self._target)
+            error = errors.Internal(f"transfer watch stream failed: {exc!r}")
+            error.__cause__ = exc
+        with self._lock:
+            outbox.put(CLOSE)  # frees grpc's request thread if it waits in get()
+            self._thread = self._call = self._outbox = None
+            if self._closing:
+                return
+            if unsupported(error) and not self._book.answered:
+                self.supported = False  # before the waiters hear of it: they fall back on WatchTransfer
+            if self._book.stream_ended(error):
+                logger.info("transfer watch stream to %s ended (%s); opening another", self._target, error)
+                self._open()
+            else:
+                logger.debug("transfer watch stream to %s ended: %s", self._target, error)
