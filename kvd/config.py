@@ -205,15 +205,24 @@ class KvdConfig:
             "for the copy threads (dataplane_copy_threads); smaller READs finish within their post on one thread."
         },
     )
-    dataplane_max_restarts: int = dataclasses.field(
-        default=5,
+    dataplane_restart_backoff_s: float = dataclasses.field(
+        default=0.25,
         metadata={
-            "help": "Data-plane workers lost within dataplane_restart_window_s before the daemon gives up: health "
-            "goes NOT_SERVING and it exits non-zero, so systemd or Kubernetes restarts it with back-off."
+            "help": "A lost data-plane worker is replaced at once, but one lost again before its predecessor served "
+            "dataplane_restart_stable_s waits this long before its replacement starts, twice as long after each "
+            "further loss in a row, up to dataplane_restart_backoff_max_s. The daemon never gives up on a crash "
+            "loop (health is NOT_SERVING while no worker serves); it exits only when a new worker cannot start."
         },
     )
-    dataplane_restart_window_s: float = dataclasses.field(
-        default=60.0, metadata={"help": "The window of dataplane_max_restarts."}
+    dataplane_restart_backoff_max_s: float = dataclasses.field(
+        default=4.0, metadata={"help": "The longest wait before a lost data-plane worker's replacement starts."}
+    )
+    dataplane_restart_stable_s: float = dataclasses.field(
+        default=30.0,
+        metadata={
+            "help": "A data-plane worker that served this long ends a crash loop: the next loss is replaced at once "
+            "again (dataplane_restart_backoff_s)."
+        },
     )
     peer_calls_on_stream: bool = dataclasses.field(
         default=True,
@@ -332,7 +341,8 @@ class KvdConfig:
             "fence_timeout_s",
             "peer_idle_s",
             "dataplane_heartbeat_timeout_s",
-            "dataplane_restart_window_s",
+            "dataplane_restart_backoff_s",
+            "dataplane_restart_stable_s",
         ):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0 (and finite), got {getattr(self, name)}")
@@ -361,8 +371,14 @@ class KvdConfig:
             )
         if self.dataplane_max_post_bytes < 1 << 20:
             problems.append(f"dataplane_max_post_bytes must be >= 1 MiB (1048576), got {self.dataplane_max_post_bytes}")
-        if self.dataplane_max_restarts < 0:
-            problems.append(f"dataplane_max_restarts must be >= 0, got {self.dataplane_max_restarts}")
+        if not (
+            math.isfinite(self.dataplane_restart_backoff_max_s)
+            and self.dataplane_restart_backoff_max_s >= self.dataplane_restart_backoff_s
+        ):
+            problems.append(
+                f"dataplane_restart_backoff_max_s must be >= dataplane_restart_backoff_s "
+                f"({self.dataplane_restart_backoff_s}), got {self.dataplane_restart_backoff_max_s}"
+            )
         if self.staging_pool_bytes < 0 or self.direct_read_min_bytes < 0:
             problems.append("staging_pool_bytes and direct_read_min_bytes must be >= 0")
         if not self.nixl_backends:

@@ -33,7 +33,7 @@ from kvd.core.params import TransferParams
 from kvd.core.peers import Peers, PeerSession, PeerTransport
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
-from kvd.core.restarts import DataPlaneRestarts
+from kvd.core.restarts import DataPlaneRestarts, RestartBackoff
 from kvd.core.transfers import RequestKey, Transfer, TransferState, TransferTable
 from kvd.core.watches import TransferWatches
 from kvd.core.workers import WorkerLauncher
@@ -151,9 +151,15 @@ class Daemon(HolderReads, DataPlaneRestarts):
         self._selftest_seed = -1
         self.serving = False
         self.started_at = time.monotonic()
-        # Data-plane restarts (kvd.core.dataplane): when, why; a crash loop ends the daemon.
+        # Data-plane restarts (kvd.core.restarts): when, why; a crash loop backs off.
         self._launcher: WorkerLauncher | None = None
-        self._restart_times: list[float] = []
+        self._backoff = RestartBackoff(
+            config.dataplane_restart_backoff_s,
+            config.dataplane_restart_backoff_max_s,
+            config.dataplane_restart_stable_s,
+        )
+        self.dataplane_serving = False
+        self.on_dataplane_serving = lambda: None
         self._restarting: asyncio.Task[None] | None = None
         self.dataplane_restarts = 0
         self.dataplane_last_restart = ""
@@ -185,6 +191,8 @@ class Daemon(HolderReads, DataPlaneRestarts):
             max_post_bytes=self.config.dataplane_max_post_bytes,
             copy_threads=self.config.copy_threads,
             parallel_read_min_bytes=self.config.dataplane_parallel_read_min_bytes,
+            respawn_backoff_s=self.config.dataplane_restart_backoff_s,
+            respawn_backoff_max_s=self.config.dataplane_restart_backoff_max_s,
         )
         dataplane = self._new_dataplane()
         try:
@@ -223,6 +231,7 @@ class Daemon(HolderReads, DataPlaneRestarts):
             loop.create_task(self._liveness_loop(), name="kvd-liveness"),
         ]
         self.serving = True
+        self._dataplane_serves(True)
         logger.info("daemon %s started (agent %s)", self.incarnation, self.agent_name)
 
     async def shutdown(self, grace_s: float) -> None:

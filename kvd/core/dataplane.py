@@ -270,6 +270,8 @@ class DataPlane:
                 xfer.settled.set_result(None)
         self._xfers.clear()
         self._on_reads_in_flight(0)
+        if self._worker is not None:
+            self._worker.close_channel()  # reaped: its end of the channel is of no more use (an fd per loss)
         if self._reported or self._stopping:
             return
         self._reported = True

@@ -22,7 +22,10 @@ class Metrics:
         # Set by kvd.server.app: what runs (dashboards show it per node) and whether it serves.
         self.build_info = Gauge("kvd_build_info", "Always 1; the running daemon's version", ["version"], registry=r)
         self.serving = Gauge(
-            "kvd_serving", "1 while health is SERVING; 0 once shutdown began (health NOT_SERVING)", registry=r
+            "kvd_serving",
+            "1 while health is SERVING; 0 while no data-plane worker serves (kvd_dataplane_serving) and once "
+            "shutdown began (health NOT_SERVING)",
+            registry=r,
         )
         self.transfer_bytes = Counter(
             "kvd_transfer_bytes", "KV bytes moved through NIXL", ["peer", "direction"], registry=r
@@ -64,6 +67,12 @@ class Metrics:
             "kvd_dataplane_restarts",
             "Data-plane workers lost and replaced, by how the lost one ended (SIGSEGV, SIGKILL, hung, exit N)",
             ["reason"],
+            registry=r,
+        )
+        self.dataplane_serving = Gauge(
+            "kvd_dataplane_serving",
+            "1 while a data-plane worker serves; 0 from a worker's loss until its replacement has mapped every "
+            "engine again (a restart, and its back-off while workers keep dying)",
             registry=r,
         )
         self.agent_reloads = Counter(

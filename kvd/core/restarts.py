@@ -3,8 +3,16 @@
 A mixin of :class:`kvd.core.daemon.Daemon` (kept apart so that the daemon's facade stays small):
 the DataPlane reports its worker lost (reaped) through :meth:`_dataplane_lost`; the daemon then
 starts a new worker (the launcher's spare), rebinds memory, peers and the puller to it, and maps
-every registered rank again, or gives up (a crash loop: ``fatal`` is set, ``kvd serve`` exits 70).
-Event-loop only.
+every registered rank again.
+
+**A crash loop backs off; it does not end the daemon** (as a pre-fork server's arbiter respawns
+workers that crash at run time): the first loss after a worker served ``dataplane_restart_stable_s``
+is replaced at once, each further loss in a row waits longer (:class:`RestartBackoff`), and the
+engines keep their registrations, streams and holds throughout. From a loss until its replacement
+has mapped every rank again no worker serves: ``dataplane_serving`` is False (health NOT_SERVING,
+``kvd_dataplane_serving`` 0) and work that needs the data plane is refused UNAVAILABLE. The daemon
+gives up only when a new worker cannot start at all (``fatal`` is set, ``kvd serve`` exits 70); a
+worker killed from outside while it starts is one more loss. Event-loop only.
 """
 
 from __future__ import annotations
@@ -12,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvd.core.leases import Admission, AdmissionEnd
 from kvd.core.local_memory import LocalMemory, Memories, MemoryState
 from kvd.core.registry import EngineRank, Registry, next_registration_id
+from kvd.core.workers import WorkerStartFailed, backoff_delay
 from kvd_client.errors import KvdError, Unavailable
 
 if TYPE_CHECKING:
@@ -28,6 +38,33 @@ if TYPE_CHECKING:
     from kvd.core.pulls import Puller
 
 logger = logging.getLogger(__name__)
+
+
+class RestartBackoff:
+    """How long a lost worker's replacement waits: nothing after stable serving, then
+    ``first_s``, doubling with each loss in a row, at most ``max_s``. A worker that served
+    ``stable_s`` ends the run of losses."""
+
+    def __init__(self, first_s: float, max_s: float, stable_s: float) -> None:
+        self.first_s, self.max_s, self.stable_s = first_s, max_s, stable_s
+        self.losses_in_a_row = 0
+        self.serving_since: float | None = None  # when the worker now serving began to (monotonic)
+        self.delay_s = 0.0  # the last wait chosen
+
+    def lost(self, now: float) -> float:
+        """A worker was lost (or a new one killed while it started) at ``now``: the wait before
+        the next one starts."""
+        if self.serving_since is not None and now - self.serving_since >= self.stable_s:
+            self.losses_in_a_row = 0
+        self.serving_since = None
+        self.losses_in_a_row += 1
+        self.delay_s = backoff_delay(self.losses_in_a_row, self.first_s, self.max_s)
+        return self.delay_s
+
+    def serving(self, now: float) -> None:
+        """A worker serves from ``now`` (started, every rank mapped)."""
+        if self.serving_since is None:
+            self.serving_since = now
 
 
 class DataPlaneRestarts:
@@ -45,7 +82,9 @@ class DataPlaneRestarts:
     fatal: asyncio.Future[str] | None
     dataplane_restarts: int
     dataplane_last_restart: str
-    _restart_times: list[float]
+    dataplane_serving: bool  # a worker serves (started, every rank mapped): health follows it
+    on_dataplane_serving: Callable[[], None]  # called when dataplane_serving changes (kvd.server.app)
+    _backoff: RestartBackoff
     _restarting: asyncio.Task[None] | None
 
     # Provided by the daemon.
@@ -70,7 +109,19 @@ class DataPlaneRestarts:
         if self.dataplane is None:
             raise Unavailable("the daemon is still starting")
         if self._restarting is not None or not self.dataplane.alive:
-            raise Unavailable("the daemon's data plane is restarting (its worker was lost): retry in a moment")
+            why = self.dataplane_last_restart or "gone"
+            raise Unavailable(f"the daemon's data plane is restarting (its worker was lost: {why}): retry in a moment")
+
+    def _dataplane_serves(self, serving: bool) -> None:
+        """Whether a worker serves now: the gauge, the back-off's stable period, health (through
+        ``on_dataplane_serving``)."""
+        if serving:
+            self._backoff.serving(time.monotonic())
+        if serving == self.dataplane_serving:
+            return
+        self.dataplane_serving = serving
+        self.metrics.dataplane_serving.set(int(serving))
+        self.on_dataplane_serving()
 
     def _dataplane_lost(self, plane: DataPlane, reason: str) -> None:
         """DataPlane callback: its worker is gone (reaped). Replace it, unless shutting down."""
@@ -79,31 +130,36 @@ class DataPlaneRestarts:
         self.metrics.dataplane_restarts.labels(reason).inc()
         self.dataplane_restarts += 1
         self.dataplane_last_restart = reason
-        now = time.monotonic()
-        self._restart_times = [t for t in self._restart_times if now - t < self.config.dataplane_restart_window_s]
-        self._restart_times.append(now)
-        if len(self._restart_times) > self.config.dataplane_max_restarts:
-            self._give_up(
-                f"the data-plane worker was lost {len(self._restart_times)} times within "
-                f"{self.config.dataplane_restart_window_s:.0f}s (last: {reason})"
-            )
-            return
-        self._restarting = asyncio.get_running_loop().create_task(self._restart(reason), name="kvd-dataplane-restart")
+        self._dataplane_serves(False)
+        delay = self._backoff.lost(time.monotonic())
+        self._restarting = asyncio.get_running_loop().create_task(
+            self._restart(reason, delay), name="kvd-dataplane-restart"
+        )
 
     def _give_up(self, why: str) -> None:
-        logger.critical("%s: the daemon exits so that its supervisor restarts it with back-off", why)
+        logger.critical("%s: the daemon exits", why)
         self.serving = False
+        self._dataplane_serves(False)
         if self.fatal is not None and not self.fatal.done():
             self.fatal.set_result(why)
 
-    async def _restart(self, reason: str) -> None:
-        """Start a new worker, map every registered engine again, serve again (docs/lifetimes.md)."""
+    async def _restart(self, reason: str, delay_s: float) -> None:
+        """Start a new worker (after ``delay_s``, the back-off), map every registered engine
+        again, serve again (docs/lifetimes.md)."""
         started = time.monotonic()
         lost = self.dataplane
         try:
             for rank in self.registry:
                 Memories.lose(rank.memory)
             self._end_reads_of_lost_memory()
+            if delay_s > 0:
+                logger.warning(
+                    "the data-plane worker was lost %d times in a row (last: %s): its replacement starts in %.2fs",
+                    self._backoff.losses_in_a_row,
+                    reason,
+                    delay_s,
+                )
+                await asyncio.sleep(delay_s)
             plane = await self._start_replacement(reason)
             if plane is None:
                 return
@@ -122,6 +178,8 @@ class DataPlaneRestarts:
                 await self._remap_rank(rank)
         finally:
             self._restarting = None
+        if plane.alive:
+            self._dataplane_serves(True)
         logger.warning(
             "data plane restarted in %.0f ms after its worker (agent %s) was lost (%s): agent %s, pid %d, "
             "%d engine ranks mapped again",
@@ -154,18 +212,27 @@ class DataPlaneRestarts:
             logger.info("%d reads admitted out of the lost worker's host memory ended", ended)
 
     async def _start_replacement(self, reason: str) -> DataPlane | None:
-        """A new worker (the spare, else a fresh one); None once the daemon gave up."""
-        for attempt in (1, 2):
+        """A new worker (the spare, else a fresh one); None once the daemon gave up: a worker
+        that cannot start ends the daemon, one killed while it started is one more loss."""
+        while True:
             plane = self._new_dataplane()
             try:
                 await plane.start(self._on_notifications)
                 return plane
+            except WorkerStartFailed as exc:
+                if not exc.killed:
+                    self._give_up(f"a new data-plane worker cannot start (the last was lost: {reason}): {exc.message}")
+                    return None
+                delay = self._backoff.lost(time.monotonic())
+                logger.warning(
+                    "a new data-plane worker was killed while it started (%s): another starts in %.2fs",
+                    exc.message,
+                    delay,
+                )
+                await asyncio.sleep(delay)
             except KvdError as exc:
-                if attempt == 2:
-                    self._give_up(f"no new data-plane worker started after the last was lost ({reason}): {exc.message}")
-                else:
-                    logger.error("a new data-plane worker did not start (%s): trying another", exc.message)
-        return None
+                self._give_up(f"a new data-plane worker cannot start (the last was lost: {reason}): {exc.message}")
+                return None
 
     async def _remap_rank(self, rank: EngineRank) -> None:
         """Map a registered rank's memory in the new worker (the engine does nothing)."""
@@ -190,6 +257,13 @@ class DataPlaneRestarts:
         self.metrics.registered_bytes.labels(rank.engine_id, str(rank.tp_rank)).set(rank.registered_bytes)
         try:
             await self._prepare_tables(rank)
-        except KvdError:
-            if self.dataplane is None or self.dataplane.alive:
-                raise  # else its worker died meanwhile: the next restart maps the rank again
+        except KvdError as exc:
+            if self.dataplane is not None and not self.dataplane.alive:
+                return  # its worker died meanwhile: the next restart maps the rank again
+            logger.error(
+                "engine %s rank %d: its lists cannot be prepared again after the data-plane restart: %s",
+                rank.engine_id,
+                rank.tp_rank,
+                exc.message,
+            )
+            await self._unregister(rank, f"lists lost in a data-plane restart: {exc.message}")

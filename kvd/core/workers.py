@@ -6,6 +6,14 @@ well under a second. So the launcher keeps one **spare** worker that has importe
 already created its agent, under the name the next incarnation will have (``<base>-r<N>``): a
 restart promotes the spare in milliseconds, and a new spare starts in the background.
 
+A spare is watched while it waits: one that dies idle (or is killed while it starts) is replaced
+in the background, after a back-off that doubles while spares keep dying, and it is never a
+serving worker's loss (the daemon counts only those). A spare found dead or dying when a worker
+is needed is passed over for a fresh one. A worker that cannot start (its exec fails, it exits
+or crashes before it is ready, NIXL refuses its agent, it is not ready within HELLO_TIMEOUT_S)
+raises :class:`WorkerStartFailed`; one killed from outside while it started (SIGKILL: an operator,
+the OOM killer) says so (``killed``), since that says nothing about the next one.
+
 Each worker gets one end of a private ``socketpair`` (its fd passed at exec); the other end
 stays here. The worker also asks the kernel to kill it if the control process dies
 (``PR_SET_PDEATHSIG``), so no worker outlives its daemon. Event-loop only.
@@ -44,6 +52,27 @@ PF_EXITING = 0x4  # /proc/<pid>/stat flags: the process is exiting
 SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in /proc/<pid>/status's SigPnd/ShdPnd masks
 REAP_WARN_S = 5.0  # a worker not gone this long after it ended or was killed is logged, and again each time
 HELLO_TIMEOUT_S = 60.0  # a worker that has not imported NIXL by then is not coming
+# Signals that end a starting worker from outside (an operator, the OOM killer, a test): a start
+# they cut short says nothing about the next one. Any other end (an exit status, SIGSEGV, SIGABRT)
+# is the worker's own failure to start, and the next one would fail alike.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+def backoff_delay(losses_in_a_row: int, first_s: float, max_s: float) -> float:
+    """The wait before replacing the ``losses_in_a_row``-th worker lost in a row: none for the
+    first (a single loss is replaced at once), then ``first_s``, doubling, at most ``max_s``."""
+    if losses_in_a_row <= 1:
+        return 0.0
+    return min(max_s, first_s * 2.0 ** min(losses_in_a_row - 2, 64))  # (no overflow after many losses)
+
+
+class WorkerStartFailed(Unavailable):
+    """A data-plane worker did not become ready. ``killed``: a signal from outside ended it while
+    it started (see EXTERNAL_SIGNALS); otherwise it cannot start, and neither would another."""
+
+    def __init__(self, message: str, killed: bool = False) -> None:
+        super().__init__(message)
+        self.killed = killed
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,8 +94,18 @@ class WorkerProcess:
         return self.process.pid
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
+        """SIGKILL it, leaving the reaping to asyncio's child watcher. Never through
+        ``Process.kill``: its ``Popen.send_signal`` first polls, which reaps a process that has
+        just died behind the watcher's back, and the watcher then reports exit 255 instead of
+        how it died (a worker killed while it started would pass for one that cannot start)."""
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def gone(self) -> bool:
+        """Whether the process has ended or is ending (reaped, a zombie, exiting, a SIGKILL
+        pending): a spare in this state must not be handed out."""
+        return self.exited or not Path(f"/proc/{self.pid}").exists() or self.dying()
 
     def _stat(self) -> list[str] | None:
         """The fields of ``/proc/<pid>/stat`` after the command name (state first); None once gone."""
@@ -191,6 +230,8 @@ class WorkerLauncher:
         max_post_bytes: int = DEFAULT_MAX_POST_BYTES,
         copy_threads: int = 1,
         parallel_read_min_bytes: int = DEFAULT_PARALLEL_READ_MIN_BYTES,
+        respawn_backoff_s: float = 0.25,
+        respawn_backoff_max_s: float = 4.0,
     ) -> None:
         self._agent_base = agent_base
         self._copying = CopySettings(max_post_bytes, copy_threads, parallel_read_min_bytes)
@@ -201,29 +242,108 @@ class WorkerLauncher:
         self._prefault = prefault
         self._spare_wanted = spare
         self._spare: asyncio.Task[WorkerProcess] | None = None
+        self._spare_due = 0.0  # when the spare's start begins (monotonic; later while it backs off)
+        self._spare_watch: asyncio.Task[None] | None = None
+        self._respawn_backoff_s = respawn_backoff_s
+        self._respawn_backoff_max_s = respawn_backoff_max_s
+        self.spares_lost = 0  # spares that died idle or were killed while they started (never served)
+        self._spares_lost_in_a_row = 0
         self._closed = False
         self.started = 0
 
     async def take(self) -> WorkerProcess:
-        """A worker whose NIXL agent is created (the spare, else a new one); starts the next spare."""
+        """A worker whose NIXL agent is created (the spare, else a new one); starts the next spare.
+
+        Raises :class:`WorkerStartFailed` if the worker it waits for does not start."""
         if self._closed:
             raise Unavailable("the daemon is shutting down: no data-plane worker is started")
-        task = self._spare if self._spare is not None else self._launch()
-        if task.done() and not task.cancelled() and task.exception() is None and task.result().exited:
-            logger.warning(
-                "the spare data-plane worker %d had died (%s)", task.result().pid, task.result().process.returncode
-            )
+        task, self._spare = self._spare, None
+        if self._spare_watch is not None:
+            self._spare_watch.cancel()  # it is ours now: its end is the caller's to see
+            self._spare_watch = None
+        if task is not None and not task.done() and time.monotonic() < self._spare_due:
+            task.cancel()  # a replacement spare still backing off: a worker is needed now
+            task = None
+        elif task is not None and task.done():
+            if self._usable(task):
+                self._spares_lost_in_a_row = 0
+            else:
+                task = None
+        if task is None:
             task = self._launch()
-        self._spare = None
-        if self._spare_wanted:  # the next spare imports while this one starts (two cores: in parallel)
-            self._spare = self._launch()
+        # A ready spare is replaced at once. A worker still starting (the daemon's first, or no spare
+        # was ready) starts alone, and its spare after it: two imports side by side on two cores made
+        # the serving worker, and so the daemon's readiness, wait for the spare's CPU too.
+        starting = not task.done()
+        if self._spare_wanted and not starting:
+            self._keep_spare()
         try:
             worker = await asyncio.shield(task)
         except BaseException:
             if not task.done():
                 task.add_done_callback(_kill_when_ready)
             raise
+        if self._spare_wanted and starting and self._spare is None and not self._closed:
+            self._keep_spare()
         return worker
+
+    @staticmethod
+    def _usable(task: asyncio.Task[WorkerProcess]) -> bool:
+        """Whether a started spare can serve: it started and has not died (or begun to) since."""
+        if task.cancelled():
+            return False
+        error = task.exception()
+        if error is not None:
+            logger.warning("the spare data-plane worker did not start (%s): starting a fresh one", error)
+            return False
+        worker = task.result()
+        if worker.gone():
+            logger.warning(
+                "the spare data-plane worker %d died while idle (%s): starting a fresh one",
+                worker.pid,
+                exit_reason(worker.process.returncode) if worker.exited else worker.kernel_state(),
+            )
+            worker.kill()
+            worker.close_channel()
+            return False
+        return True
+
+    def _keep_spare(self, delay_s: float = 0.0) -> None:
+        """Start the next spare (after ``delay_s``) and watch it until it is taken."""
+        self._spare_due = time.monotonic() + delay_s
+        spare = self._spare = self._launch(delay_s)
+        self._spare_watch = asyncio.get_running_loop().create_task(self._watch_spare(spare), name="kvd-worker-spare")
+
+    async def _watch_spare(self, spare: asyncio.Task[WorkerProcess]) -> None:
+        """Replace the spare if it dies idle or is killed while it starts; cancelled when taken.
+
+        A spare that cannot start is left as it is: the next worker needed starts afresh, and
+        its failure is the daemon's to judge (a daemon whose workers cannot start exits)."""
+        try:
+            worker = await asyncio.shield(spare)
+        except asyncio.CancelledError:
+            if not spare.cancelled():
+                raise  # this watch was cancelled (taken, closed): nothing to do
+            return
+        except WorkerStartFailed as exc:
+            if not exc.killed:
+                logger.error("the spare data-plane worker cannot start: %s", exc.message)
+                return
+            why = exc.message
+        else:
+            why = exit_reason(await worker.process.wait())
+            worker.close_channel()
+        if self._spare is not spare or self._closed:
+            return
+        self.spares_lost += 1
+        self._spares_lost_in_a_row += 1
+        delay = backoff_delay(self._spares_lost_in_a_row, self._respawn_backoff_s, self._respawn_backoff_max_s)
+        logger.warning(
+            "the spare data-plane worker was lost before it served (%s): another starts in %.2fs (not a restart)",
+            why,
+            delay,
+        )
+        self._keep_spare(delay)
 
     def reserve_name(self) -> str:
         """The NIXL agent name of the next worker: ``<base>``, then ``<base>-r1``, ``<base>-r2``…
@@ -232,10 +352,14 @@ class WorkerLauncher:
         self.started += 1
         return name
 
-    def _launch(self) -> asyncio.Task[WorkerProcess]:
-        return asyncio.get_running_loop().create_task(self._spawn(self.reserve_name()), name="kvd-worker-spawn")
+    def _launch(self, delay_s: float = 0.0) -> asyncio.Task[WorkerProcess]:
+        return asyncio.get_running_loop().create_task(
+            self._spawn(self.reserve_name(), delay_s), name="kvd-worker-spawn"
+        )
 
-    async def _spawn(self, agent_name: str) -> WorkerProcess:
+    async def _spawn(self, agent_name: str, delay_s: float = 0.0) -> WorkerProcess:
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             process = await asyncio.create_subprocess_exec(
@@ -258,6 +382,9 @@ class WorkerLauncher:
                 # stays sys.executable, so the worker finds the same virtual environment).
                 executable="/proc/self/exe",
             )
+        except OSError as exc:
+            ours.close()
+            raise WorkerStartFailed(f"the data-plane worker could not be started: {exc}") from exc
         finally:
             theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours, limit=1 << 24)
@@ -277,14 +404,21 @@ class WorkerLauncher:
                 if reply[3] is not None:
                     raise decode_error(reply[3])
         except BaseException as exc:
+            died = isinstance(exc, (asyncio.IncompleteReadError, ConnectionError))  # its channel closed
             worker.kill()
             worker.close_channel()
             returncode = await worker.reap()
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            detail = exc.message if isinstance(exc, KvdError) else exit_reason(returncode)
-            raise Unavailable(
-                f"the data-plane worker (pid {process.pid}) did not start: {detail}; see its log"
+            if isinstance(exc, KvdError):
+                detail = exc.message
+            elif isinstance(exc, TimeoutError):
+                detail = f"not ready within {HELLO_TIMEOUT_S:.0f}s"
+            else:
+                detail = exit_reason(returncode)
+            killed = died and returncode < 0 and -returncode in EXTERNAL_SIGNALS
+            raise WorkerStartFailed(
+                f"the data-plane worker (pid {process.pid}) did not start: {detail}; see its log", killed=killed
             ) from exc
         worker.agent_name, worker.identity = agent_name, reply[2]
         logger.debug("data-plane worker %d ready (agent %s)", process.pid, agent_name)
@@ -293,6 +427,10 @@ class WorkerLauncher:
     async def close(self) -> None:
         """No more workers; end the spare."""
         self._closed = True
+        if self._spare_watch is not None:
+            watch, self._spare_watch = self._spare_watch, None
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
         if self._spare is not None:
             spare, self._spare = self._spare, None
             spare.cancel()

@@ -59,6 +59,14 @@ from kvd_client.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, 
 
 logger = logging.getLogger(__name__)
 
+# Clients ping while a call is open (keepalive: peers every 10 s, engines and routers every 30 s),
+# and the peer stream and engine streams stay open while idle. At gRPC's default a server takes a
+# ping without data in between at most every 5 minutes and answers the third early one with
+# GOAWAY too_many_pings: a reader's stream to a holder left idle for a minute or two (a lull, a
+# data-plane restart loop) then failed the next pull's handshake. Pings as often as the clients'
+# are accepted.
+SERVER_CHANNEL_OPTIONS = [*SERVER_OPTIONS, ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+
 SERVICE_NAMES = (
     engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name,
     peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name,
@@ -82,6 +90,8 @@ class Running:
     health_address: str = ""
     # The TCP listener's first call, made by the daemon itself (kvd.server.warmup); cancelled at stop.
     warmup: asyncio.Task[bool] | None = None
+    # Sets health from whether a data-plane worker serves (_follow_dataplane); cancelled at stop.
+    health_follower: asyncio.Task[None] | None = None
 
 
 def _credentials(config: KvdConfig) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
@@ -178,7 +188,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
 
     versions = ClientVersionInterceptor()  # one for both listeners: each old version is logged once
     unix_server = grpc.aio.server(
-        options=SERVER_OPTIONS, interceptors=[versions, AuthInterceptor(policy, UNIX, denied)]
+        options=SERVER_CHANNEL_OPTIONS, interceptors=[versions, AuthInterceptor(policy, UNIX, denied)]
     )
     engine_pb2_grpc.add_EngineServiceServicer_to_server(engine, unix_server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, unix_server)
@@ -193,7 +203,9 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         ) from exc
     undo.push("engine server", lambda: unix_server.stop(None))
 
-    tcp_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[versions, AuthInterceptor(policy, TCP, denied)])
+    tcp_server = grpc.aio.server(
+        options=SERVER_CHANNEL_OPTIONS, interceptors=[versions, AuthInterceptor(policy, TCP, denied)]
+    )
     peer_pb2_grpc.add_PeerServiceServicer_to_server(peer, tcp_server)
     router_pb2_grpc.add_RouterServiceServicer_to_server(router, tcp_server)
     health_pb2_grpc.add_HealthServicer_to_server(health, tcp_server)
@@ -210,7 +222,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     health_server = None
     health_address = ""
     if config.health_port >= 0:
-        health_server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_server = grpc.aio.server(options=SERVER_CHANNEL_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
         health_port = _add_port(health_server, "health", "health-", config.health_host, config.health_port, None)
         undo.push("health server", lambda: health_server.stop(None))
@@ -249,6 +261,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         health_address,
     )
     running.warmup = warmup.start(daemon.advertise_address, channel_creds)
+    running.health_follower = _follow_dataplane(daemon, health, metrics)
     if config.ready_file:
         _write_ready_file(config.ready_file, running)
     logger.info(
@@ -261,6 +274,28 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         health_address or "off",
     )
     return running
+
+
+def _follow_dataplane(daemon: Daemon, health: HealthServicer, metrics: Metrics) -> asyncio.Task[None]:
+    """Health (every service) and ``kvd_serving`` follow whether a data-plane worker serves:
+    NOT_SERVING from a worker's loss until its replacement serves (kvd.core.restarts), so that
+    routers and probes see a daemon that cannot pull now. One task sets them, in order, to the
+    daemon's state at the time (a quick loss and recovery may show only its end)."""
+    changed = asyncio.Event()
+    changed.set()  # a loss between the daemon's start and this call
+    daemon.on_dataplane_serving = changed.set
+
+    async def follow() -> None:
+        while True:
+            await changed.wait()
+            changed.clear()
+            serving = daemon.dataplane_serving
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", *SERVICE_NAMES):
+                await health.set(name, status)
+            metrics.serving.set(int(serving))
+
+    return asyncio.get_running_loop().create_task(follow(), name="kvd-health")
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -345,6 +380,9 @@ async def stop(running: Running, grace_s: float) -> None:
     """Graceful shutdown (see module docstring)."""
     if running.warmup is not None:
         running.warmup.cancel()
+    if running.health_follower is not None:
+        running.health_follower.cancel()
+        await asyncio.gather(running.health_follower, return_exceptions=True)
     await running.health.enter_graceful_shutdown()
     running.daemon.metrics.serving.set(0)  # scraped until the metrics server stops, at the end
     await running.daemon.shutdown(grace_s)
@@ -357,7 +395,7 @@ async def stop(running: Running, grace_s: float) -> None:
     startup.remove_socket(running.unix_socket)
 
 
-EXIT_DATAPLANE_CRASH_LOOP = 70  # EX_SOFTWARE: the data-plane worker kept dying (kvd.core.daemon)
+EXIT_DATAPLANE_CANNOT_START = 70  # EX_SOFTWARE: a new data-plane worker could not start (kvd.core.restarts)
 
 
 async def serve(config: KvdConfig) -> int:
@@ -392,11 +430,12 @@ async def serve(config: KvdConfig) -> int:
     stop_wait.cancel()
     exit_code = 0
     if fatal.done():
-        # A crash loop of the data-plane worker: NOT_SERVING, everything released, a non-zero exit
-        # so that systemd (Restart=on-failure) or Kubernetes restarts the whole daemon with back-off.
-        logger.critical("exiting with status %d: %s", EXIT_DATAPLANE_CRASH_LOOP, fatal.result())
+        # A lost data-plane worker's replacement cannot start (a crash loop only backs off):
+        # NOT_SERVING, everything released, a non-zero exit so that systemd (Restart=on-failure)
+        # or Kubernetes restarts the whole daemon with back-off.
+        logger.critical("exiting with status %d: %s", EXIT_DATAPLANE_CANNOT_START, fatal.result())
         notifier.stopping(f"exiting: {fatal.result()}")
-        exit_code = EXIT_DATAPLANE_CRASH_LOOP
+        exit_code = EXIT_DATAPLANE_CANNOT_START
     else:
         logger.info("signal received: shutting down (grace %.1fs)", config.shutdown_grace_s)
         notifier.stopping(f"stopping: {running.daemon.status().transfers_in_flight} transfers finishing")

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvd.core.dataplane import LOCAL, DataPlane, XferState
-from kvd.core.workers import WorkerLauncher
+from kvd.core.workers import WorkerLauncher, WorkerStartFailed
 from kvd.dataplane_protocol import MappedRegion, MemoryKind, RegionRequest
 from kvd_client.errors import NotFound, Unavailable
 from kvd_client.shm import create_shm_tensor, new_shm_name, unlink_shm
@@ -124,13 +124,18 @@ async def expose(plane: DataPlane, shm_name: str) -> MappedRegion:
     return region
 
 
-def children_running(pids: set[int]) -> set[int]:
-    """Which of ``pids`` are still this process's children (zombies included: not reaped)."""
-    children: set[int] = set()
+def children() -> set[int]:
+    """This process's children (zombies included: not reaped)."""
+    found: set[int] = set()
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
         with contextlib.suppress(FileNotFoundError):
-            children.update(int(p) for p in (task / "children").read_text().split())
-    return children & pids
+            found.update(int(p) for p in (task / "children").read_text().split())
+    return found
+
+
+def children_running(pids: set[int]) -> set[int]:
+    """Which of ``pids`` are still this process's children (zombies included: not reaped)."""
+    return children() & pids
 
 
 def stop(pid: int) -> None:
@@ -415,5 +420,39 @@ def test_reads_asked_for_in_one_loop_turn_are_posted_together_each_with_its_own_
                     holder.notified.clear()
                     seen = {m for n in holder.notifications for m in n.get(reader.plane.name, [])}
             assert seen == {b"many-%d" % i for i in range(8)}
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_cannot_start_and_one_killed_while_it_starts_are_told_apart() -> None:
+    """The daemon exits when a new worker cannot start, and backs off when one was killed while
+    it started (kvd.core.restarts): the launcher must tell the two apart. NIXL refusing the
+    worker's agent (no such backend) is the first; a SIGKILL from outside during the imports is
+    the second. Either way the process is reaped and nothing is left."""
+
+    async def main() -> None:
+        refused = WorkerLauncher("dptest-refused", ("NOSUCHBACKEND",), False, "WARNING", 0.0002, spare=False)
+        try:
+            with pytest.raises(WorkerStartFailed, match="NOSUCHBACKEND") as failed:
+                await step(refused.take())
+            assert not failed.value.killed
+        finally:
+            await refused.close()
+
+        killed = WorkerLauncher("dptest-killed", ("UCX",), False, "WARNING", 0.0002, spare=False)
+        before = children()
+        taking = asyncio.ensure_future(killed.take())
+        try:
+            async with asyncio.timeout(STEP_S):
+                while not (new := children() - before):
+                    await asyncio.sleep(0.005)
+            (pid,) = new
+            os.kill(pid, signal.SIGKILL)  # while it imports torch and NIXL
+            with pytest.raises(WorkerStartFailed, match="SIGKILL") as failed:
+                await step(taking)
+            assert failed.value.killed
+            assert not children_running({pid})
+        finally:
+            await killed.close()
 
     asyncio.run(main())

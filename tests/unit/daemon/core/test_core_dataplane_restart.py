@@ -37,6 +37,7 @@ from kvd.core.dataplane import LOCAL
 from kvd.core.events import FinishedRecving, LoadFailed
 from kvd.core.local_memory import LocalMemory, MemoryState
 from kvd.core.transfers import Transfer
+from kvd.core.workers import WorkerStartFailed
 from kvd.layout.spec import KvLayout
 from kvd_client.errors import ErrorCode, Unavailable
 
@@ -347,65 +348,175 @@ def test_while_the_holder_restarts_registrations_handshakes_and_prepare_pull_are
     run(fabric, scenario)
 
 
-# --- 5. a crash loop ends the daemon ------------------------------------------------------------------
+# --- 5. a crash loop backs off; only a worker that cannot start ends the daemon ----------------------
+
+QUICK_BACKOFF = {"dataplane_restart_backoff_s": 0.01, "dataplane_restart_backoff_max_s": 0.04}
 
 
-def test_a_crash_loop_gives_up_after_dataplane_max_restarts(fabric: Fabric) -> None:
-    """dataplane_max_restarts=2: two losses are restarted; the third within the window sets
-    ``fatal`` with the reason and stops serving; no further worker is started."""
+def watch_serving(node: Node) -> list[bool]:
+    """Every change of whether a worker serves, as health sees it (kvd.server.app follows it)."""
+    seen: list[bool] = []
+    node.daemon.on_dataplane_serving = lambda: seen.append(node.daemon.dataplane_serving)
+    return seen
+
+
+def test_a_crash_loop_backs_off_and_the_engines_keep_their_registrations(fabric: Fabric) -> None:
+    """Ten losses in a row: the first is replaced at once, the next wait 10, 20, 40 ms (the cap)
+    and so on; while no worker serves the daemon says so (health, gauge) and refuses work that
+    needs one; the daemon never gives up; the engine stays registered, mapped into each new
+    worker, and the next pull is DONE without the engine registering again."""
 
     async def scenario() -> None:
-        node = await fabric.start_node(READER, dataplane_max_restarts=2)
-        daemon = node.daemon
-        rank = await fabric.register(node, "eng-r", small_spec(8))
-        for _ in range(2):
-            node.dataplane.lose("SIGKILL")
-            await restarted(node)
-            assert daemon.serving and daemon.fatal is not None and not daemon.fatal.done()
-            assert_mapped(rank.memory, node.dataplane)
-        last = node.dataplane
-        planes = len(fabric.dataplanes)
-
-        last.lose("SIGSEGV")
-        assert daemon._restarting is None and len(fabric.dataplanes) == planes
-        assert daemon.fatal is not None and daemon.fatal.done()
-        why = daemon.fatal.result()
-        assert "3 times" in why and "SIGSEGV" in why
-        assert not daemon.serving and not daemon.status().serving
-        assert daemon.dataplane is last and daemon.status().dataplane_last_restart == "SIGSEGV"
-        with pytest.raises(Unavailable):
-            await fabric.register(node, "eng-x", small_spec(8))
-        await asyncio.sleep(0)
-        assert len(fabric.dataplanes) == planes  # nothing restarts later either
+        p = await make_pair(fabric, **QUICK_BACKOFF, dataplane_restart_stable_s=3600.0)
+        reader, rank = p.reader.daemon, p.rrank
+        seen = watch_serving(p.reader)
+        assert reader.dataplane_serving and p.reader.metric("kvd_dataplane_serving") == 1
+        delays = []
+        for loss in range(1, 11):
+            start = fabric.start_gate = Gate()
+            p.reader.dataplane.lose("SIGSEGV" if loss % 2 else "SIGKILL")
+            assert not reader.dataplane_serving and p.reader.metric("kvd_dataplane_serving") == 0
+            with pytest.raises(Unavailable, match="restarting"):
+                reader.require_dataplane()
+            with pytest.raises(Unavailable):
+                await fabric.register(p.reader, "eng-x", small_spec(8))
+            delays.append(reader._backoff.delay_s)
+            await start.arrived.reach(1)  # after its back-off, the replacement starts
+            assert not reader.dataplane_serving
+            start.open()
+            fabric.start_gate = None
+            await restarted(p.reader)
+            assert reader.dataplane_serving and p.reader.metric("kvd_dataplane_serving") == 1
+            assert reader.serving and reader.fatal is not None and not reader.fatal.done()
+            assert [r.engine_id for r in reader.registry] == ["eng-r"] and reader.registry.get("eng-r", 0) is rank
+            assert_mapped(rank.memory, p.reader.dataplane)
+        assert delays == [0.0, 0.01, 0.02, 0.04, 0.04, 0.04, 0.04, 0.04, 0.04, 0.04]
+        assert seen == [False, True] * 10
+        assert reader.dataplane_restarts == 10 and reader.status().dataplane_restarts == 10
+        assert p.reader.metric("kvd_dataplane_restarts_total", reason="SIGSEGV") == 5
+        assert p.reader.metric("kvd_dataplane_restarts_total", reason="SIGKILL") == 5
+        await pull_done(p, "after-ten-losses")
+        assert len(engine_events(rank, FinishedRecving)) == 1
+        assert_settled(p.reader, p.holder)
 
     run(fabric, scenario)
 
 
-def test_losses_further_apart_than_the_window_are_restarted_every_time(fabric: Fabric) -> None:
+def test_pulls_in_flight_at_each_loss_end_failed_and_the_next_one_reads(fabric: Fabric) -> None:
+    """A pull reading when the worker dies ends FAILED (UNAVAILABLE) and its engine hears it
+    once, at every loss of a crash loop; one started while the daemon backs off fails too."""
+
     async def scenario() -> None:
-        node = await fabric.start_node(READER, dataplane_max_restarts=1, dataplane_restart_window_s=0.02)
+        p = await make_pair(fabric, **QUICK_BACKOFF, dataplane_restart_stable_s=3600.0)
+        for loss in range(3):
+            transfer, _ = p.pull(f"mid-{loss}")
+            await p.reading(transfer)
+            start = fabric.start_gate = Gate()
+            p.reader.dataplane.lose("SIGKILL")
+            await ended(transfer)
+            assert transfer.state is FAILED and transfer.error is not None
+            assert transfer.error.code is ErrorCode.UNAVAILABLE
+            if loss:  # backing off: a pull asked for now fails the same way, and at once
+                during, _ = p.pull(f"during-{loss}")
+                await ended(during)
+                assert during.state is FAILED and during.error is not None
+                assert during.error.code is ErrorCode.UNAVAILABLE
+            start.open()
+            fabric.start_gate = None
+            await restarted(p.reader)
+            await settle(p.holder, p.reader)
+        assert len(engine_events(p.rrank, LoadFailed)) == 5 and not engine_events(p.rrank, FinishedRecving)
+        await pull_done(p, "after")
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_worker_that_served_its_stable_period_ends_the_back_off(fabric: Fabric) -> None:
+    async def scenario() -> None:
+        node = await fabric.start_node(READER, **QUICK_BACKOFF, dataplane_restart_stable_s=0.05)
+        daemon = node.daemon
         rank = await fabric.register(node, "eng-r", small_spec(8))
-        for _ in range(3):
+        delays = []
+        for pause in (0.0, 0.0, 0.1, 0.0):  # the third loss comes after 100 ms of serving
+            await asyncio.sleep(pause)
             node.dataplane.lose("SIGKILL")
+            delays.append(daemon._backoff.delay_s)
             await restarted(node)
-            await asyncio.sleep(0.03)  # past the window: the loss before does not count
-        assert node.daemon.serving and not node.daemon.fatal.done()
-        assert node.daemon.status().dataplane_restarts == 3
+        assert delays == [0.0, 0.01, 0.0, 0.01]
+        assert daemon.dataplane_restarts == 4 and daemon.dataplane_serving
         assert_mapped(rank.memory, node.dataplane)
 
     run(fabric, scenario)
 
 
-def test_a_replacement_worker_that_does_not_start_twice_ends_the_daemon(fabric: Fabric) -> None:
+def test_a_shutdown_while_backing_off_starts_no_worker_and_releases_everything(fabric: Fabric) -> None:
+    """The daemon waits (a long back-off) with no worker: nothing starts meanwhile, and a
+    shutdown ends the wait, releases the engine and leaves nothing pinned."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, dataplane_restart_backoff_s=3600.0, dataplane_restart_backoff_max_s=3600.0)
+        reader = p.reader.daemon
+        p.reader.dataplane.lose("SIGKILL")
+        await restarted(p.reader)  # the first loss: replaced at once
+        old_memory = p.rrank.memory
+        planes = len(fabric.dataplanes)
+        p.reader.dataplane.lose("SIGKILL")  # the second in a row: an hour's back-off
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert reader._restarting is not None and len(fabric.dataplanes) == planes
+        assert not reader.dataplane_serving and old_memory.state is LOST
+        with pytest.raises(Unavailable, match="restarting"):
+            reader.handshake_info()
+
+        await shut_down(fabric, p.reader)
+        assert reader._restarting is None and len(fabric.dataplanes) == planes
+        assert len(reader.registry) == 0 and old_memory.pins == 0
+        assert reader.fatal is not None and not reader.fatal.done()
+        assert_settled(p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_replacement_that_cannot_start_ends_the_daemon(fabric: Fabric) -> None:
+    """A new worker that cannot start (it exited or crashed before it was ready, NIXL refused
+    its agent) ends the daemon at once: ``fatal`` says why, in one line; nothing else starts."""
+
     async def scenario() -> None:
         node = await fabric.start_node(READER)
         await fabric.register(node, "eng-r", small_spec(8))
-        fabric.start_errors = [Unavailable("no NIXL"), Unavailable("no NIXL again")]
-        node.dataplane.lose("SIGKILL")
+        seen = watch_serving(node)
+        fabric.start_errors = [WorkerStartFailed("the data-plane worker (pid 7) did not start: exit 1; see its log")]
+        planes = len(fabric.dataplanes)
+        node.dataplane.lose("SIGSEGV")
         await restarted(node)
         assert node.daemon.fatal is not None and node.daemon.fatal.done()
-        assert "no NIXL again" in node.daemon.fatal.result() and not node.daemon.serving
+        why = node.daemon.fatal.result()
+        assert "cannot start" in why and "exit 1" in why and "SIGSEGV" in why and "\n" not in why
+        assert not node.daemon.serving and not node.daemon.dataplane_serving and seen == [False]
+        assert len(fabric.dataplanes) == planes + 1  # the one that failed, and no other
         assert not any(dp.started for dp in fabric.dataplanes.values() if dp is not node.dataplane)
+
+    run(fabric, scenario)
+
+
+def test_a_replacement_killed_while_it_starts_is_one_more_loss(fabric: Fabric) -> None:
+    """New workers killed from outside while they start (SIGKILL) say nothing about the next:
+    the daemon backs off and starts another, counting no serving loss for them."""
+
+    async def scenario() -> None:
+        node = await fabric.start_node(READER, **QUICK_BACKOFF)
+        rank = await fabric.register(node, "eng-r", small_spec(8))
+        killed = "the data-plane worker (pid 7) did not start: SIGKILL; see its log"
+        fabric.start_errors = [WorkerStartFailed(killed, killed=True), WorkerStartFailed(killed, killed=True)]
+        node.dataplane.lose("SIGKILL")
+        await restarted(node)
+        daemon = node.daemon
+        assert daemon.fatal is not None and not daemon.fatal.done()
+        assert daemon.dataplane_serving and daemon.dataplane.alive
+        assert daemon._backoff.losses_in_a_row == 3 and daemon._backoff.delay_s == 0.02
+        assert daemon.dataplane_restarts == 1  # the serving worker's loss only
+        assert_mapped(rank.memory, node.dataplane)
 
     run(fabric, scenario)
 

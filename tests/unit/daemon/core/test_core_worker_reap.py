@@ -87,3 +87,25 @@ def test_a_live_process_has_no_kill_pending_and_a_reaped_one_is_dying() -> None:
         assert worker.dying()
 
     asyncio.run(main())
+
+
+def test_a_kill_never_polls_the_process_so_its_exit_status_stays_the_watchers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Process.kill`` polls first (``Popen.send_signal``), and a poll reaps a worker that has
+    just died (its channel's end can come before asyncio's watcher thread has run, under load):
+    the watcher then finds no child and reports exit 255, and a worker killed while it started
+    passed for one that cannot start, which ends the daemon (kvd.core.restarts). So a kill is a
+    plain SIGKILL, and what reap() reports is how the worker died."""
+
+    async def main() -> None:
+        process = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(60)")
+        worker = WorkerProcess(process, asyncio.StreamReader(), None)  # type: ignore[arg-type]
+        transport = process._transport  # type: ignore[attr-defined]
+        monkeypatch.setattr(transport._proc, "poll", lambda: pytest.fail("the kill polled (and may reap)"))
+        worker.kill()
+        async with asyncio.timeout(10):
+            assert await worker.reap() == -signal.SIGKILL
+        worker.kill()  # reaped: nothing to signal, no error
+
+    asyncio.run(main())
