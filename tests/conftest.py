@@ -13,6 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/kvtest.py help
 
 from kvd.cli.spawn import DaemonProcess, start_daemon
 
+# Every /dev/shm file of the run is removed however its processes end; the session fails if a
+# test left one behind (tests/shm_guard.py).
+pytest_plugins = ["shm_guard"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -113,10 +113,34 @@ class HolderReads:
             self._soft_pins.pop(admission.admission_id, None)
         pinned, admission.pinned = list(admission.pinned), []
         clean = admission.ended.clean
+        if not clean:  # tainted (now, before the unpins run) until a late proof: _admission_proven
+            admission.tainted = pinned
+            for memory in pinned:
+                assert isinstance(memory, LocalMemory)
+                self._mem.taint(memory, admission.admission_id)
         for memory in pinned:
             assert isinstance(memory, LocalMemory)
-            self._follow_up(self._mem.unpin(memory, holder=True, clean=clean))
+            self._follow_up(self._mem.unpin(memory, holder=True))
         self._poll_fast_while_admitted(unproven=bool(pinned) and not clean)
+
+    def _admission_proven(self, admission: Admission, how: str) -> None:
+        """A read that timed out (not proven over) is proven over late: lift its taints. A
+        quarantined mapping nothing else keeps is then freed (docs/lifetimes.md)."""
+        tainted, admission.tainted = list(admission.tainted), []
+        if not tainted:
+            return
+        logger.info(
+            "read of lease %s by %s (rank %d) is proven over after its deadline (%s): its memory is no longer "
+            "kept for it",
+            admission.lease_id,
+            admission.reader,
+            admission.reader_rank,
+            how,
+        )
+        for memory in tainted:
+            assert isinstance(memory, LocalMemory)
+            self._mem.prove(memory, admission.admission_id)
+        self._poll_fast_while_admitted()
 
     def _poll_fast_while_admitted(self, unproven: bool = False) -> None:
         """NIXL's thread polls fast until the latest open admission's deadline: a READ that
@@ -146,7 +170,9 @@ class HolderReads:
                     continue
                 label = self._reader_labels.get(read.admission_id, agent)
                 self.metrics.transfer_bytes.labels(label, "serve").inc(read.nbytes)
-                self.leases.record_read(read.lease_id, read.admission_id, read.part, read.parts)
+                late = self.leases.record_read(read.lease_id, read.admission_id, read.part, read.parts)
+                if late is not None:  # the READs of a read that timed out did end: every part arrived
+                    self._admission_proven(late, "every part's notification arrived")
 
     def handshake_info(self) -> HandshakeInfo:
         engines = tuple(
@@ -357,10 +383,15 @@ class HolderReads:
         reader_incarnation: str = "",
         reader_transfer_id: str = "",
     ) -> None:
-        """The reader's READs of the lease are final and it gave up: its admission ends cleanly."""
+        """The reader's READs of the lease are final and it gave up: its admission ends cleanly,
+        or, if it already timed out, it is proven over late (its memory's taint is lifted)."""
         reader = _reader_key(reader_incarnation, reader_transfer_id)
         if self.leases.abandon(lease_id, reader, reader_tp_rank):
             logger.info("reader rank %d abandoned its read of lease %s: %s", reader_tp_rank, lease_id, reason)
+            return
+        late = self.leases.prove_abandoned(lease_id, reader, reader_tp_rank)
+        if late is not None:
+            self._admission_proven(late, f"its reader abandoned it: {reason}")
             return
         self.leases.get(lease_id)  # NOT_FOUND / DEADLINE_EXCEEDED for a gone lease
         raise UnknownLease(f"lease {lease_id!r} has no read admitted for rank {reader_tp_rank} of that reader")

@@ -13,6 +13,12 @@ when no admitted reader can still read them:
   completed, abandoned by a reader that fenced its READ, or past its deadline plus a margin.
   Until then the lease is **draining**: no new admission, visible in status and metrics.
 
+**Proven over late.** A timed-out admission taints the holder memory it pinned, but its proof may
+still come (its notifications, its reader's AbandonPull: docs/lifetimes.md). The last
+:data:`MAX_UNPROVEN` are kept; :meth:`LeaseTable.record_read` and :meth:`~LeaseTable.prove_abandoned`
+return the one a late proof completes. An AbandonPull that finds no read of its reader admitted
+is remembered on the lease: that reader's late PreparePull is refused.
+
 **One reader per reader rank.** While an admission of reader rank r is open, a different reader
 asking for rank r gets FAILED_PRECONDITION; the same reader asking again (a re-handshake before
 it posted anything) replaces its admission. A rank that has read the lease cannot read it again.
@@ -43,6 +49,9 @@ logger = logging.getLogger(__name__)
 # this many: stale entries (renewed, ended, draining) then outnumber the live ones more than 2 to
 # 1. The slack keeps a table of a few leases from rebuilding on every renewal.
 HEAP_SLACK = 64
+# Timed-out admissions kept for a late proof (see "Proven over late"); beyond this many the oldest
+# is forgotten, and the memory it tainted stays retired for the daemon's life.
+MAX_UNPROVEN = 4096
 
 
 class LeaseEnd(enum.Enum):
@@ -82,6 +91,9 @@ class Admission:
     pinned: list[object] = dataclasses.field(default_factory=list)
     ended: AdmissionEnd | None = None
     soft_pinned: bool = False  # a soft lease's blocks are pinned by the engine for this read
+    # Holder memory this read left tainted (it ended not proven over), owned by the daemon: the
+    # taint is lifted when the read is proven over late (LeaseTable.record_read, prove_abandoned).
+    tainted: list[object] = dataclasses.field(default_factory=list)
 
     @property
     def reads_seen(self) -> bool:
@@ -103,6 +115,9 @@ class Lease:
     reader_tp_size: int = 0  # learned from the first reader
     done_readers: set[int] = dataclasses.field(default_factory=set)
     admissions: dict[str, Admission] = dataclasses.field(default_factory=dict)  # open ones
+    # (reader, reader rank) that said AbandonPull while no read of theirs was admitted: a late
+    # PreparePull of that reader is refused (the reader's pull is over; nobody would read).
+    abandoned: set[tuple[str, int]] = dataclasses.field(default_factory=set)
     ending: LeaseEnd | None = None  # set while draining
     ttl_s: float = 0.0  # what a renewal without a ttl extends it by (the reader's heartbeats)
     # A soft hold: the engine did not keep the blocks; each read is verified (and the blocks
@@ -158,6 +173,8 @@ class LeaseTable:
         self._open_admissions = 0
         self._draining = 0  # leases in the table with an end requested (Lease.ending set)
         self._admission_deadline_high = 0.0  # the latest deadline since none was open
+        # Admissions that timed out (not proven over), by id, oldest first: a late proof may come.
+        self._unproven: dict[str, Admission] = {}
         # Called whenever a deadline may have come nearer (a lease granted or renewed, a read
         # admitted): the daemon's sweeper sleeps until the next deadline and must be woken.
         self.on_new_deadline = on_new_deadline
@@ -283,6 +300,10 @@ class LeaseTable:
             )
         if reader_rank in lease.done_readers:
             raise FailedPrecondition(f"reader rank {reader_rank} has already read lease {lease_id!r}")
+        if (reader, reader_rank) in lease.abandoned:
+            raise FailedPrecondition(
+                f"reader {reader} rank {reader_rank} abandoned its read of lease {lease_id!r} before it was admitted"
+            )
         for admission in list(lease.admissions.values()):
             if admission.reader_rank != reader_rank:
                 continue
@@ -304,20 +325,53 @@ class LeaseTable:
         self.on_new_deadline()
         return admission
 
-    def record_read(self, lease_id: str, admission_id: str, part: int, parts: int) -> None:
-        """Part ``part`` of ``parts`` of an admitted read arrived (a NIXL notification)."""
+    def record_read(self, lease_id: str, admission_id: str, part: int, parts: int) -> Admission | None:
+        """Part ``part`` of ``parts`` of an admitted read arrived (a NIXL notification).
+
+        A part of a read that already timed out counts towards its late proof: the admission it
+        proves over with this part (every part has now arrived) is returned, else None."""
+        if not 0 <= part < parts:
+            return None
         lease = self._leases.get(lease_id)
         admission = lease.admissions.get(admission_id) if lease is not None else None
-        if lease is None or admission is None or not 0 <= part < parts:
-            return
+        if lease is None or admission is None:
+            return self._late_part(lease_id, admission_id, part, parts)
         admission.parts_seen.add(part)
         admission.parts = parts
         if len(admission.parts_seen) < parts or lease.soft:
-            return  # a soft lease's read ends with the reader's FinishRead (verified again first)
+            return None  # a soft lease's read ends with the reader's FinishRead (verified again first)
         lease.done_readers.add(admission.reader_rank)
         self._end_admission(lease, admission, AdmissionEnd.READ)
         if lease.lease_id in self._leases and len(lease.done_readers) >= lease.reader_tp_size and not lease.draining:
             self._finish(lease, LeaseEnd.READ)
+        return None
+
+    def _late_part(self, lease_id: str, admission_id: str, part: int, parts: int) -> Admission | None:
+        """A notification of a read that is no longer open: if it timed out, count the part; once
+        every part arrived its READs are over, and it is returned (proven over late)."""
+        admission = self._unproven.get(admission_id)
+        if admission is None or admission.lease_id != lease_id:
+            return None  # forged, stale, or of a read that ended cleanly: counts nothing
+        admission.parts_seen.add(part)
+        admission.parts = parts
+        if not admission.reads_seen:
+            return None
+        del self._unproven[admission_id]
+        return admission
+
+    def prove_abandoned(self, lease_id: str, reader: str, reader_rank: int) -> Admission | None:
+        """The reader's AbandonPull (its READs are final) for a read that already timed out:
+        that read, proven over late, or None if none of that reader timed out on the lease."""
+        for admission_id, admission in self._unproven.items():
+            if admission.lease_id == lease_id and admission.reader == reader and admission.reader_rank == reader_rank:
+                del self._unproven[admission_id]
+                return admission
+        return None
+
+    @property
+    def unproven(self) -> int:
+        """Timed-out admissions still waiting for a late proof."""
+        return len(self._unproven)
 
     def admission_of(self, lease_id: str, reader: str, reader_rank: int) -> Admission | None:
         lease = self._leases.get(lease_id)
@@ -345,7 +399,11 @@ class LeaseTable:
             self._finish(lease, LeaseEnd.READ)
 
     def abandon(self, lease_id: str, reader: str, reader_rank: int) -> bool:
-        """The reader fenced its READ and gave up; False if it had no open admission."""
+        """The reader fenced its READ and gave up; False if it had no open admission.
+
+        Then its PreparePull may still be on its way (see "Proven over late"): the lease refuses
+        to admit that reader's rank from now on. (Not a reader without a transfer id, whose key
+        names no one pull.)"""
         lease = self._leases.get(lease_id)
         if lease is None:
             return False
@@ -353,6 +411,8 @@ class LeaseTable:
             if admission.reader == reader and admission.reader_rank == reader_rank:
                 self._end_admission(lease, admission, AdmissionEnd.ABANDONED)
                 return True
+        if not reader.endswith("/"):
+            lease.abandoned.add((reader, reader_rank))
         return False
 
     def _end_admission(self, lease: Lease, admission: Admission, how: AdmissionEnd) -> None:
@@ -362,6 +422,10 @@ class LeaseTable:
         if not self._open_admissions:
             self._admission_deadline_high = 0.0
         admission.ended = how
+        if how is AdmissionEnd.TIMED_OUT:
+            self._unproven[admission.admission_id] = admission
+            if len(self._unproven) > MAX_UNPROVEN:
+                del self._unproven[next(iter(self._unproven))]
         self.on_admission_over(admission)
         if lease.draining and not lease.admissions and lease.ending is not None:
             self._finish(lease, lease.ending)

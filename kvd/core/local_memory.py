@@ -13,8 +13,10 @@ NIXL registrations and the descriptor lists prepared over them. Its life (docs/l
   finish, an admitted read that ran past its deadline): host pages are replaced by private
   anonymous ones (:func:`kvd.worker.vm.retire_range`, in the worker) so a late copy cannot reach
   the engine, and the mapping stays reserved in the quarantine (metric
-  ``kvd_quarantined_bytes``) until every such read is final. VRAM cannot be retired: it stays
-  mapped, quarantined, until then;
+  ``kvd_quarantined_bytes``) until every such read is final: a READ of ours when NIXL says so,
+  a peer's admitted read (a *taint*, :meth:`Memories.taint`) when its reader proves it over late
+  (every part's notification arrived, or its AbandonPull, :meth:`Memories.prove`). VRAM cannot be
+  retired: it stays mapped, quarantined, until then;
 * **lost** with its data-plane worker: the worker's death unmapped it and ended every read into
   or out of it, so it holds nothing; a lost mapping is never used again (its rank gets a new
   one in the new worker) and its pins end as no-ops.
@@ -62,8 +64,10 @@ class LocalMemory:
     state: MemoryState = MemoryState.ACTIVE
     pins: int = 0  # every pin, reader and holder side
     holder_pins: int = 0  # pins of reads admitted on this mapping (peers read out of it)
-    # Set when a pin ended without proof that nothing can still move (the mapping is retired).
-    tainted: bool = False
+    # Peers' reads out of this mapping (their admission ids) that ended without proof that nothing
+    # can still move: while any is left the mapping is retired on release, not freed, and kept
+    # until each is proven over (Memories.prove: its reader's late notifications or AbandonPull).
+    taints: set[str] = dataclasses.field(default_factory=set)
     # Set once the pages were replaced: a pull that read into this mapping must not report DONE.
     retired: bool = False
     # Reads into this mapping that were given up before NIXL finished them.
@@ -96,6 +100,11 @@ class LocalMemory:
     @property
     def usable(self) -> bool:
         return self.state is MemoryState.ACTIVE
+
+    @property
+    def tainted(self) -> bool:
+        """A peer's read out of it ended unproven and is not proven over yet (see ``taints``)."""
+        return bool(self.taints)
 
     async def table(self, geometry: DescGeometry, executor: concurrent.futures.Executor) -> Any:
         return await self.tables.get(
@@ -162,6 +171,7 @@ class Memories:
         memory.state = MemoryState.LOST
         memory.tables.close()
         memory.nixl_registrations.clear()
+        memory.taints.clear()  # nothing is read out of a dead worker's mappings any more
 
     @staticmethod
     def _lost(memory: LocalMemory) -> bool:
@@ -177,19 +187,30 @@ class Memories:
         memory.pins += 1
         memory.holder_pins += holder
 
-    async def unpin(
-        self, memory: LocalMemory, *, holder: bool = False, clean: bool = True, stale: Sequence[Xfer] = ()
-    ) -> None:
-        """Drop a pin. ``clean=False``: the pin's reads were not proven over (the mapping is
-        tainted); ``stale``: reads into this mapping still in flight that nobody waits for."""
+    async def unpin(self, memory: LocalMemory, *, holder: bool = False, stale: Sequence[Xfer] = ()) -> None:
+        """Drop a pin. ``stale``: reads into this mapping still in flight that nobody waits for.
+        (A holder pin whose read was not proven over is tainted first: :meth:`taint`.)"""
         memory.pins -= 1
         memory.holder_pins -= holder
         assert memory.pins >= 0 and memory.holder_pins >= 0, "unbalanced unpin"
-        if not clean:
-            memory.tainted = True
         memory.stale.extend(x for x in stale if not x.final)
         if memory.state is MemoryState.FENCED and memory.pins == 0:
             await self._release(memory)
+
+    @staticmethod
+    def taint(memory: LocalMemory, read: str) -> None:
+        """A peer's read out of ``memory`` (admission id ``read``) ended without proof that it is
+        over: a peer may still be reading, so the mapping is retired, not freed, when released."""
+        if memory.state is not MemoryState.LOST:
+            memory.taints.add(read)
+
+    def prove(self, memory: LocalMemory, read: str) -> None:
+        """The tainting read ``read`` is proven over after all (its reader's notifications or its
+        AbandonPull came late). A quarantined mapping that nothing else keeps is then freed by
+        the sweeper's next round (woken here), as one whose stale READs turned final."""
+        memory.taints.discard(read)
+        if memory.state is MemoryState.QUARANTINED and not memory.tainted:
+            self.on_quarantined()
 
     async def fence(self, memory: LocalMemory) -> None:
         """No new pins; released now if nothing pins it, else when the last pin goes."""
@@ -269,10 +290,13 @@ class Memories:
         memory.regions.clear()
 
     async def sweep_quarantine(self) -> None:
-        """Free quarantined mappings whose stale reads have all finished.
+        """Free quarantined mappings whose stale reads have all finished and whose taints are
+        all proven over.
 
-        A tainted mapping (a holder-side read that was never proven over) stays retired for the
-        daemon's life: no NIXL handle on this side can say when a peer stops reading it.
+        A tainted mapping (a peer's read out of it that was never proven over) stays retired until
+        its reader proves it over (:meth:`prove`): no NIXL handle on this side can say when a peer
+        stops reading it. A reader that never does (it died) leaves it for the daemon's life:
+        address space and a NIXL registration, no memory (its pages were retired).
         """
         for memory in list(self.quarantine):
             memory.stale = [x for x in memory.stale if not x.final]
@@ -281,7 +305,10 @@ class Memories:
             self.quarantine.remove(memory)
             self._metrics.quarantined_bytes.dec(memory.size_bytes)
             await self._free(memory)
-            logger.info("freed quarantined mapping (registration %d): its stale reads finished", memory.registration_id)
+            logger.info(
+                "freed quarantined mapping (registration %d): its stale reads finished, its readers' reads proven over",
+                memory.registration_id,
+            )
 
     @property
     def quarantined_bytes(self) -> int:

@@ -17,7 +17,10 @@ is reported only once no byte of the pull can still land in them (docs/lifetimes
 
 The pull pins the engine's mapping and the peer's NIXL agent from first use until its reads
 are final or fenced. It tells the holder AbandonPull only when its READs are final: that is the
-holder's proof that nothing reads its blocks any more.
+holder's proof that nothing reads its blocks any more. The proof is delivered: asked again while
+the holder cannot be reached (a stopped or cut-off holder, a peer dropped meanwhile), until it
+answers or ``peer_idle_s`` passed; a holder that timed the read out meanwhile then lifts the taint
+it left on its memory (docs/lifetimes.md).
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ logger = logging.getLogger(__name__)
 INLINE_PLAN_BLOCKS = 512  # pulls this small are planned on the event loop (well under 1 ms)
 HOLDER_PIN_POLL_S = 0.01
 PLAN_ATTEMPTS = 3  # plans of one pull when the peer's agent is reloaded between planning and pinning
+# An AbandonPull the holder did not answer (unreachable) is asked again after this, then twice as
+# long each time up to ABANDON_RETRY_MAX_S, for peer_idle_s at most (Puller._abandon).
+ABANDON_RETRY_S = 0.5
+ABANDON_RETRY_MAX_S = 30.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -230,14 +237,15 @@ class Puller:
                 await held.reads_over()
         self._report(transfer, rank, remote, error)
         await self._hand_back(held)
-        session = held.session
-        if error is not None and session is not None and self._still_told(session):
+        if error is not None and held.session is not None:  # the holder admitted the read
             # The holder may stop counting this read once nothing of it can touch its blocks: at
             # once when the reads are final, else when they become final (a pull cut off from
             # its memory still has reads in flight; the holder would otherwise wait them out to
-            # the admission's deadline and retire its memory as tainted).
+            # the admission's deadline and retire its memory as tainted). Also when the peer was
+            # dropped meanwhile (unreachable, its READs failed): a holder that comes back, or was
+            # only cut off, still keeps the admission or its taint until it hears it.
             self._in_background(
-                self._abandon_when_final(held, session, remote, rank.tp_rank, transfer.transfer_id, error.message)
+                self._abandon_when_final(held, remote, rank.tp_rank, transfer.transfer_id, error.message)
             )
 
     async def _fence(self, transfer: Transfer, rank: EngineRank, held: _PullResources, fence_s: float) -> None:
@@ -377,17 +385,15 @@ class Puller:
     async def _abandon_when_final(
         self,
         held: _PullResources,
-        session: PeerSession,
         remote: TransferParams,
         reader_rank: int,
         transfer_id: str,
         reason: str,
     ) -> None:
-        """AbandonPull once the pull's reads are final, to the holder it read from if still known."""
+        """AbandonPull once the pull's reads are final, to the holder it read from."""
         if not held.reads_final:
             await held.reads_over()
-        if self._still_told(session):
-            await self._abandon(remote, reader_rank, transfer_id, reason)
+        await self._abandon(remote, reader_rank, transfer_id, reason)
 
     def _in_background(self, abandon: Coroutine[Any, Any, None]) -> None:
         """Run an AbandonPull after the pull has ended, kept in ``_abandons`` until it is done."""
@@ -395,25 +401,32 @@ class Puller:
         self._abandons.add(task)
         task.add_done_callback(self._abandons.discard)
 
-    def _still_told(self, session: PeerSession) -> bool:
-        """Is the holder of ``session`` told of an abandoned read (whose READs are final)? When
-        the session is current, or was forgotten only because this daemon's worker was lost. Not
-        when the peer was dropped (unreachable: the holder ends the admission at its deadline, or
-        at once if it lost its own worker) — a call would only open a channel to a dead address."""
-        return self.peers.cached(session.address) is session or session.plane_lost
-
     async def _abandon(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
-        try:
-            await self._transport.abandon_pull(
-                remote.daemon_address,
-                remote.lease_id,
-                reader_rank,
-                transfer_id,
-                reason,
-                self.config.handshake_timeout_s,
-            )
-        except KvdError as exc:  # best effort: the holder ends the admission at its deadline
-            logger.debug("abandon of lease %s at %s: %s", remote.lease_id, remote.daemon_address, exc.message)
+        """Tell the holder this read is over (nothing of it can still read its blocks).
+
+        Asked again while the holder cannot be reached (stopped, cut off, its stream broken):
+        an admission that timed out meanwhile keeps the holder's memory retired until this proof
+        arrives. Any answer ends it (an unknown lease too: a restarted holder, or a read that
+        ended otherwise); so do ``peer_idle_s`` without one, and shutdown (Puller.close)."""
+        give_up = time.monotonic() + self.config.peer_idle_s
+        wait = ABANDON_RETRY_S
+        while True:
+            try:
+                await self._transport.abandon_pull(
+                    remote.daemon_address,
+                    remote.lease_id,
+                    reader_rank,
+                    transfer_id,
+                    reason,
+                    self.config.handshake_timeout_s,
+                )
+                return
+            except KvdError as exc:
+                if not unreachable(exc) or time.monotonic() + wait > give_up:
+                    logger.debug("abandon of lease %s at %s: %s", remote.lease_id, remote.daemon_address, exc.message)
+                    return
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, ABANDON_RETRY_MAX_S)
 
     # --- planning -----------------------------------------------------------------------------
 
@@ -503,18 +516,19 @@ class Puller:
         except KvdError as exc:
             if unreachable(exc):
                 await self.peers.drop_if(session, "prepare failed")
+                # Unanswered: the holder may have run the call (a stopped holder runs it when it
+                # resumes) and admitted the read. Tell it the read is over (nothing was posted).
+                self._in_background(
+                    self._abandon(remote, rank.tp_rank, transfer.transfer_id, "its admission was never answered")
+                )
             raise
         except asyncio.CancelledError:
             # The pull was cancelled (or ran out of time) while the holder admitted it. The call is
             # withdrawn, but the holder may have admitted the read just before and its answer is
             # lost: tell it the read is over (this pull posted nothing), so the admission does not
             # wait for its deadline and retire the holder's memory as never proven over.
-            if self._still_told(session):
-                self._in_background(
-                    self._abandon(
-                        remote, rank.tp_rank, transfer.transfer_id, "the pull ended while its admission was asked"
-                    )
-                )
+            why = "the pull ended while its admission was asked"
+            self._in_background(self._abandon(remote, rank.tp_rank, transfer.transfer_id, why))
             raise
         transfer.mark("prepared")
         if prepared.registration_ids != tuple(remote_ranks[r].registration_id for r in pull_plan.remote_ranks):

@@ -1,7 +1,11 @@
 """The core's PeerTransport over gRPC: how this daemon calls peer daemons.
 
 Channels are cached per address. Statuses from the peer come back as the same kvd error
-classes; a peer that cannot be reached is PeerUnavailable, naming it.
+classes; a peer that cannot be reached is PeerUnavailable, naming it. An AbandonPull to a peer
+this daemon has dropped (its channel forgotten) goes on a channel of its own, closed after the
+call: a reader asks a holder it cannot reach again and again (kvd.core.pulls), and a cached
+channel left in gRPC's reconnect back-off would fail the first handshake with that address
+once the peer is back.
 """
 
 from __future__ import annotations
@@ -57,17 +61,18 @@ class GrpcPeerTransport:
         self.last_contact: dict[str, float] = {}
         """Peer address -> monotonic time of its last answered call (for `kvd status`)."""
 
+    def _new_channel(self, address: str) -> grpc.aio.Channel:
+        if self._credentials is not None:
+            return grpc.aio.secure_channel(address, self._credentials, options=PEER_CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
+
     def _stub(self, address: str) -> peer_pb2_grpc.PeerServiceStub:
         stub = self._stubs.get(address)
         if stub is not None:
             return stub
         channel = self._channels.get(address)
         if channel is None:
-            if self._credentials is not None:
-                channel = grpc.aio.secure_channel(address, self._credentials, options=PEER_CHANNEL_OPTIONS)
-            else:
-                channel = grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
-            self._channels[address] = channel
+            channel = self._channels[address] = self._new_channel(address)
         stub = self._stubs[address] = peer_pb2_grpc.PeerServiceStub(channel)
         return stub
 
@@ -174,6 +179,16 @@ class GrpcPeerTransport:
             reader_incarnation=self._own_incarnation(),
             reader_transfer_id=reader_transfer_id,
         )
+        if address not in self._channels:  # a dropped peer: a channel of its own (module docstring)
+            channel = self._new_channel(address)
+            try:
+                await peer_pb2_grpc.PeerServiceStub(channel).AbandonPull(request, timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                raise _to_kvd(exc, address, "abandon pull") from exc
+            finally:
+                await channel.close()
+            self.last_contact[address] = time.monotonic()
+            return
         await self._peer_call(
             address,
             "abandon pull",

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -150,6 +150,90 @@ def test_link_cut_mid_read_fails_in_time_and_no_late_byte_lands(spawn_daemon) ->
         finally:
             for engine in (holder, reader):
                 engine.close()
+
+
+def test_a_read_the_holder_timed_out_while_cut_off_is_proven_over_when_the_link_heals(spawn_daemon) -> None:
+    """Issue 42's leak, between two real daemons. The link is cut mid-read: the reader fails by its
+    deadline, the holder times the admitted read out (past its deadline + margin, not proven over)
+    and its engine goes: the mapping is retired and quarantined. When the link heals, the stalled
+    READ ends and the reader says so (its notification, or its AbandonPull once the READ is final):
+    the holder's quarantine empties, instead of keeping the mapping for the daemon's life."""
+    with two_hosts() as (ns_h, ns_r, dev_h, dev_r):
+        holder_daemon = spawn_daemon(
+            "--host",
+            HOLDER_ADDR,
+            "--allow-insecure-tcp=true",
+            "--read-admission-margin-s",
+            "0.5",
+            name="holder",
+            env=_ucx_env(dev_h),
+            command_prefix=("ip", "netns", "exec", ns_h),
+        )
+        reader_daemon = spawn_daemon(
+            "--host",
+            READER_ADDR,
+            "--allow-insecure-tcp=true",
+            name="reader",
+            env=_ucx_env(dev_r),
+            command_prefix=("ip", "netns", "exec", ns_r),
+        )
+        spec = llama_spec(num_blocks=256)  # 512 MiB: long enough over TCP to cut the link mid-read
+        holder = ShmEngine(holder_daemon.unix_target, "p", spec)
+        reader = ShmEngine(reader_daemon.unix_target, "d", spec)
+        try:
+            holder.register()
+            reader.register()
+            holder.fill(0x5A)
+            reader.fill(0)
+            blocks = list(range(256))
+            params = holder.client.hold_blocks(
+                engine_id="p", request_id="cut", block_ids=blocks, num_tokens=256 * 16
+            ).kv_transfer_params
+            started = reader.client.start_pull(
+                engine_id="d", tp_rank=0, request_id="cut", local_block_ids=blocks, remote=params, deadline_ms=3000
+            )
+            _wait_until_bytes_arrive(reader)
+            _ip("-n", ns_r, "link", "set", dev_r, "down")
+            with pytest.raises((errors.DeadlineExceeded, errors.Unavailable)):
+                reader.client.wait_transfer(started.transfer_id, timeout_s=30)
+            assert int(torch.count_nonzero(reader.buffer)) < reader.buffer.numel(), "the cut came after the read"
+
+            assert _until(lambda: _holder_metric(ns_h, holder_daemon.metrics, "timed_out") == 1), (
+                "the holder never timed the cut-off read out"
+            )
+            holder.client.unregister_kv_cache(engine_id="p", tp_rank=0)  # the engine goes (it is killed)
+            holder.registered = False
+            assert _holder_metric(ns_h, holder_daemon.metrics, "quarantined") == spec.total_bytes
+
+            _ip("-n", ns_r, "link", "set", dev_r, "up")
+            assert _until(lambda: _holder_metric(ns_h, holder_daemon.metrics, "quarantined") == 0), (
+                "the holder kept the retired mapping after the read was over"
+            )
+            text = _scrape_in(ns_r, reader_daemon.metrics)
+            assert (
+                metric_value(text, "kvd_nixl_reads_in_flight") == 0 and metric_value(text, "kvd_quarantined_bytes") == 0
+            )
+            assert holder_daemon.process.poll() is None and reader_daemon.process.poll() is None
+        finally:
+            for engine in (holder, reader):
+                engine.close()
+
+
+def _holder_metric(namespace: str, address: str, which: str) -> float:
+    text = _scrape_in(namespace, address)
+    if which == "timed_out":
+        return metric_value(text, "kvd_admissions_ended_total", reason="timed_out")
+    return metric_value(text, "kvd_quarantined_bytes")
+
+
+def _until(condition: Callable[[], bool], hang_guard_s: float = 30.0) -> bool:
+    """Poll ``condition`` until it holds; False only if it never did (a hang guard, not a timing)."""
+    deadline = time.monotonic() + hang_guard_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def _wait_until_bytes_arrive(reader: ShmEngine, timeout_s: float = 10.0) -> None:

@@ -6,6 +6,12 @@ router in front of prefill and decode pools would; it drives engines over their 
 (docs/failure-rules.md) it does what the rules say: a retryable error (UNAVAILABLE,
 RESOURCE_EXHAUSTED) is retried, on another engine where it makes sense; anything else ends the
 pull: the router releases the lease it no longer needs and the reader recomputes.
+
+It learns how every pull it started ended. A ``StartPull`` that got no answer (its deadline
+passed, its connection dropped) may have started the pull all the same: the daemon then runs it
+to DONE and counts it. So the router asks the same ``StartPull`` again until it is answered (the
+daemon answers a repeated pull with the one it started, running or DONE: docs/failure-rules.md),
+and then waits for that pull; it never recomputes blocks a pull it lost sight of may be writing.
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ DOCUMENTED = frozenset(
     }
 )
 RETRYABLE = frozenset({"Unavailable", "PeerUnavailable", "ResourceExhausted"})
+# A StartPull failed with exactly one of these got no answer from the daemon (the call's deadline,
+# a dropped connection, a daemon not serving yet): the pull may have started, so it is asked again.
+UNANSWERED = (errors.DeadlineExceeded, errors.Unavailable)
+LOST_AFTER_S = 60.0  # a pull (or an unanswered StartPull) not ended this long after its deadline is lost
+UNANSWERED_RETRY_S = 0.5  # the wait before an unanswered StartPull or GetTransfer is asked again
 # Failures of the harness's own engines (not kvd's): an engine the run killed, or one that is full.
 ENGINE_SIDE = frozenset({"EngineDown", "EngineFull"})
 
@@ -344,25 +355,27 @@ class Router:
         client = self.clients[reader.node]
         epoch = self.epoch_of(reader.node)
         t0 = time.monotonic()
-        try:
-            started = await client.start_pull(
-                engine_id=reader.engine_id,
-                tp_rank=rank,
-                request_id=req,
-                local_block_ids=blocks,
-                remote=held.params,
-                deadline_ms=int(self.deadline_s * 1000),
-            )
-        except errors.KvdError as err:
-            return rank, self._fail("start_pull", err)
+        transfer_id, failure = await self._start(
+            client,
+            reader.node,
+            epoch,
+            engine_id=reader.engine_id,
+            tp_rank=rank,
+            request_id=req,
+            local_block_ids=blocks,
+            remote=held.params,
+            deadline_ms=int(self.deadline_s * 1000),
+        )
+        if transfer_id is None:
+            return rank, failure
         self.tally.pulls_started += 1
-        status, failure = await self._outcome(client, started.transfer_id, reader.node, epoch)
+        status, failure = await self._outcome(client, transfer_id, reader.node, epoch)
         key = (reader.node, epoch)
         if self.epoch_of(reader.node) != epoch:
             self.tally.ambiguous_epochs.add(key)
         if status is None and failure is None:
             self.tally.pulls_lost += 1
-            self.tally.undocumented.append(f"LOST: transfer {started.transfer_id} ({req} rank {rank}) never ended")
+            self.tally.undocumented.append(f"LOST: transfer {transfer_id} ({req} rank {rank}) never ended")
             return rank, "Lost"
         if failure is not None:
             self.tally.pulls_failed += 1
@@ -377,12 +390,40 @@ class Router:
         self.tally.latencies.append(time.monotonic() - t0)
         return rank, None
 
+    async def _start(self, client: AsyncKvdClient, node: int, epoch: int, **pull: Any) -> tuple[str | None, str | None]:
+        """StartPull: (its transfer id, None), or (None, the failure class) when the daemon
+        refused it, restarted before answering (the pull, if it started, went with it), or never
+        answered in time (``"Lost"``: counted lost, like a pull that never ends).
+
+        An unanswered StartPull is asked again, the same, while the daemon lives: it may have
+        started the pull (module docstring). Each unanswered try counts under ``start_pull``."""
+        limit = time.monotonic() + self.deadline_s + LOST_AFTER_S
+        while True:
+            try:
+                started = await client.start_pull(**pull)
+            except errors.KvdError as err:
+                failure = self._fail("start_pull", err)
+                if type(err) not in UNANSWERED:
+                    return None, failure  # refused: nothing started
+            else:
+                return started.transfer_id, None
+            if self.epoch_of(node) != epoch:  # the pull, if it started, went with that daemon: retry
+                return None, "Unavailable"
+            if time.monotonic() > limit:
+                self.tally.pulls_lost += 1
+                self.tally.undocumented.append(
+                    f"LOST: StartPull of {pull.get('request_id')} rank {pull.get('tp_rank')} into n{node} "
+                    f"never answered ({failure})"
+                )
+                return None, "Lost"
+            await asyncio.sleep(UNANSWERED_RETRY_S)
+
     async def _outcome(
         self, client: AsyncKvdClient, transfer_id: str, node: int, epoch: int
     ) -> tuple[common_pb2.TransferStatus | None, str | None]:
         """How a started pull ended: (DONE status, None), (status or None, failure class), or
         (None, None) when it never ended (lost)."""
-        limit = time.monotonic() + self.deadline_s + 60.0
+        limit = time.monotonic() + self.deadline_s + LOST_AFTER_S
         try:
             return await client.wait_transfer(transfer_id, timeout_s=self.deadline_s + 5.0), None
         except errors.KvdError:
@@ -395,7 +436,7 @@ class Router:
             except errors.UnknownTransfer as err:
                 return None, self._fail("pull", err)
             except errors.KvdError:
-                await asyncio.sleep(0.5)  # its daemon is stopped or cut off: ask again
+                await asyncio.sleep(UNANSWERED_RETRY_S)  # its daemon is stopped or cut off: ask again
                 continue
             if status.state == common_pb2.TRANSFER_STATE_DONE:
                 return status, None

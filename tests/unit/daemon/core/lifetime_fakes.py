@@ -515,11 +515,13 @@ class FakePeerTransport:
         self.prepare_answers: dict[str, PrepareResult] = {}
         self.prepare_gate: Gate | None = None  # holds PreparePull before it reaches the holder
         self.reply_gate: Gate | None = None  # holds PreparePull's answer after the holder admitted
+        self.reply_lost: KvdError | None = None  # raised instead of PreparePull's answer (lost on its way)
+        self.unreachable: set[str] = set()  # addresses whose daemon cannot be reached (stopped, cut off)
         self._tags: dict[str, list[str]] = {}  # reader transfer id -> notification tags it was given
 
     def _holder(self, address: str) -> Any:
         daemon = self.fabric.daemons.get(address)
-        if daemon is None:
+        if daemon is None or address in self.unreachable:
             raise PeerUnavailable(f"no daemon answers at {address}")
         return daemon
 
@@ -568,6 +570,8 @@ class FakePeerTransport:
         self._tags.setdefault(reader_transfer_id, []).append(result.notif_tag)
         if self.reply_gate is not None:  # the answer is on its way back (or lost)
             await self.reply_gate.passage()
+        if self.reply_lost is not None:
+            raise self.reply_lost
         return result
 
     async def abandon_pull(
@@ -580,9 +584,10 @@ class FakePeerTransport:
             self.fabric.violations.append(
                 f"AbandonPull of {reader_transfer_id[:8]} sent with {len(live)} READs not final"
             )
+        holder = self._holder(address)  # an unreachable holder: PeerUnavailable, nothing delivered
         self.abandons.append(dict(address=address, lease_id=lease_id, transfer_id=reader_transfer_id, reason=reason))
         self.abandoned.bump()
-        self._holder(address).abandon_pull(
+        holder.abandon_pull(
             lease_id,
             reader_tp_rank,
             reason,

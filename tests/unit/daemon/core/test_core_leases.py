@@ -394,6 +394,95 @@ def test_an_admission_past_its_deadline_and_margin_times_out_unclean(
     assert ends.leases == [(lease.lease_id, LeaseEnd.RELEASED)]
 
 
+def _timed_out(table: LeaseTable, clock: FakeClock, lease: Lease, reader: str = "inc-1/t1") -> Admission:
+    admission = _admit(table, lease, reader=reader)
+    clock.advance(HOLD + MARGIN + 0.1)
+    table.sweep()
+    assert admission.ended is AdmissionEnd.TIMED_OUT
+    return admission
+
+
+def test_a_timed_out_read_is_proven_over_late_once_every_part_arrived(
+    table: LeaseTable, clock: FakeClock, ends: Recorder
+) -> None:
+    """A stalled holder (stopped, or its loop starved) sweeps before the reader's notifications,
+    which were already on their way: the read timed out, but its READs did end. Every part
+    arriving late proves it over (returned once); one part alone does not."""
+    lease = _create(table)
+    admission = _timed_out(table, clock, lease)
+    assert table.unproven == 1
+    assert table.record_read(lease.lease_id, admission.admission_id, 0, 2) is None  # one part of two
+    assert table.record_read(lease.lease_id, admission.admission_id, 0, 2) is None  # a duplicate counts nothing
+    assert table.record_read(lease.lease_id, admission.admission_id, 1, 2) is admission
+    assert table.unproven == 0
+    assert table.record_read(lease.lease_id, admission.admission_id, 1, 2) is None  # proven once
+    assert ends.admissions == [(admission.admission_id, AdmissionEnd.TIMED_OUT)]  # no second end
+
+
+def test_parts_seen_before_the_timeout_count_towards_the_late_proof(table: LeaseTable, clock: FakeClock) -> None:
+    lease = _create(table)
+    admission = _admit(table, lease)
+    table.record_read(lease.lease_id, admission.admission_id, 1, 2)
+    clock.advance(HOLD + MARGIN + 0.1)
+    table.sweep()
+    assert admission.ended is AdmissionEnd.TIMED_OUT
+    assert table.record_read(lease.lease_id, admission.admission_id, 0, 2) is admission
+
+
+def test_a_late_part_must_name_the_timed_out_reads_lease(table: LeaseTable, clock: FakeClock) -> None:
+    """A forged or stale notification proves nothing: another lease id, or a read that ended clean."""
+    lease = _create(table)
+    admission = _timed_out(table, clock, lease)
+    assert table.record_read("another-lease", admission.admission_id, 0, 1) is None
+    other = _create(table, request="req-2")
+    clean = _admit(table, other, reader="inc-1/t2")
+    assert table.abandon(other.lease_id, "inc-1/t2", 0)
+    assert table.record_read(other.lease_id, clean.admission_id, 0, 1) is None
+    assert table.unproven == 1
+
+
+def test_a_timed_out_read_is_proven_over_late_by_its_readers_abandon(table: LeaseTable, clock: FakeClock) -> None:
+    """The reader's AbandonPull (its READs are final) after the timeout: that read, once; only its
+    own reader's (incarnation and transfer) and rank's."""
+    lease = _create(table)
+    admission = _timed_out(table, clock, lease)
+    assert table.prove_abandoned(lease.lease_id, "inc-2/t1", 0) is None
+    assert table.prove_abandoned(lease.lease_id, "inc-1/t1", 1) is None
+    assert table.prove_abandoned("nope", "inc-1/t1", 0) is None
+    assert table.prove_abandoned(lease.lease_id, "inc-1/t1", 0) is admission
+    assert table.prove_abandoned(lease.lease_id, "inc-1/t1", 0) is None
+    assert table.unproven == 0
+
+
+def test_only_the_latest_timed_out_reads_wait_for_a_late_proof(
+    table: LeaseTable, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(leases_module, "MAX_UNPROVEN", 3)
+    timed_out = [_timed_out(table, clock, _create(table, request=f"r{i}"), reader=f"inc-1/t{i}") for i in range(5)]
+    assert table.unproven == 3
+    first, last = timed_out[0], timed_out[-1]
+    assert table.prove_abandoned(first.lease_id, first.reader, 0) is None  # forgotten: stays tainted
+    assert table.prove_abandoned(last.lease_id, last.reader, 0) is last
+
+
+def test_an_abandon_before_the_admission_refuses_that_readers_late_prepare_pull(
+    table: LeaseTable, ends: Recorder
+) -> None:
+    """An AbandonPull that overtook its PreparePull (the call withdrawn, or the abandon sent on a
+    new stream): the late PreparePull of that reader is not admitted, so it cannot time out and
+    taint the holder's memory. Other readers, and a reader without a transfer id, still are."""
+    lease = _create(table)
+    assert not table.abandon(lease.lease_id, "inc-1/t1", 0)
+    with pytest.raises(FailedPrecondition, match="abandoned its read"):
+        _admit(table, lease, reader="inc-1/t1")
+    assert table.open_admissions == 0 and ends.admissions == []
+    _admit(table, lease, rank=1, tp=2, reader="inc-1/t1")  # its other rank asked nothing yet
+    _admit(table, lease, rank=0, tp=2, reader="inc-1/t9")  # the reader's next pull: another transfer
+    other = _create(table, request="req-2")
+    assert not table.abandon(other.lease_id, "inc-1/", 0)
+    _admit(table, other, reader="inc-1/")
+
+
 def test_abandon_names_the_reader(table: LeaseTable, ends: Recorder) -> None:
     """Only the admitted reader's abandon ends its admission."""
     lease = _create(table)

@@ -576,7 +576,8 @@ def test_holder_unregister_during_admitted_read_keeps_memory_until_the_reader_ab
 
 def test_holder_unregister_during_admitted_read_past_deadline_and_margin_retires_memory(fabric: Fabric) -> None:
     """An admission never proven over ends at its deadline plus the margin: tainted, retired and
-    quarantined for good, never deregistered; the lease drains until then."""
+    quarantined, never deregistered while its reader may read; the lease drains until then. The
+    reader's AbandonPull, once its READs are final, proves it over late: then the memory is freed."""
 
     async def scenario() -> None:
         p = await make_pair(fabric)
@@ -599,12 +600,16 @@ def test_holder_unregister_during_admitted_read_past_deadline_and_margin_retires
         assert not any(p.holder.dataplane.deregistered(r) for r in regs)
         assert holder.leases.draining == 0 and holder.status().quarantined_bytes == memory.size_bytes
         await holder.memories.sweep_quarantine()
-        assert memory.state is MemoryState.QUARANTINED  # tainted: kept for the daemon's life
+        assert memory.state is MemoryState.QUARANTINED  # tainted: kept while its reader may read
 
         for xfer in xfers:  # the holder's pages are gone: the reader's READs fail
             p.reader.dataplane.fail(xfer)
         await ended(transfer)
         assert transfer.state is FAILED and len(engine_events(p.rrank, LoadFailed)) == 1
+        await p.reader.transport.abandoned.reach(1)  # the peer was dropped (disconnected): told anyway
+        await sweep_round(p.holder)
+        assert memory.state is MemoryState.RELEASED and all(p.holder.dataplane.deregistered(r) for r in regs)
+        assert holder.status().quarantined_bytes == 0
         assert_settled(p.reader, p.holder, memories=(memory,))
 
     run(fabric, scenario)
