@@ -173,6 +173,15 @@ class KvdConfig:
             "mapped: no byte is touched and nothing is allocated."
         },
     )
+    dataplane_spare_worker: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "Keep one spare data-plane worker (torch and NIXL imported, its agent created) so that a lost "
+            "worker is replaced in milliseconds; it starts once the serving worker is ready and costs one more "
+            "process's memory (~250 MiB). Off: a lost worker is replaced by a cold start (seconds). kvd selftest "
+            "and kvd demo run their short-lived daemons without one."
+        },
+    )
     dataplane_heartbeat_timeout_s: float = dataclasses.field(
         default=5.0,
         metadata={

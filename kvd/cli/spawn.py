@@ -173,8 +173,12 @@ def start_owned(stack: contextlib.ExitStack, workdir: Path, *names: str) -> list
 def launch_owned(
     stack: contextlib.ExitStack, workdir: Path, *names: str, extra_flags: Sequence[str] = ()
 ) -> list[Launch]:
-    """:func:`start_owned` without the wait: the caller does other work, then :func:`wait_ready`."""
-    launches = [launch_daemon(workdir, name, ["--log-level", "WARNING", *extra_flags]) for name in names]
+    """:func:`start_owned` without the wait: the caller does other work, then :func:`wait_ready`.
+
+    These daemons live seconds and nothing kills their workers: they start without a spare worker
+    (``dataplane_spare_worker``), which would only compete for the CPU with their first pulls."""
+    flags = ["--log-level", "WARNING", "--dataplane-spare-worker", "false", *extra_flags]
+    launches = [launch_daemon(workdir, name, flags) for name in names]
     stack.callback(stop_launches, launches)
     return launches
 

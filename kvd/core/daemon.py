@@ -11,12 +11,15 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import mmap
 import os
 import socket
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from kvd.config import KvdConfig
 from kvd.core.commits import CommitTracker
@@ -187,6 +190,7 @@ class Daemon(HolderReads, DataPlaneRestarts):
             self.config.nixl_progress_thread,
             self.config.log_level,
             self.config.gil_switch_interval_s,
+            spare=self.config.dataplane_spare_worker,
             prefault=self.config.prefault_host_memory,
             max_post_bytes=self.config.dataplane_max_post_bytes,
             copy_threads=self.config.copy_threads,
@@ -912,7 +916,7 @@ class Daemon(HolderReads, DataPlaneRestarts):
         from kvd.core import scratch  # noqa: PLC0415
         from kvd.core.memory import MemoryKind  # noqa: PLC0415
         from kvd.layout.spec import contiguous_placements  # noqa: PLC0415
-        from kvd_client.shm import create_shm_tensor, unlink_shm  # noqa: PLC0415
+        from kvd_client.shm import create_shm_file, unlink_shm  # noqa: PLC0415
 
         self.require_serving()
         if not 0 < size_bytes <= scratch.MAX_SCRATCH_BYTES:
@@ -925,9 +929,10 @@ class Daemon(HolderReads, DataPlaneRestarts):
             current = None
         if current is None:
             name = f"{self.selftest_engine_id}-{seed}"
-            buffer = create_shm_tensor(name, spec.total_bytes)
+            path = create_shm_file(name, spec.total_bytes)
             try:
-                scratch.fill_pattern(buffer, seed)
+                with path.open("r+b") as file, mmap.mmap(file.fileno(), spec.total_bytes) as mapped:
+                    scratch.fill_pattern(np.frombuffer(mapped, dtype=np.uint8), seed)  # numpy: no torch here
                 await self.register_engine(
                     self.selftest_engine_id,
                     spec,
