@@ -83,9 +83,9 @@ def _router_vs_engine(result: dict[str, Any]) -> _Measured | str:
     if "engine" not in rates or "one stream" not in rates:
         return "no router section at 32 in flight"
     ratio = rates["one stream"] / rates["engine"]
-    figure = f"{ratio:.2f}x ({rates['one stream']:.0f}/s vs {rates['engine']:.0f}/s"
-    if "stream per pull" in rates:
-        figure += f"; a stream per pull {rates['stream per pull'] / rates['engine']:.2f}x"
+    figure = f"{ratio:.2f}x ({rates['one stream']:.0f} vs {rates['engine']:.0f}/s"
+    if "stream per pull" in rates:  # the path before 0.2.0, beside it
+        figure += f"; per pull {rates['stream per pull'] / rates['engine']:.2f}x"
     return _Measured(figure + ")", ratio, ratio >= 0.8)
 
 

@@ -247,10 +247,11 @@ and a router's with a WatchTransfer stream per pull (how a router waited before 
 async def router_path(
     session: Session, router: AsyncKvdClient, in_flight: int, pulls: int, rounds: int, progress: Progress
 ) -> list[dict[str, Any]]:
-    """2 MiB pulls with ``in_flight`` in flight, each of :data:`ROUTER_MODES` in turn, ``rounds``
-    times (so the three share the machine's load), into the same engine's blocks from the same
-    holder, leases fetched before each window (as in the concurrency section): pulls/s, p50/p99
-    and the CPU per pull of every process, per mode and round.
+    """2 MiB pulls with ``in_flight`` in flight, each of :data:`ROUTER_MODES` in turn (each round
+    starting with the next), ``rounds`` times (so the three share the machine's load), into the
+    same engine's blocks from the same holder, leases fetched before each window (as in the
+    concurrency section), after an untimed window of each: pulls/s, p50/p99 and the CPU per pull
+    of every process, per mode and round.
 
     A router's pull is ``StartPull`` on the reader's TCP port (``router``), then its wait."""
     engine = session.engine
@@ -277,10 +278,20 @@ async def router_path(
         return time.perf_counter() - t0
 
     paths: dict[str, PullOne] = {"engine": engine.pull, "one stream": one_stream, "stream per pull": stream_per_pull}
+    # Untimed, a window of each path first: the first window of 32 in flight after the sections
+    # before paid for more than its pulls (its workers' CPU per pull was 2-4x the later ones'),
+    # and it fell on whichever path came first.
+    for mode in ROUTER_MODES:
+        await _in_flight(
+            paths[mode], collections.deque(await session.hold(BLOCK_BYTES, 2 * in_flight)), in_flight, lambda _: None
+        )
     out = []
     steps = rounds * len(ROUTER_MODES)
     for r in range(rounds):
-        for m, mode in enumerate(ROUTER_MODES):
+        # Each round starts with the next path: over len(ROUTER_MODES) rounds each path takes each
+        # place once (a window's cost depends on what ran before it, e.g. a pre-fault still running).
+        order = ROUTER_MODES[r % len(ROUTER_MODES) :] + ROUTER_MODES[: r % len(ROUTER_MODES)]
+        for m, mode in enumerate(order):
             held = collections.deque(await session.hold(BLOCK_BYTES, pulls))
             engine.buffer.zero_()
             cpu0 = session.daemons.cpu()

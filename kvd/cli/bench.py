@@ -48,7 +48,7 @@ class BenchConfig:
     batches: tuple[int, ...] = (8, 32)  # pulls per engine step in the batched section (empty: none)
     floor_pulls: int = 2000  # pulls through the floor's hops at 32 in flight (0: no floor section)
     router_pulls: int = 256  # pulls per path and round in the router section, 32 in flight (0: none)
-    router_rounds: int = 2  # the router section's rounds (each path once per round, in turn)
+    router_rounds: int = 3  # the router section's rounds (each path once per round, each first once)
 
 
 QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5, 3.0, 1.0)

@@ -87,8 +87,9 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert header.split()[-6:] == ["reader", "r-wkr", "holder", "h-wkr", "client", "all"], header
     sections = list(data["section_s"])
     router = data["router"]  # a router's pulls (one stream, a stream per pull) beside the engine's, in turns
+    modes = ("engine", "one stream", "stream per pull")  # each round starts with the next path
     assert [(row["round"], row["mode"]) for row in router] == [
-        (r, mode) for r in range(2) for mode in ("engine", "one stream", "stream per pull")
+        (r, modes[(r + m) % 3]) for r in range(3) for m in range(3)
     ]
     for row in router:
         assert row["in_flight"] == 32 and row["pulls"] == len(row["latency_s"]) == 40
