@@ -50,7 +50,7 @@ PRECISE = {
 """Codes a bad input may get. UNAVAILABLE: a pull naming an unreachable peer; DEADLINE_EXCEEDED and
 CANCELLED: the fuzzer's own short deadlines and early closes (counted separately)."""
 
-READ_ONLY = {"GetStatus", "LookupHeld", "GetTransfer", "WatchTransfer", "Handshake"}
+READ_ONLY = {"GetStatus", "LookupHeld", "GetTransfer", "WatchTransfer", "WatchTransfers", "Handshake"}
 
 U32 = [0, 1, 2, 15, 16, 17, 31, 32, 33, 2**31 - 1, 2**31, 2**32 - 1]
 U64 = [*U32, 2**53, 2**63 - 1, 2**63, 2**64 - 1]
@@ -271,6 +271,11 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
                     [commit, post, fuzz.message(engine_pb2.EngineMessage.DESCRIPTOR, engine_pb2.EngineMessage)]
                 ).SerializeToString()
 
+    def watch_messages() -> Iterator[bytes]:
+        """WatchTransfers: fuzzed requests (ids known or not, empty, oversized; garbage, cut short)."""
+        for _ in range(rng.randint(0, 3)):
+            yield fuzz.payload(router_pb2.WatchTransfersRequest)
+
     remote = holder.client.hold_blocks(
         engine_id="holder", request_id="tmpl", block_ids=[6, 7], num_tokens=20, ttl_ms=600_000
     ).kv_transfer_params
@@ -340,7 +345,8 @@ def test_fuzz_every_rpc_and_the_stream(fuzz_pair) -> None:
         try:
             if method.client_streaming:
                 call = channel.stream_stream(name, ident, ident)(
-                    stream_messages(), timeout=timeout if early_close else 3
+                    watch_messages() if short == "WatchTransfers" else stream_messages(),
+                    timeout=timeout if early_close else 3,
                 )
                 for _ in call:
                     pass

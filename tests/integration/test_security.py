@@ -131,6 +131,9 @@ def _calls(lease_id: str) -> dict[str, Callable[[grpc.Channel], Any]]:
         "/kvd.v1.RouterService/WatchTransfer": lambda ch: list(
             router(ch).WatchTransfer(router_pb2.GetTransferRequest(transfer_id="nosuch"), timeout=10)
         ),
+        "/kvd.v1.RouterService/WatchTransfers": lambda ch: list(
+            router(ch).WatchTransfers(iter([router_pb2.WatchTransfersRequest(transfer_ids=["nosuch"])]), timeout=10)
+        ),
         "/kvd.v1.RouterService/CancelTransfer": lambda ch: router(ch).CancelTransfer(
             router_pb2.CancelTransferRequest(transfer_id="nosuch"), timeout=10
         ),
