@@ -62,10 +62,11 @@ logger = logging.getLogger(__name__)
 # Clients ping while a call is open (keepalive: peers every 10 s, engines and routers every 30 s),
 # and the peer stream and engine streams stay open while idle. At gRPC's default a server takes a
 # ping without data in between at most every 5 minutes and answers the third early one with
-# GOAWAY too_many_pings: a reader's stream to a holder left idle for a minute or two (a lull, a
-# data-plane restart loop) then failed the next pull's handshake. Pings as often as the clients'
-# are accepted.
-SERVER_CHANNEL_OPTIONS = [*SERVER_OPTIONS, ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+# GOAWAY too_many_pings: a reader's stream to a holder left idle for a minute and a half (a lull,
+# a data-plane restart loop) then failed the next pull (its PreparePull or handshake). Pings as
+# often as the clients' are accepted (the key is gRPC core's GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_
+# WITHOUT_DATA_MS; an unknown key would be ignored without a word).
+SERVER_CHANNEL_OPTIONS = [*SERVER_OPTIONS, ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
 
 SERVICE_NAMES = (
     engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name,

@@ -433,10 +433,26 @@ def health(engine: ShmEngine) -> bool:
     return engine.client.health_check(timeout_s=2)
 
 
-def wait_health(engine: ShmEngine, serving: bool, timeout_s: float) -> None:
+def kernel_states(pid: int) -> str:
+    """Each child of ``pid`` with each thread's state and the kernel call it waits in."""
+    lines = []
+    for kid in sorted(children(pid)):
+        threads = []
+        for task in Path(f"/proc/{kid}/task").glob("*"):
+            with contextlib.suppress(OSError, IndexError):
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                threads.append(f"{state}:{(task / 'wchan').read_text() or '-'}")
+        lines.append(f"child {kid}: {' '.join(sorted(threads))}")
+    return "\n".join(lines) or "no children"
+
+
+def wait_health(daemon: DaemonProcess, engine: ShmEngine, serving: bool, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while health(engine) != serving:
-        assert time.monotonic() < deadline, f"health did not become {'SERVING' if serving else 'NOT_SERVING'}"
+        assert time.monotonic() < deadline, (
+            f"health did not become {'SERVING' if serving else 'NOT_SERVING'} within {timeout_s:.0f}s; "
+            f"the daemon's children:\n{kernel_states(daemon.process.pid)}\n{daemon.log_tail(40)}"
+        )
         time.sleep(0.01)
 
 
@@ -479,8 +495,8 @@ def test_worker_and_spare_killed_ten_times_the_daemon_backs_off_and_serves_the_s
             for pid in [*others, old]:  # the spare first: the daemon must not take it as the next worker
                 os.kill(pid, signal.SIGKILL)
             killed |= {old, *others}
-            wait_health(victim, False, 10)
-            wait_health(victim, True, 30)
+            wait_health(victim_daemon, victim, False, 10)
+            wait_health(victim_daemon, victim, True, 30)
             new = worker_pid(victim.client)
             assert new not in killed and new in children(victim_daemon.process.pid)
             assert victim_daemon.process.poll() is None, f"the daemon exited at kill {kill}: {victim_daemon.log_tail()}"
