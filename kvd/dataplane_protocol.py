@@ -206,8 +206,11 @@ class Xfer:
 
 
 def encode_error(exc: BaseException) -> WireError:
+    """A KvdError travels as its class of the one hierarchy (kvd_client.errors): a daemon-internal
+    subclass (kvd.core.workers.WorkerStartFailed, say) as the nearest class the other side knows."""
     if isinstance(exc, KvdError):
-        return (type(exc).__name__, exc.message)
+        known = next(c for c in type(exc).__mro__ if error_class_named(c.__name__) is c)
+        return (known.__name__, exc.message)
     return ("Internal", f"the data-plane worker failed: {type(exc).__name__}: {exc}")
 
 

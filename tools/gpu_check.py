@@ -76,7 +76,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = "kvd-gpu-check/1"
 MANIFEST_SCHEMA = "kvd-gpu-check-wheels/1"
 BUDGET_BYTES = 64 << 20  # what the tree, shared/ and carried folders may weigh together
-PACKAGES = {"kvd": "kvd", "kvd_client": "client", "kvd_engine": "engine_patch"}  # pyproject.toml's package-dir
+PACKAGES = {"kvd": "kvd", "kvd_client": "client", "kvd_engine": "engine_patch"}  # setup.py's SOURCE_FOLDERS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREPARE, EXIT_NO_CUDA = 0, 1, 2, 3, 4
 NO_CUDA = "skipped: no CUDA device"
