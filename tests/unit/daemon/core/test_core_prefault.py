@@ -174,3 +174,26 @@ def test_a_kernel_without_populate_write_is_tried_once_and_left_alone(
         prefaulter.close()
         for mapping in mappings:
             mapping.close()
+
+
+def _prefault_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "kvd-prefault"]
+
+
+def test_the_thread_ends_once_nothing_is_left_to_populate_and_the_next_mapping_starts_another(
+    engine_shm,
+) -> None:
+    """A killed worker exits only once each of its threads has run, and a thread at the lowest
+    priority waits long on a busy machine: an idle prefault thread held a killed worker's exit,
+    and the daemon's restart, up by seconds. So none is left waiting between mappings."""
+    (name, _), (other_name, _) = engine_shm(), engine_shm()
+    table = RegionTable(prefault=True)
+    try:
+        first = table.open(_request(name))
+        _wait_for(lambda: _mapped_kb(first.address)[0] == SIZE // 1024, "the mapping was never populated")
+        _wait_for(lambda: not _prefault_threads(), "the prefault thread outlived its work")
+        second = table.open(_request(other_name))
+        _wait_for(lambda: _mapped_kb(second.address)[0] == SIZE // 1024, "the next mapping was never populated")
+        _wait_for(lambda: not _prefault_threads(), "the second prefault thread outlived its work")
+    finally:
+        table.close_all()
