@@ -466,6 +466,16 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+RETIRED_KEYS: dict[str, str] = {
+    "dataplane_max_restarts": "a crash loop of the data-plane worker backs off instead of ending the daemon "
+    "(dataplane_restart_backoff_s, dataplane_restart_backoff_max_s, dataplane_restart_stable_s)",
+    "dataplane_restart_window_s": "a crash loop of the data-plane worker backs off instead of ending the daemon "
+    "(dataplane_restart_backoff_s, dataplane_restart_backoff_max_s, dataplane_restart_stable_s)",
+}
+"""Keys an earlier release read: a config that still sets one starts, with a warning saying what
+replaced it (an upgrade must not turn a node's config into a start-up failure)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ResolvedConfig:
     """A config, where each field's value came from, and what the environment got wrong."""
@@ -513,7 +523,10 @@ def resolve_config(
             stray = sorted(set(data) - {"kvd"})
             if stray:
                 raise ValueError(f"config file {file}: keys {stray} are outside the [kvd] table")
-        section = data.get("kvd", data)
+        section = dict(data.get("kvd", data))
+        for key in sorted(set(section) & set(RETIRED_KEYS)):
+            del section[key]
+            warnings.append(f"config file {file}: {key} no longer applies and is ignored: {RETIRED_KEYS[key]}")
         unknown = sorted(set(section) - names)
         if unknown:
             raise ValueError(f"config file {file}: unknown keys {unknown}; known: {sorted(names)}")
@@ -531,6 +544,8 @@ def resolve_config(
         if name in names:
             values[name] = _coerce(name, value, f"environment {key}")
             sources[name] = f"env {key}"
+        elif name in RETIRED_KEYS:
+            warnings.append(f"environment variable {key} no longer applies and is ignored: {RETIRED_KEYS[name]}")
         elif key not in NOT_CONFIG_ENV:
             near = difflib.get_close_matches(name, sorted(names), n=1)
             hint = f" (did you mean {ENV_PREFIX}{near[0].upper()}?)" if near else ""

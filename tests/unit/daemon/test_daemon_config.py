@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd.config import KvdConfig, add_config_flags, config_from_args, flags_for, load_config
+from kvd.config import KvdConfig, add_config_flags, config_from_args, flags_for, load_config, resolve_config
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -186,6 +186,21 @@ def test_unreadable_or_malformed_file_is_a_clear_error(tmp_path: Path) -> None:
 
 
 # --- unknown keys -------------------------------------------------------------------------------
+
+
+def test_a_retired_key_in_a_file_or_the_environment_starts_with_a_warning_naming_its_replacement(
+    tmp_path: Path,
+) -> None:
+    """A node's config from an earlier release (its crash-loop limit) must not become a start-up
+    failure on upgrade: the key is ignored and the warning says what replaced it."""
+    file = _toml(tmp_path, "[kvd]\ndataplane_max_restarts = 5\nlease_ttl_s = 7.0\n")
+    resolved = resolve_config(file, env={"KVD_DATAPLANE_RESTART_WINDOW_S": "60"})
+    assert resolved.config.lease_ttl_s == 7.0
+    assert [w.split(" no longer applies")[0] for w in resolved.warnings] == [
+        f"config file {file}: dataplane_max_restarts",
+        "environment variable KVD_DATAPLANE_RESTART_WINDOW_S",
+    ]
+    assert all("dataplane_restart_backoff_s" in w for w in resolved.warnings)
 
 
 @pytest.mark.parametrize(
