@@ -83,7 +83,12 @@ def run_selftest(args: argparse.Namespace) -> int:
         if wanted:
             _say(f"starting {' and '.join(wanted)} daemon{'s' if len(wanted) > 1 else ''} ...")
         launches = launch_owned(stack, workdir, *wanted, extra_flags=tls_flags(args))
-        # torch (~1.5 s to import) loads here while the daemons start, not before
+        # torch and NIXL (seconds of CPU to import: this process needs them for its engine's buffer
+        # and the raw NIXL reads) load here while the daemons start, not after them on the way to
+        # the first pull (docs/performance.md, "Start-up")
+        import torch  # noqa: F401, PLC0415
+        from nixl import _api  # noqa: F401, PLC0415
+
         from kvd.core import scratch  # noqa: F401, PLC0415
         from kvd.server import convert  # noqa: F401, PLC0415
 
