@@ -1,9 +1,10 @@
 """Chaos tests run many times: a crash that shows once in four runs must not pass as green.
 
 Every test here runs ``--chaos-repeat`` times (10 by default, ``KVD_CHAOS_REPEAT`` or the flag to
-change it); round 0 runs beside a CPU load generator (a busy process per core), because lifetimes
-races show most when the daemons are starved. Tests that take the ``ucx_env`` fixture run over UCX
-TCP and over UCX's default transports (shared memory, CMA, TCP as UCX picks).
+change it; ``@pytest.mark.chaos_rounds(N)`` caps a test whose one round takes a minute and whose
+every case is covered within N rounds); round 0 runs beside a CPU load generator (a busy process
+per core), because lifetimes races show most when the daemons are starved. Tests that take the
+``ucx_env`` fixture run over UCX TCP and over UCX's default transports (shared memory, CMA, TCP as UCX picks).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ TRANSPORTS = {"tcp": {"UCX_TLS": "tcp"}, "default": {}}
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "chaos_round" in metafunc.fixturenames:
         rounds = max(1, metafunc.config.getoption("--chaos-repeat"))
+        cap = metafunc.definition.get_closest_marker("chaos_rounds")
+        if cap is not None:  # a long test whose every case (transport, side, load) fits in fewer rounds
+            rounds = min(rounds, int(cap.args[0]))
         ids = [f"round{i}{'-cpuload' if i == LOADED_ROUND else ''}" for i in range(rounds)]
         metafunc.parametrize("chaos_round", range(rounds), indirect=True, ids=ids)
     if "ucx_env" in metafunc.fixturenames:
