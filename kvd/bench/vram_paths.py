@@ -151,6 +151,18 @@ def _tell(conn: multiprocessing.connection.Connection, command: str) -> None:
         raise RuntimeError(f"the holder did not answer {command!r}")
 
 
+def _await_holder(process: Any, conn: multiprocessing.connection.Connection) -> bool:
+    """Whether the holder answered within READ_TIMEOUT_S; a holder that died stops the wait at
+    once rather than after the whole timeout."""
+    deadline = time.monotonic() + READ_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if conn.poll(0.1):
+            return True
+        if not process.is_alive():
+            return conn.poll(0)
+    return False
+
+
 def measure_case(case: str, device: torch.device, size: int, iterations: int) -> dict[str, Any]:
     """One case: the one-sided check, then timed READs with the holder progressing."""
     expected = pattern(size, device)
@@ -160,7 +172,7 @@ def measure_case(case: str, device: torch.device, size: int, iterations: int) ->
     local_mem, local_dev = _mem(buffer)
     result: dict[str, Any] = {"case": case}
     with holder_process(case, device, size) as (process, conn):
-        if not conn.poll(READ_TIMEOUT_S):
+        if not _await_holder(process, conn):
             raise RuntimeError(f"the {case} holder did not start (exit code {process.exitcode})")
         metadata, address, remote_dev, remote_mem = conn.recv()
         result["memory"] = f"{remote_mem} -> {local_mem}"
@@ -229,6 +241,15 @@ def run(device: torch.device, size: int, iterations: int, cases: tuple[str, ...]
     return {"device": str(device), "device_name": name, "size_bytes": size, "iterations": iterations, "cases": rows}
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device with its index: ``cuda`` alone means the current GPU, because the holder
+    process's ``torch.cuda.set_device`` refuses a CUDA device without one."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -238,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", metavar="PATH", help="write the report as JSON to PATH")
     args = parser.parse_args(argv)
     apply_nixl_env(KvdConfig())  # UCX's environment as kvd's daemon gives its worker
-    report = run(torch.device(args.device), args.size_mb << 20, args.iterations, tuple(args.case or CASES))
+    report = run(resolve_device(args.device), args.size_mb << 20, args.iterations, tuple(args.case or CASES))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(report, out, indent=2)
