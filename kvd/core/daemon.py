@@ -56,6 +56,7 @@ from kvd_client.group_blocks import flatten_groups
 logger = logging.getLogger(__name__)
 
 SWEEP_S = 0.05  # leases, admissions, quarantine, stale pulls
+SHUTDOWN_DRAIN_POLL_S = 0.01  # at shutdown: how often to look whether peers' admitted reads are over
 # The sweeper sleeps until the next lease or admission deadline (it is woken when one comes
 # nearer); it rounds every SWEEP_S only while something is polled rather than announced (pulls in
 # flight, stale pulls, quarantined mappings). This bounds its sleep otherwise: an idle daemon
@@ -239,8 +240,10 @@ class Daemon(HolderReads, DataPlaneRestarts):
         logger.info("daemon %s started (agent %s)", self.incarnation, self.agent_name)
 
     async def shutdown(self, grace_s: float) -> None:
-        """Stop accepting, let in-flight pulls finish within ``grace_s``, abort the rest, release all."""
+        """Stop accepting, let in-flight pulls and peers' admitted reads of our leases finish
+        within ``grace_s``, abort or end the rest, release all."""
         self.serving = False
+        grace_ends = time.monotonic() + grace_s
         pending = [t.task for t in self.transfers.in_flight() if t.task is not None]
         if pending:
             logger.info("shutdown: waiting up to %.1fs for %d in-flight pulls", grace_s, len(pending))
@@ -252,8 +255,13 @@ class Daemon(HolderReads, DataPlaneRestarts):
         # Every pull has ended and its outcome is queued on the streams watching it: they send it,
         # then end UNAVAILABLE (a router's waiters learn how each pull ended, then that we left).
         self.watches.close(Unavailable("the daemon is shutting down: watch transfers on its replacement"))
-        # Leases end now; a read still admitted cannot be proven over: its memory is retired.
+        # Leases end now. One a peer is reading drains: its engine is told (finished_sending, and
+        # reuses the blocks) only once that read is proven over, which it gets the rest of the
+        # grace for (PreparePull is refused from here: no read starts). A read still admitted
+        # after that cannot be proven over: it ends unproven and its memory is retired.
         self.leases.end_all(LeaseEnd.SHUTDOWN)
+        while self.leases.open_admissions and time.monotonic() < grace_ends:
+            await asyncio.sleep(SHUTDOWN_DRAIN_POLL_S)
         self.leases.force_end_admissions()
         for rank in list(self.registry):
             await self._unregister(rank, "daemon shutting down")
