@@ -15,6 +15,14 @@ messages carry ~200 bytes and nobody parses them; there are no bytes to copy, no
 interceptor. So what it measures is a floor: no control path of this shape can cost less on the
 machine. The bench prints it beside the goals (:mod:`kvd.bench.goals`).
 
+That is the floor of a design with one message per pull on every hop. Its second mode is the
+floor of a design with one message per engine *step* on every hop: the client's ``Start`` carries
+a step's B pulls (B entries of the same ~200 bytes), and the reader forwards it as one admission
+message to the holder, one frame (B orders) to the worker and one completion message (B
+completions) on the engine stream, whose answers are as large. The processes are the same: they
+never look inside a message, so a step is a pull with a B-times larger message. Steps run one
+after the other, as an engine's do.
+
 Each role runs as ``python -m kvd.bench.floor ROLE ...`` and prints one ``ready`` line; it exits
 when its standard input closes (the bench holds the other end), so none outlives the bench.
 """
@@ -247,13 +255,19 @@ async def measure(
     pulls: int,
     cpu_seconds: Callable[[int], float],
     progress: Callable[[str, float], None],
+    step_pulls: int = 0,
+    steps: int = 0,
 ) -> dict[str, Any]:
     """Run the hops: ``one_at_a_time`` pulls one after the other (their latencies), then ``pulls``
     with ``in_flight`` at once (pulls/s, latencies, and each process's CPU over that window;
-    ``client`` is this process). Anything that keeps the floor from running is a FloorFailure."""
+    ``client`` is this process); then, where ``step_pulls`` and ``steps`` are set, ``steps``
+    engine steps of ``step_pulls`` pulls one after the other, one message per step on every hop
+    (``step``: its pulls/s, each step's latency, each process's CPU). Anything that keeps the
+    floor from running is a FloorFailure."""
     import grpc  # noqa: PLC0415
 
     floor = FloorProcesses(workdir)
+    step: dict[str, Any] = {}
     try:
         floor.start()
         async with grpc.aio.insecure_channel(floor.reader_target) as channel:
@@ -269,14 +283,31 @@ async def measure(
 
             delivering = asyncio.create_task(deliver())
 
-            async def one() -> float:
-                request = PAYLOAD + str(next(numbers)).encode()
+            async def one(entries: int = 1) -> float:
+                """A pull (``entries`` 1) or a step of ``entries`` pulls: one Start, one message
+                per hop, one completion, each carrying ``entries`` entries."""
+                request = PAYLOAD * entries + str(next(numbers)).encode()
                 done = loop.create_future()
                 waiting[request] = done
                 t0 = time.perf_counter()
                 await start(request, timeout=30)
                 await asyncio.wait_for(done, 30)
                 return time.perf_counter() - t0
+
+            pids = floor.pids()
+
+            async def window(run: Callable[[], Awaitable[list[float]]]) -> tuple[list[float], float, dict[str, float]]:
+                """``run``'s latencies, its wall time and each process's CPU seconds over it."""
+                cpu0 = {role: cpu_seconds(pid) for role, pid in pids.items()}
+                client0 = time.process_time()
+                t0 = time.perf_counter()
+                latencies = await run()
+                wall = time.perf_counter() - t0
+                client = time.process_time() - client0
+                cpu = {role: cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
+                cpu["client"] = client
+                cpu["all"] = sum(cpu.values())
+                return latencies, wall, cpu
 
             try:
                 for _ in range(min(100, one_at_a_time)):  # warm every channel and code path
@@ -285,16 +316,30 @@ async def measure(
                 for n in range(one_at_a_time):
                     single.append(await one())
                     if n % 50 == 0:
-                        progress("floor", 0.5 * n / max(1, one_at_a_time))
-                pids = floor.pids()
-                cpu0 = {role: cpu_seconds(pid) for role, pid in pids.items()}
-                client0 = time.process_time()
-                t0 = time.perf_counter()
-                latencies = await _in_flight(one, in_flight, pulls, lambda done: progress("floor", 0.5 + 0.5 * done))
-                wall = time.perf_counter() - t0
-                cpu = {role: cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
-                cpu["client"] = time.process_time() - client0
-                cpu["all"] = sum(cpu.values())
+                        progress("floor", 0.4 * n / max(1, one_at_a_time))
+                latencies, wall, cpu = await window(
+                    lambda: _in_flight(one, in_flight, pulls, lambda done: progress("floor", 0.4 + 0.4 * done))
+                )
+                if step_pulls > 0 and steps > 0:
+                    for _ in range(min(20, steps)):  # warm the larger messages' path
+                        await one(step_pulls)
+
+                    async def run_steps() -> list[float]:
+                        out = []
+                        for n in range(steps):
+                            out.append(await one(step_pulls))
+                            progress("floor (steps)", 0.8 + 0.2 * (n + 1) / steps)
+                        return out
+
+                    step_s, step_wall, step_cpu = await window(run_steps)
+                    step = {
+                        "batch": step_pulls,
+                        "steps": steps,
+                        "pulls": steps * step_pulls,
+                        "wall_s": step_wall,
+                        "step_s": step_s,
+                        "cpu_s": step_cpu,
+                    }
             finally:
                 delivering.cancel()
                 with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
@@ -308,6 +353,7 @@ async def measure(
         "wall_s": wall,
         "latency_s": latencies,
         "cpu_s": cpu,
+        **({"step": step} if step else {}),
     }
 
 

@@ -135,12 +135,23 @@ def batched_table(rows: list[dict[str, Any]]) -> list[str]:
         "engine steps of B 2 MiB pulls started at once, waited for together (single: B StartPull calls; "
         "batched: one StartPulls); latency from the step's start to each FinishedRecving; CPU ms per pull "
         "as in the concurrency table",
+        "  each step followed by a raw step: the same B READs of 2 MiB posted together from one bare NIXL agent "
+        "and waited for together (raw/s; ratio: kvd's pulls/s over raw's; raw-cpu: the raw READs' CPU ms per READ, "
+        "this process and the holder over the raw steps); ctrl: control CPU ms per pull, kvd's all less raw-cpu",
         f"{'B':>4} {'mode':>8} {'pulls':>6} {'pulls/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'reader':>7} {'r-wkr':>7} {'holder':>7} {'h-wkr':>7} {'client':>7} {'all':>7}",
+        f"{'reader':>7} {'r-wkr':>7} {'holder':>7} {'h-wkr':>7} {'client':>7} {'all':>7} "
+        f"{'raw/s':>7} {'ratio':>6} {'raw-cpu':>7} {'ctrl':>7}",
     ]
     for row in rows:
         pulls, wall = row["pulls"], row["wall_s"]
-        out.append(f"{row['batch']:4d} {row['mode']:>8} {pulls:6d} {pulls / wall:8.0f} " + _latency_and_cpu(row))
+        line = f"{row['batch']:4d} {row['mode']:>8} {pulls:6d} {pulls / wall:8.0f} " + _latency_and_cpu(row)
+        raw = row.get("raw")
+        if raw:
+            line += (
+                f" {raw['pulls'] / raw['wall_s']:7.0f} {row['vs_raw']:6.2f} "
+                f"{raw['cpu_s']['all'] / raw['pulls'] * 1e3:7.2f} {row['control_cpu_s'] * 1e3:7.2f}"
+            )
+        out.append(line)
     return out
 
 
@@ -172,13 +183,23 @@ def floor_table(result: dict[str, Any]) -> list[str]:
     """The hops alone (kvd.bench.floor): the least any control path of this shape costs here."""
     one, lat, pulls, wall = result["one_at_a_time_s"], result["latency_s"], result["pulls"], result["wall_s"]
     cpu = ", ".join(f"{name} {seconds / pulls * 1e3:.2f}" for name, seconds in result["cpu_s"].items())
-    return [
+    out = [
         "the control path's floor: a pull's hops (client -> reader -> holder -> reader -> worker -> reader -> "
         "engine stream) in Python gRPC/asyncio with no kvd logic, no bytes, no TLS",
-        f"  one at a time: p50 {_ms(median(one))} ms ({len(one)} pulls); {result['in_flight']} in flight: "
+        f"  one message per pull on every hop, one at a time: p50 {_ms(median(one))} ms ({len(one)} pulls); "
+        f"{result['in_flight']} in flight: "
         f"{pulls / wall:.0f} pulls/s, p50 {_ms(median(lat))} ms, p99 {_ms(percentile(lat, 99))} ms; "
         f"CPU ms per pull: {cpu}",
     ]
+    step = result.get("step")
+    if step:  # the hops with one message per engine step on each, beside one per pull
+        per_pull = ", ".join(f"{name} {seconds / step['pulls'] * 1e3:.3f}" for name, seconds in step["cpu_s"].items())
+        out.append(
+            f"  one message per step of {step['batch']} on every hop, steps one after the other: "
+            f"{step['pulls'] / step['wall_s']:.0f} pulls/s ({step['steps']} steps, p50 {_ms(median(step['step_s']))} "
+            f"ms a step, p99 {_ms(percentile(step['step_s'], 99))} ms); CPU ms per pull: {per_pull}"
+        )
+    return out
 
 
 def idle_table(result: dict[str, Any]) -> list[str]:

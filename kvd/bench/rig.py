@@ -43,24 +43,27 @@ def cpu_seconds(pid: int) -> float:
     idle daemon spends a few clock ticks a second, too few to count in ticks); ``/proc``'s ticks
     where the clock cannot be read.
     """
+    return sum(split_cpu_seconds(pid))
+
+
+def split_cpu_seconds(pid: int) -> tuple[float, float]:
+    """(the process itself with its reaped children, its live children's trees): a daemon's
+    control process and its data-plane workers (the worker and its spare), apart.
+
+    Each process is read once: reading a busy child twice (once for the total, once for the
+    share to subtract) charged the child's CPU between the two reads to the parent, negatively
+    where a window's two ends differed, which a window of one engine step cannot absorb."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
+        return 0.0, 0.0
     tick = os.sysconf("SC_CLK_TCK")
     try:
         own = time.clock_gettime(_process_cpu_clock(pid))
     except OSError:
         own = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     reaped = (int(fields[13]) + int(fields[14])) / tick  # cutime, cstime
-    return own + reaped + sum(cpu_seconds(child) for child in _children(pid))
-
-
-def split_cpu_seconds(pid: int) -> tuple[float, float]:
-    """(the process itself, its live children's trees): a daemon's control process and its
-    data-plane workers (the worker and its spare), apart."""
-    children = sum(cpu_seconds(child) for child in _children(pid))
-    return cpu_seconds(pid) - children, children
+    return own + reaped, sum(cpu_seconds(child) for child in _children(pid))
 
 
 def _process_cpu_clock(pid: int) -> int:
@@ -102,6 +105,11 @@ class Daemons:
         reader, reader_workers = split_cpu_seconds(self.local.process.pid)
         holder, holder_workers = split_cpu_seconds(self.peer.process.pid)
         return {"reader": reader, "reader worker": reader_workers, "holder": holder, "holder worker": holder_workers}
+
+    def holder_cpu(self) -> float:
+        """CPU seconds so far of the holder's whole tree: what serving a raw READ of its
+        registration costs it (the raw agent reads the holder's scratch)."""
+        return cpu_seconds(self.peer.process.pid)
 
     def every_cpu(self) -> dict[str, float]:
         """CPU seconds so far of every daemon's process tree (control process, worker, spare):
@@ -289,6 +297,7 @@ class RawReader:
         self._remote: Any = None
         self._remote_name: Any = None
         self.nbytes = 0
+        self.slots = 0
 
     def target(self, peer_address: str, engine_id: str) -> None:
         """Read from the holder's current scratch registration (re-read after the scratch changed)."""
@@ -302,9 +311,16 @@ class RawReader:
         self._remote = self.agent.prep_xfer_dlist(
             self._remote_name, np.array([[region.address, self.nbytes, 0]], dtype=np.int64), "DRAM"
         )
+        # One local descriptor per ``nbytes`` slot of the buffer: a step's READs each land in a
+        # slot of their own, as a step's pulls land in blocks of their own (slot 0: ``read``).
+        slots = self.buffer.numel() // self.nbytes
+        base = self.buffer.data_ptr()
         self._local = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", np.array([[self.buffer.data_ptr(), self.nbytes, 0]], dtype=np.int64), "DRAM"
+            "NIXL_INIT_AGENT",
+            np.array([[base + i * self.nbytes, self.nbytes, 0] for i in range(slots)], dtype=np.int64),
+            "DRAM",
         )
+        self.slots = slots
 
     def read(self) -> float:
         """One READ of the whole scratch, polled to DONE; seconds."""
@@ -318,6 +334,37 @@ class RawReader:
         handle.release()
         if state != "DONE":
             raise errors.PeerUnavailable(f"raw NIXL read failed ({state})")
+        return elapsed
+
+    def read_step(self, count: int) -> list[float]:
+        """An engine step's worth of raw READs: ``count`` READs of the whole scratch, each into a
+        slot of its own, all posted before any is polled, then polled together until every one
+        is DONE; seconds from the first post to each READ's DONE (the raw side of a batched step:
+        what one bare agent does for ``count`` pulls with no control path at all)."""
+        if count > self.slots:
+            raise ValueError(f"a raw step of {count} READs needs {count} slots of {self.nbytes} bytes")
+        zero = np.array([0], np.int32)
+        t0 = time.perf_counter()
+        handles = [
+            self.agent.make_prepped_xfer("READ", self._local, np.array([i], np.int32), self._remote, zero)
+            for i in range(count)
+        ]
+        pending = {i: self.agent.transfer(handle) for i, handle in enumerate(handles)}
+        elapsed = [0.0] * count
+        failed = ""
+        while pending:
+            for i, state in list(pending.items()):
+                if state == "PROC":
+                    pending[i] = self.agent.check_xfer_state(handles[i])
+                    continue
+                elapsed[i] = time.perf_counter() - t0
+                del pending[i]
+                if state != "DONE":
+                    failed = state
+        for handle in handles:
+            handle.release()
+        if failed:
+            raise errors.PeerUnavailable(f"raw NIXL read failed ({failed})")
         return elapsed
 
     def _drop_remote(self) -> None:

@@ -5,7 +5,9 @@
 * **concurrency**: 2 MiB pulls with 1..64 in flight (pulls/s, GB/s, p50/p99) and the
   CPU per pull of every process (reader and holder from /proc, the client from this process);
 * **batched**: an engine step's B pulls of 2 MiB at once, B StartPull calls against one
-  StartPulls, step after step (pulls/s, p50/p99 from the step's start, CPU per pull per process);
+  StartPulls, step after step (pulls/s, p50/p99 from the step's start, CPU per pull per process),
+  each step followed by the same B READs from the bare NIXL agent (kvd's rate as a ratio of raw's,
+  and the control CPU per pull: kvd's every process less the raw READs' own);
 * **router path**: 2 MiB pulls with 32 in flight started by a router over TCP and waited on
   the client's one ``WatchTransfers`` stream, beside the engine's path (the concurrency section's)
   and the path before it (a ``WatchTransfer`` stream per pull), in turns, in the same window shape;
@@ -180,7 +182,14 @@ async def batched(
     """Engine steps of ``batch`` 2 MiB pulls, all started at once and waited for together, step
     after step: first with one StartPull per pull (``single``), then with one StartPulls per step
     (``batched``), so the two differ only in the RPCs. Latencies run from the step's start to
-    each pull's FinishedRecving; ``cpu_s`` as in :func:`concurrency`."""
+    each pull's FinishedRecving; ``cpu_s`` as in :func:`concurrency`, summed over the steps.
+
+    Each kvd step is followed by a raw step (``raw``): the same ``batch`` READs of 2 MiB from the
+    holder's registration, posted together from the bench's bare NIXL agent and waited for
+    together, so the machine's noise hits both. A row's ``vs_raw`` is kvd's pulls/s over raw's,
+    and ``control_cpu_s`` kvd's CPU per pull (every process) less the raw READ's (this process
+    and the holder over the raw steps): what the control path costs beyond the bytes' own copy.
+    Both rates count step time only (the /proc reads between steps are outside every window)."""
     engine = session.engine
     out = []
     modes = ("single", "batched")
@@ -190,28 +199,52 @@ async def batched(
         for m, mode in enumerate(modes):
             held = [h.kv_transfer_params for h in await session.hold(BLOCK_BYTES, steps * batch)]
             engine.buffer.zero_()
-            cpu0 = session.daemons.cpu()
-            client0 = own_cpu_seconds()
-            t0 = time.perf_counter()
-            latencies: list[float] = []
+            session.raw.read_step(batch)  # untimed: the raw agent's first step of this geometry
+            kvd = _Window()
+            raw = _Window()
             for step in range(steps):
-                latencies += await engine.pull_step(held[step * batch : (step + 1) * batch], 0, mode == "batched")
+                cpu0, client0, t0 = session.daemons.cpu(), own_cpu_seconds(), time.perf_counter()
+                kvd.latency_s += await engine.pull_step(held[step * batch : (step + 1) * batch], 0, mode == "batched")
+                kvd.add(time.perf_counter() - t0, _cpu_since(session, cpu0, client0))
+                holder0, client0, t0 = session.daemons.holder_cpu(), own_cpu_seconds(), time.perf_counter()
+                raw.latency_s += session.raw.read_step(batch)
+                wall, client = time.perf_counter() - t0, own_cpu_seconds() - client0
+                holder = session.daemons.holder_cpu() - holder0
+                raw.add(wall, {"holder": holder, "client": client, "all": holder + client})
                 progress(f"batched {batch} ({mode})", (n + (m + (step + 1) / steps) / len(modes)) / len(batches))
-            wall = time.perf_counter() - t0
-            cpu = _cpu_since(session, cpu0, client0)
             for block in range(batch):
                 session.verify(block, BLOCK_BYTES)
+            pulls = steps * batch
+            raw_row = {"pulls": pulls, **raw.as_row()}
             out.append(
                 {
                     "batch": batch,
                     "mode": mode,
-                    "pulls": steps * batch,
-                    "wall_s": wall,
-                    "latency_s": latencies,
-                    "cpu_s": cpu,
+                    "pulls": pulls,
+                    **kvd.as_row(),
+                    "raw": raw_row,
+                    "vs_raw": (pulls / kvd.wall_s) / (pulls / raw.wall_s),
+                    "control_cpu_s": (kvd.cpu_s["all"] - raw.cpu_s["all"]) / pulls,
                 }
             )
     return out
+
+
+@dataclasses.dataclass
+class _Window:
+    """Steps' wall time, latencies and CPU seconds per process, summed step by step."""
+
+    wall_s: float = 0.0
+    latency_s: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def add(self, wall_s: float, cpu_s: dict[str, float]) -> None:
+        self.wall_s += wall_s
+        for name, seconds in cpu_s.items():
+            self.cpu_s[name] = self.cpu_s.get(name, 0.0) + seconds
+
+    def as_row(self) -> dict[str, Any]:
+        return {"wall_s": self.wall_s, "latency_s": self.latency_s, "cpu_s": self.cpu_s}
 
 
 PullOne = Callable[[common_pb2.KvTransferParams, int], Awaitable[float]]
@@ -389,8 +422,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def _cpu_since(session: Session, cpu0: dict[str, float], client0: float) -> dict[str, float]:
     """CPU seconds of each process since ``cpu0`` / ``client0`` was read, and ``all`` of them."""
+    client = own_cpu_seconds() - client0  # before the /proc reads: they are the bench's, not the pulls'
     cpu1 = session.daemons.cpu()
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
-    cpu["client"] = own_cpu_seconds() - client0
+    cpu["client"] = client
     cpu["all"] = sum(cpu.values())
     return cpu

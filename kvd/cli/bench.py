@@ -2,10 +2,12 @@
 
 Starts two daemons on loopback (and, for first-contact samples, fresh holders), registers an
 engine on one, and measures (see :mod:`kvd.bench.runs`): pull vs raw NIXL by size, the control
-overhead distribution, engine steps of 8 and 32 pulls (StartPull each vs one StartPulls), 2 MiB
+overhead distribution, engine steps of 8 and 32 pulls (StartPull each vs one StartPulls, each
+step beside the same READs from a bare NIXL agent, and the control CPU per pull), 2 MiB
 pulls with 1..64 in flight and every process's CPU per pull, a router's pulls at 32 in flight
 waited on one WatchTransfers stream beside the engine's path, the same hops with no kvd logic in
-them (the control path's floor, :mod:`kvd.bench.floor`), the cost of a first contact, the
+them (the control path's floor, :mod:`kvd.bench.floor`: one message per pull, then one per step
+of 32, on every hop), the cost of a first contact, the
 daemons' CPU while idle, and the layout-conversion pairs
 (:mod:`kvd.bench.convert`). Prints the tables (a progress bar meanwhile) and the goals table
 (:mod:`kvd.bench.goals`), writes ``bench.json`` with every sample and PNG plots into ``--out``.
@@ -68,6 +70,7 @@ FULL = BenchConfig(
     router_pulls=1000,
 )
 FLOOR_IN_FLIGHT = 32  # the level of the pulls/s goal
+FLOOR_STEP = 32  # pulls per step in the floor's one-message-per-step mode: the step goal's (issue 40)
 ROUTER_IN_FLIGHT = 32  # the level of the router path's goal (issue 40)
 
 
@@ -99,8 +102,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--floor-pulls",
         type=int,
         default=-1,
-        help="pulls through the control path's hops with no kvd logic, 32 in flight, to show the path's floor "
-        "beside the goals (0: skip; quick 2000, full 6000)",
+        help="pulls through the control path's hops with no kvd logic, 32 in flight, then as many in steps of 32 "
+        "(one message per step on every hop), to show the path's floor beside the goals (0: skip; quick 2000, "
+        "full 6000)",
     )
     parser.add_argument(
         "--router-pulls",
@@ -213,7 +217,7 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
         ):
             engine = Engine(local, capacity)
             await engine.open()
-            raw = RawReader(largest)
+            raw = RawReader(capacity * BLOCK_BYTES)  # a slot per block: a raw step of the largest batch
             logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL's import set it to INFO
             try:
                 session = runs.Session(daemons, local, peer, engine, raw)
@@ -246,7 +250,14 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
                 if config.floor_pulls > 0:  # the same hops with nothing of kvd in them (kvd.bench.floor)
                     try:
                         result["floor"] = await floor.measure(
-                            workdir, config.overhead_samples, FLOOR_IN_FLIGHT, config.floor_pulls, cpu_seconds, bar
+                            workdir,
+                            config.overhead_samples,
+                            FLOOR_IN_FLIGHT,
+                            config.floor_pulls,
+                            cpu_seconds,
+                            bar,
+                            step_pulls=FLOOR_STEP,
+                            steps=max(4, config.floor_pulls // FLOOR_STEP),
                         )
                         _show(bar, report.floor_table(result["floor"]))
                     except floor.FloorFailure as exc:  # kvd's figures stand without it

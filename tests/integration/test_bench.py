@@ -83,6 +83,16 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     for row in batched.values():
         assert row["batch"] == 4 and len(row["latency_s"]) == row["pulls"] >= 16
         assert row["cpu_s"]["reader"] > 0 and row["cpu_s"]["client"] > 0
+        # the same steps' READs from the bare NIXL agent, interleaved step by step
+        raw = row["raw"]
+        assert raw["pulls"] == row["pulls"] == len(raw["latency_s"]) and all(s > 0 for s in raw["latency_s"])
+        assert set(raw["cpu_s"]) == {"holder", "client", "all"} and raw["cpu_s"]["client"] > 0
+        assert raw["cpu_s"]["all"] == pytest.approx(raw["cpu_s"]["holder"] + raw["cpu_s"]["client"])
+        assert row["vs_raw"] == pytest.approx((row["pulls"] / row["wall_s"]) / (raw["pulls"] / raw["wall_s"]))
+        assert row["control_cpu_s"] == pytest.approx((row["cpu_s"]["all"] - raw["cpu_s"]["all"]) / row["pulls"])
+        assert math.isfinite(row["vs_raw"]) and row["vs_raw"] > 0 and math.isfinite(row["control_cpu_s"])
+    steps = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("B "))
+    assert steps.split()[-4:] == ["raw/s", "ratio", "raw-cpu", "ctrl"], steps
     header = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("N "))
     assert header.split()[-6:] == ["reader", "r-wkr", "holder", "h-wkr", "client", "all"], header
     sections = list(data["section_s"])
@@ -106,6 +116,11 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert floor["in_flight"] == 32 and floor["pulls"] == len(floor["latency_s"]) == 64
     assert set(floor["cpu_s"]) == {"holder", "worker", "reader", "client", "all"}
     assert floor["cpu_s"]["reader"] > 0 and floor["cpu_s"]["holder"] > 0 and floor["cpu_s"]["worker"] > 0
+    step = floor["step"]  # the same hops with one message per step of 32 on each: steps one after the other
+    assert step["batch"] == 32 and step["steps"] == len(step["step_s"]) >= 4 and step["pulls"] == 32 * step["steps"]
+    assert all(s > 0 for s in step["step_s"]) and step["wall_s"] > 0
+    assert set(step["cpu_s"]) == {"holder", "worker", "reader", "client", "all"} and step["cpu_s"]["reader"] > 0
+    assert "one message per step of 32 on every hop" in result.stdout
     assert sections.index("floor") == sections.index("concurrency") + 1
     assert sections.index("idle") == sections.index("floor") + 1  # the last section with daemons
     pairs = {row["pair"]: row for row in data["conversions"]}
@@ -121,8 +136,26 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         "first_contact_extra",
         "idle_daemon_cpu",
     ]
-    not_run = {"pulls_per_s_32", "pull_128mib_vs_raw", "pull_8mib_vs_raw", "pull_over_128mib_vs_raw"}
-    for key, goal in goals.items():  # the tiny run has no 32 in flight and no 8 or 128 MiB size
+    assert [key for key, goal in goals.items() if goal["issue"] == 40] == [  # issue 40's, in its table's order
+        "control_overhead_p50_40",
+        "control_overhead_128mib",
+        "pull_128mib_vs_raw_40",
+        "step_32_vs_raw",
+        "first_pull_keep",
+        "idle_keep",
+        "router_vs_engine_32",
+    ]
+    not_run = {
+        "pulls_per_s_32",
+        "pull_128mib_vs_raw",
+        "pull_8mib_vs_raw",
+        "pull_over_128mib_vs_raw",
+        "control_overhead_128mib",
+        "pull_128mib_vs_raw_40",
+        "step_32_vs_raw",
+    }
+    # the tiny run has no 32 in flight, no 8 or 128 MiB size and no step of 32
+    for key, goal in goals.items():
         if key in not_run:
             assert goal["value"] is None and goal["met"] is None and goal["figure"].startswith("not measured"), goal
         else:
@@ -133,8 +166,18 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     worst = max(row["cpu_s"]["all"] / row["pulls"] for row in data["concurrency"])
     assert goals["cpu_per_pull_all"]["value"] == pytest.approx(worst)
     assert goals["idle_daemon_cpu"]["value"] == pytest.approx(max(idle["core_percent"].values()))
+    assert goals["control_overhead_p50_40"]["value"] == goals["control_overhead_p50"]["value"]
+    assert goals["first_pull_keep"]["value"] == pytest.approx(first["first_s"][0])
     hops = {key for key, goal in goals.items() if goal["floor"]}
-    assert hops == {"control_overhead_p50", "pulls_per_s_32", "cpu_per_pull_all"}, goals
+    assert hops == {
+        "control_overhead_p50",
+        "control_overhead_p50_40",
+        "control_overhead_128mib",
+        "pulls_per_s_32",
+        "cpu_per_pull_all",
+        "step_32_vs_raw",
+    }, goals
+    assert "by step" in goals["step_32_vs_raw"]["floor"]  # the floor of one message per step, beside the goal
 
     for name in ("throughput.png", "latency_cdf.png", "concurrency.png"):
         png = (out / name).read_bytes()
