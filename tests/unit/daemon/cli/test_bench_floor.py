@@ -28,6 +28,20 @@ def test_the_hops_answer_every_pull_and_each_process_is_charged(tmp_path: Path) 
     # each hop did work for the pulls: the reader, the holder it asked, the worker it sent frames to
     assert cpu["reader"] > 0 and cpu["holder"] > 0 and cpu["worker"] > 0 and cpu["client"] > 0
     assert cpu["all"] == pytest.approx(cpu["reader"] + cpu["holder"] + cpu["worker"] + cpu["client"])
+    assert "step" not in result  # no steps asked for
+
+
+def test_steps_cross_each_hop_as_one_message_and_each_process_is_charged(tmp_path: Path) -> None:
+    """The floor of a design with one message per step on every hop: each step of 8 pulls is one
+    Start with 8 entries, answered once on the engine stream."""
+    result = asyncio.run(floor.measure(tmp_path, 5, 4, 40, cpu_seconds, _quiet, step_pulls=8, steps=12))
+    step = result["step"]
+    assert step["batch"] == 8 and step["steps"] == len(step["step_s"]) == 12 and step["pulls"] == 96
+    assert all(0 < s < 5 for s in step["step_s"]) and step["wall_s"] >= sum(step["step_s"]) * 0.99
+    cpu = step["cpu_s"]
+    assert cpu["reader"] > 0 and cpu["holder"] > 0 and cpu["worker"] > 0 and cpu["client"] > 0
+    assert cpu["all"] == pytest.approx(cpu["reader"] + cpu["holder"] + cpu["worker"] + cpu["client"])
+    assert result["pulls"] == len(result["latency_s"]) == 40  # the per-pull floor still ran beside it
 
 
 def test_a_floor_that_cannot_start_is_a_floor_failure_and_leaves_no_process(tmp_path: Path) -> None:
