@@ -98,6 +98,11 @@ class MemoryOpenError(FailedPrecondition):
     """The engine's memory (shm file, CUDA IPC handle) could not be opened by the daemon."""
 
 
+class StaleRegistration(FailedPrecondition):
+    """A read planned against a holder engine's registration that has since been replaced (the
+    engine registered again): the holder admitted nothing; handshake again and retry."""
+
+
 class DeadlineExceeded(KvdError):
     """A transfer or lease outlived its deadline."""
 

@@ -43,6 +43,7 @@ _RANGES: dict[str, tuple[int, int]] = {
     "block_ids": _U32,
     "num_tokens": _U64,
     "lease_expires_unix_ms": _I64,
+    "registration_ids": _U64,
     "group_block_ids": _U32,
     "group_block_counts": _U32,
 }

@@ -113,6 +113,15 @@ class KvdConfig:
             "re-mapping the engine's memory, so no late byte can land in blocks the engine recomputes."
         },
     )
+    read_beside_admission: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "Post a pull's NIXL READ at the same time as the holder's admission (PreparePull) instead of "
+            "after its answer, where the holder allows it (its engine commits nothing after leasing, and it is a "
+            "kvd that counts early notifications) and the pull needs no staging; the pull is reported only once "
+            "both are back, and an admission refused or stale discards the READ's bytes (docs/lifetimes.md)."
+        },
+    )
     read_admission_margin_s: float = dataclasses.field(
         default=5.0,
         metadata={

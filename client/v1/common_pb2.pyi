@@ -170,7 +170,7 @@ class LayerPlacement(_message.Message):
     def __init__(self, region: _Optional[int] = ..., k_offset: _Optional[int] = ..., v_offset: _Optional[int] = ...) -> None: ...
 
 class KvTransferParams(_message.Message):
-    __slots__ = ("daemon_address", "daemon_incarnation", "engine_id", "tp_size", "lease_id", "block_ids", "num_tokens", "request_id", "lease_expires_unix_ms", "group_block_ids", "group_block_counts")
+    __slots__ = ("daemon_address", "daemon_incarnation", "engine_id", "tp_size", "lease_id", "block_ids", "num_tokens", "request_id", "lease_expires_unix_ms", "registration_ids", "group_block_ids", "group_block_counts")
     DAEMON_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class KvTransferParams(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_IDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     daemon_address: str
@@ -191,9 +192,10 @@ class KvTransferParams(_message.Message):
     num_tokens: int
     request_id: str
     lease_expires_unix_ms: int
+    registration_ids: _containers.RepeatedScalarFieldContainer[int]
     group_block_ids: _containers.RepeatedScalarFieldContainer[int]
     group_block_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, daemon_address: _Optional[str] = ..., daemon_incarnation: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, daemon_address: _Optional[str] = ..., daemon_incarnation: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_size: _Optional[int] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., registration_ids: _Optional[_Iterable[int]] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
     __slots__ = ("transfer_id", "request_id", "engine_id", "tp_rank", "peer_address", "state", "bytes", "descriptors", "error_code", "error_message", "elapsed_s", "direct", "phase_s", "error_class")

@@ -84,20 +84,22 @@ class RegionDescriptor(_message.Message):
     def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., vram: _Optional[bool] = ..., device_index: _Optional[int] = ..., registration_serial: _Optional[int] = ...) -> None: ...
 
 class EngineDescriptor(_message.Message):
-    __slots__ = ("engine_id", "layout", "regions", "layers", "registration_id", "groups")
+    __slots__ = ("engine_id", "layout", "regions", "layers", "registration_id", "early_reads", "groups")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    EARLY_READS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: _common_pb2.KvLayoutSpec
     regions: _containers.RepeatedCompositeFieldContainer[RegionDescriptor]
     layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.LayerPlacement]
     registration_id: int
+    early_reads: bool
     groups: _containers.RepeatedCompositeFieldContainer[_common_pb2.KvCacheGroup]
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., registration_id: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., registration_id: _Optional[int] = ..., early_reads: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("incarnation", "agent_name", "agent_metadata", "engines", "agent_regions")
@@ -114,7 +116,7 @@ class HandshakeResponse(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., agent_regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ...) -> None: ...
 
 class PreparePullRequest(_message.Message):
-    __slots__ = ("lease_id", "engine_id", "block_ids", "num_tokens", "reader_incarnation", "reader_tp_rank", "reader_tp_size", "remote_tp_ranks", "reader_address", "reader_transfer_id", "read_timeout_ms", "group_block_ids", "group_block_counts")
+    __slots__ = ("lease_id", "engine_id", "block_ids", "num_tokens", "reader_incarnation", "reader_tp_rank", "reader_tp_size", "remote_tp_ranks", "reader_address", "reader_transfer_id", "read_timeout_ms", "read_id", "registration_ids", "group_block_ids", "group_block_counts")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,8 @@ class PreparePullRequest(_message.Message):
     READER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     READER_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     READ_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    READ_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_IDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
@@ -139,9 +143,11 @@ class PreparePullRequest(_message.Message):
     reader_address: str
     reader_transfer_id: str
     read_timeout_ms: int
+    read_id: str
+    registration_ids: _containers.RepeatedScalarFieldContainer[int]
     group_block_ids: _containers.RepeatedScalarFieldContainer[int]
     group_block_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_tp_size: _Optional[int] = ..., remote_tp_ranks: _Optional[_Iterable[int]] = ..., reader_address: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ..., read_timeout_ms: _Optional[int] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_tp_size: _Optional[int] = ..., remote_tp_ranks: _Optional[_Iterable[int]] = ..., reader_address: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ..., read_timeout_ms: _Optional[int] = ..., read_id: _Optional[str] = ..., registration_ids: _Optional[_Iterable[int]] = ..., group_block_ids: _Optional[_Iterable[int]] = ..., group_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PreparePullResponse(_message.Message):
     __slots__ = ("registration_ids", "notif_tag", "verify_after_read")

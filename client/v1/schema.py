@@ -126,6 +126,8 @@ class KvTransferParams:
     num_tokens: int = 0
     request_id: str = ""
     lease_expires_unix_ms: int = 0
+    registration_ids: tuple[int, ...] = ()
+    """The holder engine's registration of each TP rank (in rank order) when the lease was granted: a reader whose cached handshake names other registrations handshakes again before it posts a READ (its READ may be posted before the holder admits it). Empty from an older holder."""
     group_block_ids: tuple[int, ...] = ()
     """The request's block id lists after the first (block_ids), one per block table of a hybrid model's KV cache groups (see KvCacheGroup.block_table), flattened: list i+1 has the next group_block_counts[i] ids. Empty for a single-group engine."""
     group_block_counts: tuple[int, ...] = ()

@@ -509,7 +509,8 @@ class Daemon(HolderReads, DataPlaneRestarts):
         return lease, self.params_of(lease)
 
     def params_of(self, lease: Lease) -> TransferParams:
-        spec = next(iter(self.registry.require_engine(lease.engine_id).values())).spec
+        ranks = self.registry.require_engine(lease.engine_id)
+        spec = next(iter(ranks.values())).spec
         group_ids, group_counts = flatten_groups(lease.group_block_ids)
         return TransferParams(
             daemon_address=self.advertise_address,
@@ -521,6 +522,7 @@ class Daemon(HolderReads, DataPlaneRestarts):
             num_tokens=lease.num_tokens,
             request_id=lease.request_id,
             lease_expires_unix_ms=int((time.time() + self.leases.remaining_s(lease)) * 1000),
+            registration_ids=tuple(ranks[r].registration_id for r in sorted(ranks)),
             group_block_ids=group_ids,
             group_block_counts=group_counts,
         )

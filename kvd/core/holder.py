@@ -26,6 +26,7 @@ from kvd_client.errors import (
     FailedPrecondition,
     HeldKvEvicted,
     InvalidArgument,
+    StaleRegistration,
     UnknownEngine,
     UnknownLease,
     UnsupportedModelFeature,
@@ -185,6 +186,7 @@ class HolderReads:
                 vram=rank.mem_type == "VRAM",
                 device_index=rank.device_index,
                 registration_id=rank.registration_id,
+                early_reads=not rank.require_commits,
             )
             for rank in self.registry
         )
@@ -220,12 +222,22 @@ class HolderReads:
         reader_transfer_id: str = "",
         read_timeout_s: float = 0.0,
         group_block_ids: Sequence[Sequence[int]] = (),
+        read_id: str = "",
+        registration_ids: Sequence[int] = (),
     ) -> PrepareResult:
         """Admit a reader's read of a lease, after waiting (bounded) for committed tokens.
 
         The admission pins the holder ranks' memory until the read is over (see kvd.core.leases).
+        ``read_id``: the reader named its read (its READ may have been posted beside this call
+        and its notification be here already: kvd.core.early_reads). ``registration_ids``: the
+        registrations it planned against; another one now refuses the read, admitting nothing
+        (an early READ's parts are then never counted: the lease stays whole for a retry).
         """
         self.require_serving()
+        if read_id and not notif.valid_read_id(read_id):
+            raise InvalidArgument(
+                f"read id {read_id[:80]!r} is not 1-{notif.READ_ID_MAX} characters of letters, digits, '.', '_', '-'"
+            )
         lease = self.leases.get(lease_id)
         if lease.engine_id != engine_id:
             raise InvalidArgument(f"lease {lease_id!r} holds engine {lease.engine_id!r}, not {engine_id!r}")
@@ -261,13 +273,20 @@ class HolderReads:
         self.require_serving()
         self.require_dataplane()
         ranks = self._holder_ranks(engine_id, remote_tp_ranks)
+        current = tuple(ranks[r].registration_id for r in remote_tp_ranks)
+        if registration_ids and tuple(registration_ids) != current:
+            raise StaleRegistration(
+                f"engine {engine_id!r} ranks {list(remote_tp_ranks)} are registrations {list(current)} here, not "
+                f"{list(registration_ids)}: handshake again and retry"
+            )
         reader = _reader_key(reader_incarnation, reader_transfer_id)
-        admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, hold_s)
+        admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, hold_s, read_id)
         memories = self._mem
         for r in remote_tp_ranks:
             memories.pin(ranks[r].memory, holder=True)
             admission.pinned.append(ranks[r].memory)
         self._poll_fast_while_admitted()
+        self.leases.claim_early_parts(admission)  # its READ may be over already (a hard hold's read then ends)
         if reader_address:
             self._reader_labels[admission.admission_id] = reader_address
         if lease.soft:

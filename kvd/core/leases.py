@@ -41,6 +41,7 @@ import secrets
 import time
 from collections.abc import Callable
 
+from kvd.core.early_reads import EarlyParts
 from kvd_client.errors import FailedPrecondition, InvalidArgument, LeaseExpired, UnknownLease
 
 logger = logging.getLogger(__name__)
@@ -173,8 +174,11 @@ class LeaseTable:
         self._open_admissions = 0
         self._draining = 0  # leases in the table with an end requested (Lease.ending set)
         self._admission_deadline_high = 0.0  # the latest deadline since none was open
-        # Admissions that timed out (not proven over), by id, oldest first: a late proof may come.
-        self._unproven: dict[str, Admission] = {}
+        # Admissions that timed out (not proven over), by (lease id, admission id), oldest first: a
+        # late proof may come. (Keyed with the lease: a reader may name its read, kvd.core.early_reads.)
+        self._unproven: dict[tuple[str, str], Admission] = {}
+        # Parts of reads whose READ was posted beside their admission and arrived before it.
+        self._early = EarlyParts(clock)
         # Called whenever a deadline may have come nearer (a lease granted or renewed, a read
         # admitted): the daemon's sweeper sleeps until the next deadline and must be woken.
         self.on_new_deadline = on_new_deadline
@@ -290,8 +294,12 @@ class LeaseTable:
 
     # --- admitted reads -------------------------------------------------------------------------
 
-    def admit(self, lease_id: str, reader: str, reader_rank: int, reader_tp_size: int, hold_s: float) -> Admission:
-        """Admit a read of the lease (one reader per reader rank, see the module docstring)."""
+    def admit(
+        self, lease_id: str, reader: str, reader_rank: int, reader_tp_size: int, hold_s: float, admission_id: str = ""
+    ) -> Admission:
+        """Admit a read of the lease (one reader per reader rank, see the module docstring), under
+        ``admission_id`` when the reader named its read (its READ may already be moving: the parts
+        that arrived before are counted by :meth:`claim_early_parts`), else a new id."""
         _check_seconds("an admission's hold", hold_s)
         lease = self.get(lease_id)
         if lease.reader_tp_size and lease.reader_tp_size != reader_tp_size:
@@ -312,8 +320,10 @@ class LeaseTable:
                     f"lease {lease_id!r} is being read by another reader of rank {reader_rank}: one reader per rank"
                 )
             self._end_admission(lease, admission, AdmissionEnd.REPLACED)
+        if admission_id and (admission_id in lease.admissions or (lease_id, admission_id) in self._unproven):
+            raise FailedPrecondition(f"read id {admission_id!r} is already in use on lease {lease_id!r}")
         now = self._clock()
-        admission = Admission(secrets.token_urlsafe(9), lease_id, reader, reader_rank, now + hold_s)
+        admission = Admission(admission_id or secrets.token_urlsafe(9), lease_id, reader, reader_rank, now + hold_s)
         lease.admissions[admission.admission_id] = admission
         self._open_admissions += 1
         self._admission_deadline_high = max(self._admission_deadline_high, admission.deadline)
@@ -335,7 +345,11 @@ class LeaseTable:
         lease = self._leases.get(lease_id)
         admission = lease.admissions.get(admission_id) if lease is not None else None
         if lease is None or admission is None:
-            return self._late_part(lease_id, admission_id, part, parts)
+            if (lease_id, admission_id) in self._unproven:
+                return self._late_part(lease_id, admission_id, part, parts)
+            if lease is not None and not lease.draining:  # a READ posted beside its admission, first here
+                self._early.add(lease_id, admission_id, part, parts)
+            return None  # forged, stale, or of a read that ended cleanly: counts nothing
         admission.parts_seen.add(part)
         admission.parts = parts
         if len(admission.parts_seen) < parts or lease.soft:
@@ -349,22 +363,38 @@ class LeaseTable:
     def _late_part(self, lease_id: str, admission_id: str, part: int, parts: int) -> Admission | None:
         """A notification of a read that is no longer open: if it timed out, count the part; once
         every part arrived its READs are over, and it is returned (proven over late)."""
-        admission = self._unproven.get(admission_id)
-        if admission is None or admission.lease_id != lease_id:
-            return None  # forged, stale, or of a read that ended cleanly: counts nothing
+        admission = self._unproven.get((lease_id, admission_id))
+        if admission is None:
+            return None
         admission.parts_seen.add(part)
         admission.parts = parts
         if not admission.reads_seen:
             return None
-        del self._unproven[admission_id]
+        del self._unproven[(lease_id, admission_id)]
         return admission
+
+    def claim_early_parts(self, admission: Admission) -> None:
+        """Count the parts of ``admission``'s read that arrived before it was admitted (its READ
+        was posted beside its PreparePull): the read may end here, as if they arrived now. Called
+        by the holder once the admission's memory is pinned, so that its end unpins it."""
+        claimed = self._early.claim(admission.lease_id, admission.admission_id)
+        if claimed is None or admission.ended is not None:
+            return
+        parts, seen = claimed
+        for part in sorted(seen):
+            self.record_read(admission.lease_id, admission.admission_id, part, parts)
+
+    @property
+    def early_reads(self) -> int:
+        """Reads with parts that arrived before their admission, not claimed yet."""
+        return len(self._early)
 
     def prove_abandoned(self, lease_id: str, reader: str, reader_rank: int) -> Admission | None:
         """The reader's AbandonPull (its READs are final) for a read that already timed out:
         that read, proven over late, or None if none of that reader timed out on the lease."""
-        for admission_id, admission in self._unproven.items():
+        for key, admission in self._unproven.items():
             if admission.lease_id == lease_id and admission.reader == reader and admission.reader_rank == reader_rank:
-                del self._unproven[admission_id]
+                del self._unproven[key]
                 return admission
         return None
 
@@ -423,7 +453,7 @@ class LeaseTable:
             self._admission_deadline_high = 0.0
         admission.ended = how
         if how is AdmissionEnd.TIMED_OUT:
-            self._unproven[admission.admission_id] = admission
+            self._unproven[(admission.lease_id, admission.admission_id)] = admission
             if len(self._unproven) > MAX_UNPROVEN:
                 del self._unproven[next(iter(self._unproven))]
         self.on_admission_over(admission)

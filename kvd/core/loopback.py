@@ -58,6 +58,8 @@ class LocalHolder(Protocol):
         reader_transfer_id: str = "",
         read_timeout_s: float = 0.0,
         group_block_ids: Sequence[Sequence[int]] = (),
+        read_id: str = "",
+        registration_ids: Sequence[int] = (),
     ) -> PrepareResult: ...
 
     def abandon_pull(
@@ -116,6 +118,8 @@ class LoopbackTransport:
         read_timeout_s: float,
         timeout_s: float,
         group_block_ids: tuple[tuple[int, ...], ...] = (),
+        read_id: str = "",
+        registration_ids: tuple[int, ...] = (),
     ) -> PrepareResult:
         if address not in self._own:
             groups = {"group_block_ids": group_block_ids} if group_block_ids else {}
@@ -131,6 +135,8 @@ class LoopbackTransport:
                 reader_transfer_id=reader_transfer_id,
                 read_timeout_s=read_timeout_s,
                 timeout_s=timeout_s,
+                read_id=read_id,
+                registration_ids=registration_ids,
                 **groups,
             )
         return await _within(
@@ -150,6 +156,8 @@ class LoopbackTransport:
                 reader_transfer_id=reader_transfer_id,
                 read_timeout_s=max(0.001, read_timeout_s),
                 group_block_ids=group_block_ids,
+                read_id=read_id,
+                registration_ids=registration_ids,
             ),
         )
 

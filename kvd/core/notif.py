@@ -1,7 +1,9 @@
 """The NIXL notification a reader's READ carries to the holder: one codec, both sides.
 
-The holder hands the reader an opaque tag in PreparePull (``kvd1|<lease>|<admission>``); the
-reader appends which part of how many parts the READ is and its bytes. The holder's notification
+The tag is ``kvd2|<lease>|<admission>``: the holder hands it to the reader in PreparePull, or,
+for a READ posted beside its admission, the reader builds it from the read id it asks to be
+admitted under (:func:`valid_read_id`). The reader appends which part of how many parts the READ
+is and its bytes. The holder's notification
 handler decodes it to count the admitted read's parts. Anything else (another program's
 notification, a malformed or truncated one) decodes to None and is ignored.
 """
@@ -9,9 +11,12 @@ notification, a malformed or truncated one) decodes to None and is ignored.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 PREFIX = "kvd2"
 _MAX_LEN = 512
+READ_ID_MAX = 64
+_READ_ID = re.compile(rf"[A-Za-z0-9._-]{{1,{READ_ID_MAX}}}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +34,11 @@ def tag(lease_id: str, admission_id: str) -> str:
         if not field or "|" in field:
             raise ValueError(f"notification field {field!r} is empty or holds '|'")
     return f"{PREFIX}|{lease_id}|{admission_id}"
+
+
+def valid_read_id(read_id: str) -> bool:
+    """Whether a reader-chosen admission id fits a notification: 1-64 of ``[A-Za-z0-9._-]``."""
+    return _READ_ID.fullmatch(read_id) is not None
 
 
 def encode(notif_tag: str, part: int, parts: int, nbytes: int) -> bytes:

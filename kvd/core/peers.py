@@ -65,6 +65,8 @@ class RemoteEngine:
     device_index: int
     registration_id: int
     extra_groups: tuple[EngineView, ...] = ()  # KV cache groups after group 0 (``view``)
+    # A reader may post its READ beside the admission (EngineDescriptor.early_reads in peer.proto).
+    early_reads: bool = False
 
     @property
     def groups(self) -> tuple[EngineView, ...]:
@@ -126,6 +128,8 @@ class PeerTransport(Protocol):
         read_timeout_s: float,
         timeout_s: float,
         group_block_ids: tuple[tuple[int, ...], ...] = (),
+        read_id: str = "",
+        registration_ids: tuple[int, ...] = (),
     ) -> PrepareResult: ...
 
     async def abandon_pull(
@@ -306,10 +310,15 @@ class Peers:
                 return current
             return await self._handshake(address)
 
-    async def refresh(self, address: str, reason: str) -> PeerSession:
-        """Handshake again (a cached view disagreed with the holder) without dropping the agent."""
+    async def refresh(self, address: str, reason: str, unless_since: float = 0.0) -> PeerSession:
+        """Handshake again (a cached view disagreed with the holder) without dropping the agent;
+        with ``unless_since``, a session handshaken since then (by a pull that found the same) is
+        returned as it is."""
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
+            current = self._sessions.get(address)
+            if unless_since and current is not None and current.handshaken_at >= unless_since:
+                return current
             logger.info("re-handshake with %s: %s", address, reason)
             return await self._handshake(address)
 

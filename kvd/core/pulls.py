@@ -66,6 +66,7 @@ from kvd_client.errors import (
     Internal,
     KvdError,
     PeerUnavailable,
+    StaleRegistration,
     Unavailable,
     UnknownEngine,
 )
@@ -436,12 +437,7 @@ class Puller:
         """Handshake (cached), plan, and have the holder admit the read; re-handshake once if stale."""
         address = remote.daemon_address
         asked_at = time.monotonic()
-        session = await self.peers.session(address, remote.daemon_incarnation)
-        if remote.daemon_incarnation and session.incarnation != remote.daemon_incarnation:
-            raise FailedPrecondition(
-                f"the holder daemon at {address} restarted (incarnation {session.incarnation[:8]}, the lease came "
-                f"from {remote.daemon_incarnation[:8]}): its blocks are gone, recompute"
-            )
+        session = await self._session(remote)
         while True:
             fresh = session.handshaken_at >= asked_at
             try:
@@ -454,10 +450,28 @@ class Puller:
                 asked_at = time.monotonic()
                 session = await self.peers.refresh(address, exc.reason)
 
+    async def _session(self, remote: TransferParams) -> PeerSession:
+        """The holder's session (handshaking if none is cached), refused if the holder restarted
+        since it granted the lease."""
+        session = await self.peers.session(remote.daemon_address, remote.daemon_incarnation)
+        if remote.daemon_incarnation and session.incarnation != remote.daemon_incarnation:
+            raise FailedPrecondition(
+                f"the holder daemon at {remote.daemon_address} restarted (incarnation {session.incarnation[:8]}, "
+                f"the lease came from {remote.daemon_incarnation[:8]}): its blocks are gone, recompute"
+            )
+        return session
+
     async def _plan_with(
         self, session: PeerSession, transfer: Transfer, rank: EngineRank, remote: TransferParams
     ) -> tuple[PullPlan, dict[int, RemoteEngine], PrepareResult]:
         """Plan against one handshake and have the holder admit the read for it."""
+        pull_plan, remote_ranks = await self._plan_layout(session, transfer, rank, remote)
+        return pull_plan, remote_ranks, await self._admit(session, transfer, rank, remote, pull_plan, remote_ranks)
+
+    async def _plan_layout(
+        self, session: PeerSession, transfer: Transfer, rank: EngineRank, remote: TransferParams
+    ) -> tuple[PullPlan, dict[int, RemoteEngine]]:
+        """Plan the pull against one handshake (_StaleHandshake where that handshake cannot serve it)."""
         remote_ranks = session.engine_ranks(remote.engine_id)
         try:
             if not remote_ranks:
@@ -494,8 +508,23 @@ class Puller:
                     f"{remote.engine_id!r} ranks {unnamed}: retry"
                 ),
             )
+        return pull_plan, remote_ranks
+
+    async def _admit(
+        self,
+        session: PeerSession,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        pull_plan: PullPlan,
+        remote_ranks: dict[int, RemoteEngine],
+        read_id: str = "",
+    ) -> PrepareResult:
+        """Have the holder admit the read (PreparePull). With ``read_id`` the pull's READs are
+        posted beside this call (_pull_beside_admission): the holder checks the registrations
+        planned against, and an AbandonPull is left to the pull's end, once its READs are final."""
         holder_spec = remote_ranks[pull_plan.remote_ranks[0]].view.spec
-        groups = {"group_block_ids": remote_groups} if remote_groups else {}
+        planned = self._planned_registrations(pull_plan, remote_ranks)
         try:
             prepared = await self._transport.prepare_pull(
                 remote.daemon_address,
@@ -509,13 +538,16 @@ class Puller:
                 reader_transfer_id=transfer.transfer_id,
                 read_timeout_s=max(0.001, transfer.started + transfer.deadline_s - time.monotonic()),
                 timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
-                **groups,
+                group_block_ids=self._remote_groups(remote),
+                read_id=read_id,
+                registration_ids=planned if read_id else (),
             )
-        except UnknownEngine as exc:  # the holder's ranks changed (re-registered with another TP)
+        except (UnknownEngine, StaleRegistration) as exc:  # the holder's ranks changed (registered again)
             raise _StaleHandshake("holder ranks changed", exc) from exc
         except KvdError as exc:
             if unreachable(exc):
                 await self.peers.drop_if(session, "prepare failed")
+            if unreachable(exc) and not read_id:
                 # Unanswered: the holder may have run the call (a stopped holder runs it when it
                 # resumes) and admitted the read. Tell it the read is over (nothing was posted).
                 self._in_background(
@@ -526,23 +558,35 @@ class Puller:
             # The pull was cancelled (or ran out of time) while the holder admitted it. The call is
             # withdrawn, but the holder may have admitted the read just before and its answer is
             # lost: tell it the read is over (this pull posted nothing), so the admission does not
-            # wait for its deadline and retire the holder's memory as never proven over.
-            why = "the pull ended while its admission was asked"
-            self._in_background(self._abandon(remote, rank.tp_rank, transfer.transfer_id, why))
+            # wait for its deadline and retire the holder's memory as never proven over. (A pull
+            # whose READs were posted beside it tells it at its end, once they are final.)
+            if not read_id:
+                why = "the pull ended while its admission was asked"
+                self._in_background(self._abandon(remote, rank.tp_rank, transfer.transfer_id, why))
             raise
         transfer.mark("prepared")
-        if prepared.registration_ids != tuple(remote_ranks[r].registration_id for r in pull_plan.remote_ranks):
+        if prepared.registration_ids != planned:
             raise _StaleHandshake(
                 "stale engine registration",
                 FailedPrecondition(
                     f"engine {remote.engine_id!r} at {remote.daemon_address} re-registered during the pull: retry"
                 ),
             )
-        return pull_plan, remote_ranks, prepared
+        return prepared
+
+    @staticmethod
+    def _remote_groups(remote: TransferParams) -> tuple[tuple[int, ...], ...]:
+        return tuple(split_groups(remote.group_block_ids, remote.group_block_counts, "kv_transfer_params"))
+
+    @staticmethod
+    def _planned_registrations(pull_plan: PullPlan, remote_ranks: dict[int, RemoteEngine]) -> tuple[int, ...]:
+        return tuple(remote_ranks[r].registration_id for r in pull_plan.remote_ranks)
 
     # --- reading ------------------------------------------------------------------------------
 
     async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams, held: _PullResources) -> None:
+        if self.config.read_beside_admission and await self._pull_beside_admission(transfer, rank, remote, held):
+            return
         for _ in range(PLAN_ATTEMPTS):
             session, plan, remote_ranks, prepared = await self._plan(transfer, rank, remote)
             try:
@@ -555,51 +599,156 @@ class Puller:
                 f"the NIXL agent of {remote.daemon_address} was reloaded {PLAN_ATTEMPTS} times during the pull: retry"
             )
         held.session = session
+        self._begin_reading(transfer, plan)
+        if plan.staging_bytes:
+            held.staging = await (await self._staging_pool(held.memory)).acquire(
+                plan.staging_bytes, self.config.staging_wait_s
+            )
+            self.metrics.staging_bytes_in_use.inc(held.staging.size)
+        try:
+            await self._post_reads(plan, remote_ranks, held, session, prepared.notif_tag)
+        except PeerUnavailable:
+            await self.peers.drop_if(session, "disconnected")
+            raise
+        await self._reads_done(transfer, rank, remote, held, session, prepared)
+        if plan.postprocess is not None:
+            await self._convert(transfer, plan, held)
+
+    async def _pull_beside_admission(
+        self, transfer: Transfer, rank: EngineRank, remote: TransferParams, held: _PullResources
+    ) -> bool:
+        """The pull with its READs posted beside the holder's admission, not after it: True once
+        its reads are done (and verified); False, having posted nothing or with what it posted
+        final and forgotten, where the pull must go the sequential way (_pull).
+
+        Sound because a lease never comes back once ended: the READ reads blocks the lease named
+        when the pull began, so an admission granted after the READ was posted proves the blocks
+        were the lease's throughout, and any other answer discards the READ's bytes (the pull
+        fails, its blocks recomputed, never reported loaded). Only where every holder rank says
+        its leased blocks are final when leased (no commit to wait for) and it counts early
+        notifications (RemoteEngine.early_reads), and the pull needs no staging. docs/lifetimes.md.
+        """
+        asked_at = time.monotonic()
+        session = await self._session(remote)
+        if not _names_the_leased_registrations(session, remote):
+            # The holder's engine registered again since this handshake: a READ planned on it
+            # would read memory the holder may have let go (on RDMA an error that breaks the
+            # connection for every pull from it). Handshake again first.
+            why = "the lease names registrations the cached handshake does not"
+            session = await self.peers.refresh(remote.daemon_address, why, unless_since=asked_at)
+            if not _names_the_leased_registrations(session, remote):
+                return False
+        try:
+            plan, remote_ranks = await self._plan_layout(session, transfer, rank, remote)
+        except _StaleHandshake:
+            return False  # the sequential way handshakes again
+        if plan.staging_bytes or plan.postprocess is not None:
+            return False
+        if not all(remote_ranks[r].early_reads for r in plan.remote_ranks):
+            return False
+        try:
+            held.agent = self.peers.pin(session)
+        except StaleView:
+            return False
+        held.session = session  # from here a failed pull tells the holder, once its READs are final
+        read_id = transfer.transfer_id
+        admission = asyncio.ensure_future(
+            self._admit(session, transfer, rank, remote, plan, remote_ranks, read_id=read_id)
+        )
+        posting: KvdError | None = None
+        try:
+            self._begin_reading(transfer, plan)
+            await self._post_reads(plan, remote_ranks, held, session, notif.tag(remote.lease_id, read_id))
+        except KvdError as exc:  # the admission's answer decides: a stale view is retried, not failed
+            posting = exc
+        except BaseException:
+            admission.cancel()
+            raise
+        try:
+            prepared = await admission
+        except _StaleHandshake as exc:
+            # The holder admitted nothing (its engine registered again, or its ranks changed):
+            # wait out what was posted, forget it, and go the sequential way on a new handshake.
+            await held.reads_over()
+            held.posts.clear()
+            if held.agent is not None:
+                await self.peers.unpin(held.agent)
+                held.agent = None
+            held.session = None
+            await self.peers.refresh(remote.daemon_address, exc.reason)
+            return False
+        if isinstance(posting, PeerUnavailable):
+            await self.peers.drop_if(session, "disconnected")
+        if posting is not None:
+            raise posting
+        await self._reads_done(transfer, rank, remote, held, session, prepared)
+        return True
+
+    def _begin_reading(self, transfer: Transfer, plan: PullPlan) -> None:
         transfer.descriptors = plan.num_descriptors
         transfer.nbytes = plan.total_bytes
         transfer.direct = plan.direct
         self.metrics.descriptors.observe(plan.num_descriptors)
-        transfer.advance(TransferState.READING)
+        if transfer.state is not TransferState.READING:  # a pull that fell back to the sequential way
+            transfer.advance(TransferState.READING)
+
+    async def _post_reads(
+        self,
+        plan: PullPlan,
+        remote_ranks: dict[int, RemoteEngine],
+        held: _PullResources,
+        session: PeerSession,
+        notif_tag: str,
+    ) -> None:
+        """Post the plan's READs (each notifying the holder under ``notif_tag``), every one
+        recorded in ``held.posts`` before it is awaited."""
         dataplane = held.plane
         memory = held.memory
         label = f"{session.address} (agent {session.agent_name})"
-        if plan.staging_bytes:
-            held.staging = await (await self._staging_pool(memory)).acquire(
-                plan.staging_bytes, self.config.staging_wait_s
-            )
-            self.metrics.staging_bytes_in_use.inc(held.staging.size)
         parts = len(plan.reads)
-        try:
-            for index, group in enumerate(plan.reads):
-                holder = remote_ranks[group.remote_rank]
-                remote_table = await held.agent.table(holder, group.remote_geometry, self._executor)
-                if group.local_target is Target.ENGINE:
-                    local_table = await memory.table(group.local_geometry, self._executor)
-                    local_indices = group.local_indices
-                else:
-                    staging = held.staging
-                    assert staging is not None
-                    rows = group.local_geometry.rows_for(
-                        group.local_indices, [staging.address + group.staging_offset], staging.device_index
-                    )
-                    one_off = asyncio.get_running_loop().run_in_executor(
-                        self._executor, dataplane.prepare_table, "NIXL_INIT_AGENT", rows, staging.mem_type
-                    )
-                    held.one_off_tables.append(one_off)  # released with the pull's buffers, even if cancelled now
-                    local_table = await asyncio.shield(one_off)
-                    local_indices = np.arange(rows.shape[0], dtype=np.int32)
-                message = notif.encode(prepared.notif_tag, index, parts, group.nbytes)
-                post = asyncio.ensure_future(
-                    dataplane.read(
-                        local_table, local_indices, remote_table, group.remote_indices, message, label, group.nbytes
-                    )
+        assert held.agent is not None
+        for index, group in enumerate(plan.reads):
+            holder = remote_ranks[group.remote_rank]
+            remote_table = await held.agent.table(holder, group.remote_geometry, self._executor)
+            if group.local_target is Target.ENGINE:
+                local_table = await memory.table(group.local_geometry, self._executor)
+                local_indices = group.local_indices
+            else:
+                staging = held.staging
+                assert staging is not None
+                rows = group.local_geometry.rows_for(
+                    group.local_indices, [staging.address + group.staging_offset], staging.device_index
                 )
-                held.posts.append(post)  # before awaiting it: a cancel here must not lose the READ
-                xfer = await asyncio.shield(post)
-                if xfer.error is not None:  # NIXL refused part of it: the rest is polled to its end
-                    raise xfer.error
-            transfer.mark("posted")
-            await dataplane.wait(held.xfers)
+                one_off = asyncio.get_running_loop().run_in_executor(
+                    self._executor, dataplane.prepare_table, "NIXL_INIT_AGENT", rows, staging.mem_type
+                )
+                held.one_off_tables.append(one_off)  # released with the pull's buffers, even if cancelled now
+                local_table = await asyncio.shield(one_off)
+                local_indices = np.arange(rows.shape[0], dtype=np.int32)
+            message = notif.encode(notif_tag, index, parts, group.nbytes)
+            post = asyncio.ensure_future(
+                dataplane.read(
+                    local_table, local_indices, remote_table, group.remote_indices, message, label, group.nbytes
+                )
+            )
+            held.posts.append(post)  # before awaiting it: a cancel here must not lose the READ
+            xfer = await asyncio.shield(post)
+            if xfer.error is not None:  # NIXL refused part of it: the rest is polled to its end
+                raise xfer.error
+
+    async def _reads_done(
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        held: _PullResources,
+        session: PeerSession,
+        prepared: PrepareResult,
+    ) -> None:
+        """Wait for the posted READs; a soft hold's holder then verifies its blocks again."""
+        transfer.mark("posted")
+        try:
+            await held.plane.wait(held.xfers)
             transfer.mark("read")
             if prepared.verify_after_read:
                 # A soft hold: the holder's engine checks its blocks still hold the request's KV
@@ -615,24 +764,25 @@ class Puller:
         except PeerUnavailable:
             await self.peers.drop_if(session, "disconnected")
             raise
-        if plan.postprocess is not None:
-            staging = held.staging
-            assert staging is not None
-            transfer.advance(TransferState.POSTPROCESSING)
-            # The conversion runs in the data-plane worker, over its mappings.
-            held.conversion = asyncio.ensure_future(
-                dataplane.convert(
-                    plan.postprocess,
-                    staging.region_id,
-                    staging.offset,
-                    staging.size,
-                    [region.region_id for region in memory.regions],
-                )
+
+    async def _convert(self, transfer: Transfer, plan: PullPlan, held: _PullResources) -> None:
+        """The layout conversion from staging into the engine's blocks, in the data-plane worker."""
+        staging = held.staging
+        assert staging is not None and plan.postprocess is not None
+        transfer.advance(TransferState.POSTPROCESSING)
+        held.conversion = asyncio.ensure_future(
+            held.plane.convert(
+                plan.postprocess,
+                staging.region_id,
+                staging.offset,
+                staging.size,
+                [region.region_id for region in held.memory.regions],
             )
-            # A cancel must not stop the wait while the worker still writes the engine's blocks:
-            # _finish waits for it before anything is reported or handed back.
-            await asyncio.shield(held.conversion)
-            transfer.mark("converted")
+        )
+        # A cancel must not stop the wait while the worker still writes the engine's blocks:
+        # _finish waits for it before anything is reported or handed back.
+        await asyncio.shield(held.conversion)
+        transfer.mark("converted")
 
     async def _staging_pool(self, memory: LocalMemory) -> StagingPool:
         device = memory.regions[0].device
@@ -651,6 +801,15 @@ class Puller:
         for pool in self._staging.values():
             pool.lost = True
         self._staging.clear()
+
+
+def _names_the_leased_registrations(session: PeerSession, remote: TransferParams) -> bool:
+    """Whether the handshake names the registrations the lease was granted on (a lease from an
+    older holder names none: the admission alone checks them)."""
+    if not remote.registration_ids:
+        return True
+    ranks = session.engine_ranks(remote.engine_id)
+    return tuple(ranks[r].registration_id for r in sorted(ranks)) == tuple(remote.registration_ids)
 
 
 class _StaleHandshake(Exception):

@@ -144,6 +144,8 @@ class GrpcPeerTransport:
         read_timeout_s: float,
         timeout_s: float,
         group_block_ids: tuple[tuple[int, ...], ...] = (),
+        read_id: str = "",
+        registration_ids: tuple[int, ...] = (),
     ) -> PrepareResult:
         request = peer_pb2.PreparePullRequest(
             lease_id=lease_id,
@@ -159,6 +161,8 @@ class GrpcPeerTransport:
             read_timeout_ms=max(1, int(read_timeout_s * 1000)),
             group_block_ids=[b for ids in group_block_ids for b in ids],
             group_block_counts=[len(ids) for ids in group_block_ids],
+            read_id=read_id,
+            registration_ids=list(registration_ids),
         )
         response = await self._peer_call(
             address,

@@ -331,6 +331,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             group_block_ids=convert.group_ids_from_pb(
                 request.group_block_ids, request.group_block_counts, "prepare pull"
             ),
+            read_id=request.read_id,
+            registration_ids=list(request.registration_ids),
         )
         return peer_pb2.PreparePullResponse(
             registration_ids=list(result.registration_ids),

@@ -29,6 +29,7 @@ EXPECTED_CODES: dict[type[KvdError], ErrorCode] = {
     errors.IncompatibleLayout: S.FAILED_PRECONDITION,
     errors.UnsupportedModelFeature: S.FAILED_PRECONDITION,
     errors.MemoryOpenError: S.FAILED_PRECONDITION,
+    errors.StaleRegistration: S.FAILED_PRECONDITION,
     errors.DeadlineExceeded: S.DEADLINE_EXCEEDED,
     errors.LeaseExpired: S.DEADLINE_EXCEEDED,
     errors.Unavailable: S.UNAVAILABLE,

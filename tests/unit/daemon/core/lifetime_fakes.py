@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvd.config import KvdConfig
+from kvd.core import notif
 from kvd.core.dataplane import LOCAL, AgentIdentity, NixlRegion, Xfer, XferState
 from kvd.core.memory import MemoryKind, RegionRequest
 from kvd.core.metrics import Metrics
@@ -547,8 +548,13 @@ class FakePeerTransport:
         reader_transfer_id: str,
         read_timeout_s: float,
         timeout_s: float,
+        read_id: str = "",
+        registration_ids: tuple[int, ...] = (),
+        group_block_ids: tuple[tuple[int, ...], ...] = (),
     ) -> PrepareResult:
         self.prepares.append(dict(address=address, lease_id=lease_id, reader_transfer_id=reader_transfer_id))
+        if read_id:  # its READ may be posted already, under the tag it names
+            self._tags.setdefault(reader_transfer_id, []).append(notif.tag(lease_id, read_id))
         if self.prepare_gate is not None:
             await self.prepare_gate.passage()
         if address in self.prepare_answers:
@@ -566,8 +572,11 @@ class FakePeerTransport:
                 reader_incarnation=self.own_incarnation(),
                 reader_transfer_id=reader_transfer_id,
                 read_timeout_s=read_timeout_s,
+                read_id=read_id,
+                registration_ids=registration_ids,
             )
-        self._tags.setdefault(reader_transfer_id, []).append(result.notif_tag)
+        if result.notif_tag not in self._tags.get(reader_transfer_id, []):
+            self._tags.setdefault(reader_transfer_id, []).append(result.notif_tag)
         if self.reply_gate is not None:  # the answer is on its way back (or lost)
             await self.reply_gate.passage()
         if self.reply_lost is not None:

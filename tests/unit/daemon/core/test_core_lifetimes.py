@@ -97,6 +97,11 @@ class Pair:
 
 
 async def make_pair(fabric: Fabric, reader_spec: LayoutSpec | None = None, **reader_config: Any) -> Pair:
+    """A holder and a reader with one engine each. The reader pulls the sequential way (the
+    admission first, then the READs), whose interleavings these tests drive: conversions and
+    holders that wait for commits still take it. ``read_beside_admission=True`` for the default
+    way, whose own interleavings are tests/unit/daemon/core/test_core_read_beside_admission.py."""
+    reader_config.setdefault("read_beside_admission", False)
     holder = await fabric.start_node(HOLDER)
     reader = await fabric.start_node(READER, **reader_config)
     hrank = await fabric.register(holder, "eng-h", small_spec(8))
