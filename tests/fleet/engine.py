@@ -22,7 +22,9 @@ The router drives it over a Unix socket of its own, one JSON line in, one out:
 * ``hold {req, n, ttl_ms}``: hold a request's blocks (decode holding a conversation for its next
   turn);
 * ``free {req}``: the request is over (a held one is freed at its ``finished_sending``);
-* ``status``: free blocks, requests, leases, registration.
+* ``status``: free blocks, requests, leases, registration;
+* ``reregister``: (no request open) unregister every rank, drop its shm, and register again on
+  fresh shm files (the soak's engine restart without a new process).
 
 Freed blocks are overwritten with :data:`RELEASED` at once, so a pull that reads blocks after
 their lease ended shows it in its checksums.
@@ -165,6 +167,13 @@ class Rank:
             self.v.append(v)
         self.head_ids = np.arange(rank * shape.heads, (rank + 1) * shape.heads)
 
+    def release(self) -> None:
+        """Drop the views and unmap (a view still exported keeps the map: then the GC does it)."""
+        self.k.clear()
+        self.v.clear()
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
 
 @dataclasses.dataclass
 class Request:
@@ -179,7 +188,10 @@ class Engine:
     def __init__(self, shape: Shape, daemon_socket: str, shm_prefix: str) -> None:
         self.shape = shape
         self.daemon_socket = daemon_socket
+        self.shm_prefix = shm_prefix
+        self.generation = 0  # fresh shm files after each reregister: <prefix>-r<rank> first, then -g<N>-r<rank>
         self.ranks = [Rank(shape, r, f"{shm_prefix}-r{r}") for r in range(shape.tp_size)]
+        self.link_task: asyncio.Task[None] | None = None
         self.free: list[int] = list(range(1, shape.num_blocks))  # block 0 stays unused, as vLLM's null block
         self.requests: dict[str, Request] = {}
         self.leases: dict[str, str] = {}  # lease id -> request id
@@ -231,13 +243,15 @@ class Engine:
                 self.client.open_engine_stream(self.shape.engine_id, r.rank, wait_for_ready=True) for r in self.ranks
             ]
             readers = [asyncio.create_task(self._read(s)) for s in streams]
-            await asyncio.wait(readers, return_when=asyncio.FIRST_COMPLETED)
-            self.registered.clear()
-            for task in readers:
-                task.cancel()
-            for stream in streams:
-                with contextlib.suppress(Exception):
-                    await stream.close(timeout_s=0.5)
+            try:
+                await asyncio.wait(readers, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self.registered.clear()
+                for task in readers:
+                    task.cancel()
+                for stream in streams:
+                    with contextlib.suppress(Exception):
+                        await stream.close(timeout_s=0.5)
             # The daemon that held our leases is gone: nobody can read through it any more.
             for req_id in [r for r, q in self.requests.items() if q.lease_id]:
                 self._lease_over(self.requests[req_id].lease_id)
@@ -247,6 +261,27 @@ class Engine:
         async for message in stream:
             if message.WhichOneof("kind") == "finished_sending":
                 self._lease_over(message.finished_sending.lease_id)
+
+    async def reregister(self) -> dict[str, Any]:
+        """Unregister every rank, unlink its shm, register again on fresh shm files."""
+        if self.requests or self.leases:
+            raise errors.FailedPrecondition(f"engine {self.shape.engine_id}: requests open, cannot re-register")
+        if self.link_task is not None:
+            self.link_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.link_task
+        for rank in self.ranks:
+            with contextlib.suppress(errors.UnknownEngine):
+                await self.client.unregister_kv_cache(engine_id=self.shape.engine_id, tp_rank=rank.rank, timeout_s=5.0)
+        self.close()
+        self.generation += 1
+        self.ranks = [
+            Rank(self.shape, r, f"{self.shm_prefix}-g{self.generation}-r{r}") for r in range(self.shape.tp_size)
+        ]
+        self.free = list(range(1, self.shape.num_blocks))
+        self.link_task = asyncio.create_task(self.link())
+        await self.registered.wait()
+        return {"shm": [r.shm_name for r in self.ranks]}
 
     def _lease_over(self, lease_id: str) -> None:
         req_id = self.leases.pop(lease_id, None)
@@ -382,6 +417,8 @@ class Engine:
                 else:
                     self._free(req_id)
             return {}
+        if op == "reregister":
+            return await self.reregister()
         raise errors.InvalidArgument(f"unknown op {op!r}")
 
     async def serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -402,8 +439,10 @@ class Engine:
             writer.close()
 
     def close(self) -> None:
+        """Unmap and unlink every rank's shm file."""
         for rank in self.ranks:
             unlink_shm(rank.shm_name)
+            rank.release()
 
 
 async def amain(config: dict[str, Any]) -> None:
@@ -415,13 +454,13 @@ async def amain(config: dict[str, Any]) -> None:
     control = Path(config["control_socket"])
     control.unlink(missing_ok=True)
     server = await asyncio.start_unix_server(engine.serve_client, path=str(control))
-    link = asyncio.create_task(engine.link())
+    link = engine.link_task = asyncio.create_task(engine.link())
     try:
         await engine.registered.wait()
         print("ready", flush=True)
         await stop.wait()
     finally:
-        link.cancel()
+        (engine.link_task or link).cancel()
         server.close()
         for rank in engine.ranks:
             with contextlib.suppress(Exception):

@@ -112,6 +112,13 @@ class Tally:
     failed_by_epoch: Counter[tuple[int, int]] = dataclasses.field(default_factory=Counter)
     ambiguous_epochs: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     ok_times_by_node: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # monotonic
+    # Verified moves through a node: (when its successful pulls started, when they ended), monotonic.
+    ok_pulls_by_node: dict[int, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    # Started pulls whose final outcome the router never saw, their reader daemon having been
+    # restarted meanwhile, per reader daemon incarnation (node, epoch).
+    unseen_by_epoch: Counter[tuple[int, int]] = dataclasses.field(default_factory=Counter)
+    unseen: list[str] = dataclasses.field(default_factory=list)  # "<transfer id> n<node>.<epoch> <why>"
+    probes: int = 0
     in_flight: int = 0
 
 
@@ -275,15 +282,16 @@ class Router:
             with contextlib.suppress(EngineDown, errors.KvdError, EngineFull):
                 await engine_call(prefill, "free", req=req2)
 
-    async def move(self, req: str, held: Held, reader: EngineRef, tokens: list[int]) -> bool | None:
+    async def move(self, req: str, held: Held, reader: EngineRef, tokens: list[int], queue: bool = True) -> bool | None:
         """Pull ``held`` into ``reader`` (every reader rank), verify it, or recompute.
 
-        Returns True (pulled, verified), False (recomputed) or None (the reader is gone)."""
+        Returns True (pulled, verified), False (recomputed) or None (the reader is gone).
+        ``queue``: one move in ten first waits in a queue (a probe does not)."""
         lease_lost = asyncio.Event()
         renew = asyncio.create_task(self._renew(held.params, lease_lost))
         self.tally.in_flight += 1
         try:
-            if self.rng.random() < 0.1:  # queued behind other work: the lease is kept alive meanwhile
+            if queue and self.rng.random() < 0.1:  # queued behind other work: the lease is kept alive meanwhile
                 await asyncio.sleep(self.rng.uniform(0.0, 1.5 * self.lease_ttl_s))
             try:
                 alloc = await engine_call(reader, "alloc", req=req, n=held.n)
@@ -294,7 +302,9 @@ class Router:
             blocks = list(alloc["blocks"])
             renew.cancel()  # pulling now: the holder's admission keeps the blocks from here on
             left = set(range(reader.tp))
+            started = time.monotonic()
             for attempt in range(3):
+                started = time.monotonic()
                 outcomes = await asyncio.gather(*(self._pull(req, held, reader, r, blocks) for r in sorted(left)))
                 retry = True
                 for rank, failure in outcomes:
@@ -309,7 +319,7 @@ class Router:
             if not left:
                 if lease_lost.is_set():
                     self.tally.done_after_lease_lost += 1
-                return await self._verify(req, held, reader)
+                return await self._verify(req, held, reader, (started, time.monotonic()))
             # Failed for good: tell the holder nobody will read, and recompute.
             renew.cancel()
             await self._release(held.params)
@@ -326,7 +336,9 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await renew
 
-    async def _verify(self, req: str, held: Held, reader: EngineRef) -> bool | None:
+    async def _verify(self, req: str, held: Held, reader: EngineRef, pulled: tuple[float, float]) -> bool | None:
+        """Check the reader's bytes; a verified move records ``pulled`` (its last attempt's start
+        and end) for both nodes: the recovery times are read from them."""
         try:
             got = await engine_call(reader, "sums", req=req, n=held.n)
         except (EngineDown, errors.KvdError) as err:
@@ -346,7 +358,28 @@ class Router:
         now = time.monotonic()
         for node in (reader.node, held.engine.node):
             self.tally.ok_times_by_node.setdefault(node, []).append(now)
+            self.tally.ok_pulls_by_node.setdefault(node, []).append(pulled)
         return True
+
+    async def probe(self, holder: EngineRef, reader: EngineRef, n_tokens: int = 64) -> bool | None:
+        """One move of a fresh prompt of ``n_tokens`` held on ``holder`` into ``reader``, not
+        queued: True when it was pulled and verified. A fault measures a node's recovery with
+        these; the soak's traffic is made of them."""
+        self.tally.probes += 1
+        req = f"probe{self.tally.probes}"
+        tokens = [self.rng.randrange(32000) for _ in range(n_tokens)]
+        try:
+            answer = await engine_call(
+                holder, "prefill", req=req, tokens=tokens, ttl_ms=int(self.lease_ttl_s * 1000), timeout_s=5.0
+            )
+        except (EngineDown, EngineFull, errors.KvdError) as err:
+            self._fail("hold", err)
+            return None
+        params = common_pb2.KvTransferParams.FromString(base64.b64decode(answer["params"]))
+        ok = await self.move(req, Held(holder, params, list(answer["sums"]), len(tokens)), reader, tokens, queue=False)
+        with contextlib.suppress(EngineDown, errors.KvdError, EngineFull):
+            await engine_call(reader, "free", req=req)
+        return ok
 
     async def _pull(
         self, req: str, held: Held, reader: EngineRef, rank: int, blocks: list[int]
@@ -430,10 +463,14 @@ class Router:
             pass  # the pull failed, or the watch did: ask for the final state
         while time.monotonic() < limit:
             if self.epoch_of(node) != epoch:
+                self.tally.unseen_by_epoch[(node, epoch)] += 1
+                self.tally.unseen.append(f"{transfer_id} n{node}.{epoch} its daemon was replaced")
                 return None, self._fail("pull", errors.Unavailable("the reader's daemon restarted mid-pull"))
             try:
                 status = await client.get_transfer(transfer_id, timeout_s=2.0)
             except errors.UnknownTransfer as err:
+                self.tally.unseen_by_epoch[(node, epoch)] += 1  # its daemon forgot it (or was replaced)
+                self.tally.unseen.append(f"{transfer_id} n{node}.{epoch} UnknownTransfer: {str(err)[:120]}")
                 return None, self._fail("pull", err)
             except errors.KvdError:
                 await asyncio.sleep(UNANSWERED_RETRY_S)  # its daemon is stopped or cut off: ask again

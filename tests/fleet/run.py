@@ -23,15 +23,29 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fleet import netns, procinfo
+from fleet import load, netns, procinfo
 from fleet.netns import Network
+from fleet.procfaults import ProcessFaults
 
 LEASE_TTL_S = 4.0
 DEADLINE_S = 6.0
 PORT = 50151
 METRICS_PORT = 9464
 STAGING_POOL_BYTES = 256 << 20  # the daemon's default: its RSS behaviour is what the run watches
-FAULT_KINDS = ("engine_kill", "daemon_kill", "link_cut", "daemon_stop", "netem", "bad_cert")
+FAULT_KINDS = (
+    "engine_kill",
+    "daemon_kill",
+    "link_cut",
+    "daemon_stop",
+    "netem",
+    "bad_cert",
+    "worker_kill",
+    "worker_segv",
+    "worker_hang",
+    "daemon_restart",
+    "rolling_restart",
+)
+WORKER_FAULTS = ("worker_kill", "worker_segv", "worker_hang")
 TESTS_DIR = Path(__file__).resolve().parents[1]
 ENGINE_PY = TESTS_DIR / "fleet" / "engine.py"
 
@@ -63,6 +77,7 @@ class DaemonProc:
     incarnation: str = ""
     expect_exit: bool = False
     stopped: bool = False
+    clean_stops: set[int] = dataclasses.field(default_factory=set)  # epochs the run ended by SIGTERM
     samples: dict[int, list[procinfo.Sample]] = dataclasses.field(default_factory=dict)  # epoch -> samples
 
 
@@ -118,6 +133,16 @@ class Fleet:
         self.refusals: Counter[str] = Counter()
         self.router: Any = None
         self.stop = asyncio.Event()
+        self.planned_done = asyncio.Event()  # every kind of fault has been injected once
+        self.hogs: list[subprocess.Popen[bytes]] = []
+        self.process_faults = ProcessFaults(self)
+        self.kinds = tuple(args.faults.split(",")) if args.faults else FAULT_KINDS
+
+    def ref(self, e: EngineProc) -> Any:
+        """The router's view of engine ``e``."""
+        from fleet.router import EngineRef
+
+        return EngineRef(e.engine_id, e.node, e.role, int(e.shape["tp_size"]), e.control)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -268,7 +293,8 @@ class Fleet:
     async def sample_daemons(self) -> None:
         while True:
             for d in self.daemons:
-                if d.process is not None and d.process.poll() is None and not d.stopped:
+                # Not while the run stops or restarts it: its quiet level is measured while it serves.
+                if d.process is not None and d.process.poll() is None and not d.stopped and not d.expect_exit:
                     s = await asyncio.to_thread(procinfo.sample, d.process.pid, self.now(), STAGING_POOL_BYTES)
                     if s is not None:
                         d.samples[d.epoch].append(s)
@@ -291,15 +317,18 @@ class Fleet:
 
     def fault_plan(self) -> list[str]:
         """Every kind once, in an order drawn from the seed, then random ones while time is left."""
-        kinds = list(FAULT_KINDS)
+        kinds = list(self.kinds)
         self.rng.shuffle(kinds)
-        return kinds + [self.rng.choice(FAULT_KINDS) for _ in range(200)]
+        repeatable = [k for k in self.kinds if k != "rolling_restart"] or list(self.kinds)  # one is enough
+        return kinds + [self.rng.choice(repeatable) for _ in range(200)]
 
     async def inject_faults(self) -> None:
         await asyncio.sleep(max(0.0, self.warmup - self.now()))
         end = self.duration - self.quiet
-        for kind in self.fault_plan():
-            if self.now() > end - 8.0:
+        for index, kind in enumerate(self.fault_plan()):
+            # Every kind once, however long that takes (into the quiet tail if need be: traffic
+            # goes on until every fault is over); then more while time is left.
+            if index >= len(self.kinds) and self.now() > end - 8.0:
                 return
             node = self.rng.randrange(self.args.nodes)
             record = FaultRecord(kind, node, round(self.now(), 1))
@@ -310,6 +339,8 @@ class Fleet:
                 record.detail += f" (injection failed: {err!r})"
                 self.violations.append(f"fault {kind} on n{node} could not be injected: {err!r}")
             record.healed_at_s = round(self.now(), 1)
+            if index + 1 == len(self.kinds):
+                self.planned_done.set()
             await asyncio.sleep(self.rng.uniform(1.0, 4.0))
 
     async def fault_engine_kill(self, r: FaultRecord) -> None:
@@ -365,6 +396,21 @@ class Fleet:
         finally:
             self.net.restore(r.node)
 
+    async def fault_worker_kill(self, r: FaultRecord) -> None:
+        await self.process_faults.worker(r)
+
+    async def fault_worker_segv(self, r: FaultRecord) -> None:
+        await self.process_faults.worker(r)
+
+    async def fault_worker_hang(self, r: FaultRecord) -> None:
+        await self.process_faults.worker(r)
+
+    async def fault_daemon_restart(self, r: FaultRecord) -> None:
+        await self.process_faults.daemon_restart(r)
+
+    async def fault_rolling_restart(self, r: FaultRecord) -> None:
+        await self.process_faults.rolling_restart(r)
+
     async def fault_bad_cert(self, r: FaultRecord) -> None:
         """Callers the daemon must refuse: a certificate of our CA without a role, and one of
         another CA that claims the router's name. Neither may learn or change anything."""
@@ -409,6 +455,9 @@ class Fleet:
         from fleet.router import EngineRef, Router
         from kvd_client.channel import TlsConfig
 
+        if self.args.load:
+            self.hogs = load.start_hogs()
+            print(f"fleet: --load: {len(self.hogs)} busy processes (one per core) beside the fleet", flush=True)
         self.make_pki()
         for d in self.daemons:
             self.launch_daemon(d)
@@ -447,6 +496,9 @@ class Fleet:
         traffic = asyncio.create_task(self.router.run(self.stop, 2 * self.args.nodes))
         try:
             await asyncio.sleep(max(0.0, self.duration - self.quiet * 0.5 - self.now()))
+            if not self.planned_done.is_set():  # the first round of faults ran late: see it through
+                await self.planned_done.wait()
+                await asyncio.sleep(10.0)  # and a short quiet tail after it
             self.stop.set()
             await asyncio.wait_for(traffic, timeout=DEADLINE_S + 90.0)
         finally:
@@ -646,6 +698,14 @@ class Fleet:
             return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else 0.0
 
         self.violations += t.undocumented
+        for d in self.daemons:  # a daemon stopped by SIGTERM tells every pull's outcome before it exits
+            for epoch in sorted(d.clean_stops):
+                if t.unseen_by_epoch[(d.node, epoch)]:
+                    self.violations.append(
+                        f"n{d.node} (epoch {epoch}, stopped by SIGTERM): {t.unseen_by_epoch[(d.node, epoch)]} pulls "
+                        "ended without a final outcome the router saw"
+                    )
+        worker = self.process_faults.worker_recovery
         self.violations += [f"CRASHED: {c}" for c in self.crashed]
         self.violations += [f"engine died unasked: {c}" for c in self.engine_crashes]
         unrecovered = [f"{r.kind}@n{r.node}" for r in self.faults if not r.recovered_at_s]
@@ -686,6 +746,16 @@ class Fleet:
             "faults_by_kind": dict(Counter(r.kind for r in self.faults)),
             "recovered": sum(1 for r in self.faults if r.recovered_at_s),
             "recovery_s": sorted(round(r.recovered_at_s - r.healed_at_s, 1) for r in self.faults if r.recovered_at_s),
+            "worker_recovery": worker,
+            "worker_exact_pull_s": {
+                kind: sorted(w["exact_pull_s"] for w in worker if w["kind"] == kind and w["exact_pull_s"] is not None)
+                for kind in WORKER_FAULTS
+            },
+            "restarts": self.process_faults.restarts,
+            "unseen_outcomes": {f"n{n}.{e}": c for (n, e), c in sorted(t.unseen_by_epoch.items())},
+            "unseen": t.unseen,
+            "probes": t.probes,
+            "load": {"hogs": len(self.hogs), "loadavg_at_end": list(os.getloadavg())},
             "leaks": leaks,
             "metrics": metrics,
             "rss": rss,
@@ -709,6 +779,11 @@ def print_table(r: dict[str, Any]) -> None:
         ("engine-side", ", ".join(f"{k}={v}" for k, v in sorted(r["engine_side"].items())) or "-"),
         ("faults injected", ", ".join(f"{k}={v}" for k, v in sorted(r["faults_by_kind"].items())) or "-"),
         ("recoveries", f"{r['recovered']} of {len(r['faults'])}"),
+        (
+            "load",
+            f"{r['load']['hogs']} busy processes, load average at the end "
+            + "/".join(f"{x:.1f}" for x in r["load"]["loadavg_at_end"]),
+        ),
         ("refused callers", ", ".join(f"{k}={v}" for k, v in sorted(r["refusals"].items())) or "-"),
     ]
     for name, row in r["rss"].items():
@@ -718,6 +793,22 @@ def print_table(r: dict[str, Any]) -> None:
                 "{} -> {} (staging {} -> {}, engine shm {} -> {}, own {} -> {}), fds {}".format(
                     *row["rss_mib"], *row["staging_mib"], *row["engine_shm_mib"], *row["rest_mib"], row["fds"]
                 ),
+            )
+        )
+    for w in r["worker_recovery"]:
+        rows.append(
+            (
+                f"{w['kind']} n{w['node']} @{w['at_s']}s",
+                f"{'mid-read' if w['mid_read'] else 'no pull in flight'}: worker replaced in {w.get('replaced_s')}s "
+                f"({w.get('reason')}), exact pull again after {w['exact_pull_s']}s",
+            )
+        )
+    for row in r["restarts"]:
+        rows.append(
+            (
+                f"restart n{row['node']} @{row['at_s']}s",
+                f"exit {row['exit']} in {row['stop_s']}s, ready +{row['start_s']}s, engines registered "
+                f"+{row['reregister_s']}s, exact pull {row['exact_pull_s']}s after SIGTERM",
             )
         )
     width = max(len(n) for n, _ in rows)
@@ -734,9 +825,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default="", help="report file (default: fleet-<seed>.json in the run folder's parent)")
     p.add_argument("--keep", action="store_true", help="keep the run folder (logs, certs) even when all held")
+    p.add_argument("--load", action="store_true", help="one busy CPU hog per core beside the fleet, the whole run")
+    p.add_argument(
+        "--faults",
+        default="",
+        help=f"comma-separated fault kinds to inject (default: all of {','.join(FAULT_KINDS)})",
+    )
     args = p.parse_args(argv)
     if args.nodes < 2:
         p.error("--nodes must be at least 2 (a prefill and a decode node)")
+    unknown = sorted(set(filter(None, args.faults.split(","))) - set(FAULT_KINDS))
+    if unknown or (args.faults and not args.faults.strip(",")):
+        p.error(f"--faults: unknown kinds {unknown}; known: {', '.join(FAULT_KINDS)}")
     return args
 
 
@@ -766,6 +866,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+    print(
+        f"fleet: seed {args.seed} (reproduce: scripts/fleet.py --nodes {args.nodes} --minutes {args.minutes:g} "
+        f"--seed {args.seed}{' --load' if args.load else ''}{' --faults ' + args.faults if args.faults else ''})",
+        flush=True,
+    )
     netns.ensure_tools()
     removed = netns.clean_leftovers()
     if removed:
@@ -809,13 +914,14 @@ def main(argv: list[str] | None = None) -> int:
         f"failed={result['pulls_failed']} recomputed={result['recomputed']} faults={len(result['faults'])} "
         f"recovered={result['recovered']} violations={len(result['violations'])} "
         f"pulls/s={result['pulls_per_s']} p50={result['p50_ms']}ms p99={result['p99_ms']}ms "
-        + ("OK" if ok else "FAILED")
+        f"seed={result['seed']}{' load' if args.load else ''} " + ("OK" if ok else "FAILED")
     )
     return 0 if ok else 1
 
 
 def _kill_all(fleet: Fleet) -> None:
     """Whatever is still running (an interrupted run): SIGCONT, SIGKILL, by pid."""
+    load.stop_hogs(fleet.hogs)
     procs = [e.process for e in fleet.engines] + [d.process for d in fleet.daemons]
     for p in procs:
         if p is not None and p.poll() is None:
