@@ -77,6 +77,9 @@ from kvd.layout.geometry import expand_strided
 from kvd_client.errors import Internal, InvalidArgument, KvdError, PeerUnavailable, Unavailable
 
 logger = logging.getLogger(__name__)
+# NIXL's status when a peer agent's metadata could not be loaded because the peer's UCX side went
+# away meanwhile (its worker died, its daemon restarted): the peer is unavailable, not its metadata bad.
+REMOTE_DISCONNECT = "NIXL_ERR_REMOTE_DISCONNECT"
 
 LOCAL = LOCAL_AGENT
 T = TypeVar("T")
@@ -498,6 +501,8 @@ class NixlAgent:
             try:
                 name = self.agent.add_remote_agent(metadata)
             except Exception as exc:  # NIXL raises its own exception types here
+                if REMOTE_DISCONNECT in str(exc):  # the peer went away while it loaded: not bad metadata
+                    raise PeerUnavailable(f"peer agent gone while its metadata was loaded: {exc}") from exc
                 raise InvalidArgument(f"peer agent metadata rejected by NIXL: {exc}") from exc
             name = _agent_name(name)
             try:
