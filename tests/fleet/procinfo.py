@@ -11,6 +11,7 @@ memory, reported apart as well.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -46,6 +47,20 @@ def status_bytes(pid: int, *keys: str) -> list[int]:
 
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def fd_kinds(pid: int) -> dict[str, int]:
+    """``pid``'s open fds by kind: ``socket``, ``pipe``, ``anon_inode:[eventfd]``..., or the file's path."""
+    kinds: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            kind = target.split(":[", 1)[0] if target.startswith(("socket:", "pipe:")) else target
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
 def mapping_rss(pid: int, size: int) -> int:

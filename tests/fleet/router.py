@@ -51,12 +51,14 @@ DOCUMENTED = frozenset(
         "HeldKvEvicted",
         "ResourceExhausted",
         "FailedPrecondition",
+        "Cancelled",  # a call still running when a stopping daemon's servers stop (failure-rules.md, SIGTERM)
     }
 )
 RETRYABLE = frozenset({"Unavailable", "PeerUnavailable", "ResourceExhausted"})
 # A StartPull failed with exactly one of these got no answer from the daemon (the call's deadline,
-# a dropped connection, a daemon not serving yet): the pull may have started, so it is asked again.
-UNANSWERED = (errors.DeadlineExceeded, errors.Unavailable)
+# a dropped connection, a daemon not serving yet, a call cut off by a stopping daemon's servers):
+# the pull may have started, so it is asked again.
+UNANSWERED = (errors.DeadlineExceeded, errors.Unavailable, errors.Cancelled)
 LOST_AFTER_S = 60.0  # a pull (or an unanswered StartPull) not ended this long after its deadline is lost
 UNANSWERED_RETRY_S = 0.5  # the wait before an unanswered StartPull or GetTransfer is asked again
 # Failures of the harness's own engines (not kvd's): an engine the run killed, or one that is full.
@@ -179,6 +181,7 @@ class Router:
         self.deadline_s = deadline_s
         self.tally = Tally()
         self._next = 0
+        self.t0 = time.monotonic()  # undocumented failures say when, from here
 
     async def open(self) -> None:
         self.clients = [AsyncKvdClient(a, tls=self.tls, timeout_s=3.0) for a in self.addresses]
@@ -198,7 +201,7 @@ class Router:
         self.tally.failures[name] += 1
         self.tally.failure_ops[f"{op}:{name}"] += 1
         if name not in DOCUMENTED:
-            self.tally.undocumented.append(f"{op}: {name}: {str(err)[:200]}")
+            self.tally.undocumented.append(f"{op}: {name} @{time.monotonic() - self.t0:.1f}s: {str(err)[:200]}")
         return name
 
     def _pick(self, role: str, avoid: frozenset[str] | set[str] = frozenset(), not_node: int = -1) -> EngineRef:

@@ -78,6 +78,8 @@ class DaemonProc:
     expect_exit: bool = False
     stopped: bool = False
     clean_stops: set[int] = dataclasses.field(default_factory=set)  # epochs the run ended by SIGTERM
+    ready: bool = False  # its ready file was written (samples are taken only then)
+    fd_peaks: dict[int, tuple[int, dict[str, int]]] = dataclasses.field(default_factory=dict)  # epoch -> fds, kinds
     samples: dict[int, list[procinfo.Sample]] = dataclasses.field(default_factory=dict)  # epoch -> samples
 
 
@@ -205,6 +207,7 @@ class Fleet:
         d.epoch += 1
         d.expect_exit = False
         d.stopped = False
+        d.ready = False
         d.started_at = self.now()
         d.samples[d.epoch] = []
 
@@ -219,6 +222,7 @@ class Fleet:
                 raise RuntimeError(f"daemon n{d.node} not ready after {timeout_s}s:\n{self.log_tail(d)}")
             await asyncio.sleep(0.1)
         d.incarnation = json.loads(ready.read_text()).get("incarnation", "")
+        d.ready = True
 
     def log_tail(self, d: DaemonProc, lines: int = 30) -> str:
         path = self.run_dir / f"n{d.node}.daemon.log"
@@ -294,10 +298,17 @@ class Fleet:
         while True:
             for d in self.daemons:
                 # Not while the run stops or restarts it: its quiet level is measured while it serves.
-                if d.process is not None and d.process.poll() is None and not d.stopped and not d.expect_exit:
+                alive = d.process is not None and d.process.poll() is None
+                if alive and d.ready and not d.stopped and not d.expect_exit:
+                    assert d.process is not None
                     s = await asyncio.to_thread(procinfo.sample, d.process.pid, self.now(), STAGING_POOL_BYTES)
                     if s is not None:
                         d.samples[d.epoch].append(s)
+                        first = d.samples[d.epoch][0]
+                        peak = d.fd_peaks.get(d.epoch, (first.fds + 16, {}))[0]
+                        if s.fds > peak:  # what the fds are, for a report on their growth
+                            kinds = await asyncio.to_thread(procinfo.fd_kinds, d.process.pid)
+                            d.fd_peaks[d.epoch] = (s.fds, kinds)
             await asyncio.sleep(3.0)
 
     async def progress(self) -> None:
@@ -641,8 +652,13 @@ class Fleet:
                     )
                 if last.staging_rss > STAGING_POOL_BYTES:
                     self.violations.append(f"n{d.node}: staging RSS {last.staging_rss} over its pool")
+                if epoch in d.fd_peaks:
+                    row["fd_peak"] = {"fds": d.fd_peaks[epoch][0], "kinds": d.fd_peaks[epoch][1]}
                 if last.fds > first.fds + 32:
-                    self.violations.append(f"n{d.node} (epoch {epoch}): fds grew {first.fds} -> {last.fds}")
+                    self.violations.append(
+                        f"n{d.node} (epoch {epoch}): fds grew {first.fds} -> {last.fds} (at their peak: "
+                        f"{row.get('fd_peak')})"
+                    )
         return out
 
     async def shutdown(self) -> dict[str, Any]:
