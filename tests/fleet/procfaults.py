@@ -18,6 +18,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,6 +29,15 @@ MID_READ_WAIT_S = 10.0  # how long a worker fault waits for a pull in flight on 
 PROBE_LIMIT_S = 60.0  # a node that serves no exact pull this long after a fault has not recovered
 REREGISTER_LIMIT_S = 60.0  # engines not registered with a restarted daemon by then: a violation
 HEARTBEAT_TIMEOUT_S = 5.0  # the daemon's default dataplane_heartbeat_timeout_s (the fleet keeps it)
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (a daemon's data-plane workers: the serving one, the spare)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
 
 
 class ProcessFaults:
@@ -102,6 +112,9 @@ class ProcessFaults:
         pid, restarts = status.dataplane_pid, status.dataplane_restarts
         if not pid:
             raise RuntimeError(f"n{node} reports no data-plane worker")
+        daemon = fleet.daemons[node].process
+        assert daemon is not None
+        others = [c for c in children(daemon.pid) if c != pid]  # the spare, ready or starting, if any
         t_signal = time.monotonic()
         os.kill(pid, sig)
         row: dict[str, Any] = {
@@ -112,6 +125,7 @@ class ProcessFaults:
             "mid_read": mid_read,
             "in_flight": status.transfers_in_flight,
             "admitted": status.admitted_reads,
+            "spare": bool(others),
         }
         self.worker_recovery.append(row)
         probe = asyncio.create_task(self.probe_until_exact(node, t_signal))
@@ -132,7 +146,8 @@ class ProcessFaults:
         if again:
             fleet.violations.append(f"n{node}: engines {again} registered again after {r.kind} (they must keep theirs)")
         r.detail = (
-            f"pid {pid}{' mid-read' if mid_read else ' (no pull in flight)'}, replaced in "
+            f"pid {pid}{' mid-read' if mid_read else ' (no pull in flight)'}"
+            f"{'' if others else ', no spare worker yet'}, replaced in "
             f"{row.get('replaced_s')}s ({row.get('reason')}), exact pull after {row['exact_pull_s']}s"
         )
 

@@ -815,7 +815,8 @@ def print_table(r: dict[str, Any]) -> None:
         rows.append(
             (
                 f"{w['kind']} n{w['node']} @{w['at_s']}s",
-                f"{'mid-read' if w['mid_read'] else 'no pull in flight'}: worker replaced in {w.get('replaced_s')}s "
+                f"{'mid-read' if w['mid_read'] else 'no pull in flight'}"
+                f"{'' if w['spare'] else ', no spare worker yet'}: worker replaced in {w.get('replaced_s')}s "
                 f"({w.get('reason')}), exact pull again after {w['exact_pull_s']}s",
             )
         )
