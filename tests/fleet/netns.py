@@ -29,6 +29,7 @@ HUB_ADDR = f"{SUBNET}.254"
 CLONE_NEWNET = 0x40000000
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-")
 SHM_DIR = Path("/dev/shm")
+KEPT = "KEPT"  # in a run folder: the run ended and kept it on purpose; later runs leave it alone
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -104,6 +105,8 @@ def clean_leftovers() -> list[str]:
             removed.append(str(path))
     for path in Path("/tmp").glob("kvd-fleet-*"):
         tail = path.name.rsplit("-", 1)[-1]
+        if (path / KEPT).exists():  # a run that ended and kept its logs (failed, or --keep): the operator's
+            continue
         if tail.isdigit() and not _alive(int(tail)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))

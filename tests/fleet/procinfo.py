@@ -49,16 +49,43 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+TCP_STATES = {"01": "established", "06": "time_wait", "08": "close_wait", "0A": "listen"}
+
+
+def _tcp_sockets(pid: int) -> dict[str, str]:
+    """inode -> "tcp <serving :port, or out> <remote address> <state>" for the TCP sockets in ``pid``'s netns."""
+    out = {}
+    lines = []
+    for table in ("tcp", "tcp6"):  # gRPC's sockets may be IPv6 ones with IPv4-mapped addresses
+        with contextlib.suppress(OSError):
+            lines += Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+    for line in lines:
+        f = line.split()
+        if len(f) > 9:
+            local_port = int(f[1].split(":")[1], 16)
+            remote_hex = f[2].split(":")[0][-8:]  # IPv4, or the IPv4 of a mapped IPv6 address
+            remote = ".".join(str(int(remote_hex[i : i + 2], 16)) for i in (6, 4, 2, 0))
+            state = TCP_STATES.get(f[3], f[3])
+            side = f"serving :{local_port}" if local_port in (50151, 9464) else "out"
+            out[f[9]] = f"tcp {side} {remote if state != 'listen' else ''} {state}".replace("  ", " ")
+    return out
+
+
 def fd_kinds(pid: int) -> dict[str, int]:
-    """``pid``'s open fds by kind: ``socket``, ``pipe``, ``anon_inode:[eventfd]``..., or the file's path."""
+    """``pid``'s open fds by kind: a TCP socket by its side, peer address and state, ``socket``
+    (unix and others), ``pipe``, ``anon_inode:[eventfd]``..., or the file's path."""
     kinds: dict[str, int] = {}
+    tcp = _tcp_sockets(pid)
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-            kind = target.split(":[", 1)[0] if target.startswith(("socket:", "pipe:")) else target
+            if target.startswith("socket:["):
+                kind = tcp.get(target[8:-1], "socket")
+            else:
+                kind = target.split(":[", 1)[0] if target.startswith("pipe:") else target
             kinds[kind] = kinds.get(kind, 0) + 1
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 

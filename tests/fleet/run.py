@@ -924,6 +924,7 @@ def main(argv: list[str] | None = None) -> int:
     if ok and not args.keep:
         shutil.rmtree(run_dir, ignore_errors=True)
     else:
+        (run_dir / netns.KEPT).touch()
         print(f"fleet: logs in {run_dir}")
     print(f"fleet: report {out}")
     print(
