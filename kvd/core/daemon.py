@@ -404,6 +404,7 @@ class Daemon(HolderReads, DataPlaneRestarts):
         if self.registry.current(rank) is not rank:
             return
         self.registry.remove(rank.engine_id, rank.tp_rank)
+        self._keep_for_early_reads(rank)
         for transfer in self.transfers.in_flight():
             if transfer.engine_id == rank.engine_id and transfer.tp_rank == rank.tp_rank and transfer.task:
                 transfer.task.cancel(f"engine {rank.engine_id} rank {rank.tp_rank}: {reason}")
@@ -419,6 +420,28 @@ class Daemon(HolderReads, DataPlaneRestarts):
                 self.metrics.held_bytes.remove(rank.engine_id, str(rank.tp_rank), state)
         logger.info("unregistered engine %s rank %d: %s", rank.engine_id, rank.tp_rank, reason)
         await self._mem.fence(rank.memory)
+
+    def _keep_for_early_reads(self, rank: EngineRank) -> None:
+        """A rank that goes while its engine has leases out may still be read by a READ posted
+        beside its admission (never admitted, so never pinned: docs/lifetimes.md, "A READ beside
+        its admission"). Its mapping is then retired, not freed, until the last lease with a
+        reader rank neither admitted nor done could still be read: its expiry plus
+        ``read_admission_margin_s`` (readers post early only before the expiry their lease
+        names). Unmapped memory read by a peer crashes the worker serving it (UCX over TCP
+        reads it itself)."""
+        if rank.require_commits:
+            return  # readers of a rank that commits after leasing are admitted first
+        leases = [
+            lease for lease in self.leases.every() if lease.engine_id == rank.engine_id and _may_get_a_reader(lease)
+        ]
+        loop = self._loop
+        if not leases or loop is None:
+            return
+        until = max(lease.expires_at for lease in leases) + self.config.read_admission_margin_s
+        key = f"early-reads/{rank.registration_id}"
+        memory = rank.memory
+        self._mem.taint(memory, key)
+        loop.call_later(max(0.0, until - time.monotonic()), self._mem.prove, memory, key)
 
     # --- engine stream ---------------------------------------------------------------------------
 
@@ -1016,3 +1039,9 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _may_get_a_reader(lease: Lease) -> bool:
+    """Whether a reader rank of the lease is neither done nor admitted: its READ may yet come."""
+    seen = lease.done_readers | {admission.reader_rank for admission in lease.admissions.values()}
+    return not lease.reader_tp_size or len(seen) < lease.reader_tp_size

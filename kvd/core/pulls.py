@@ -642,7 +642,7 @@ class Puller:
             plan, remote_ranks = await self._plan_layout(session, transfer, rank, remote)
         except _StaleHandshake:
             return False  # the sequential way handshakes again
-        if plan.staging_bytes or plan.postprocess is not None:
+        if plan.staging_bytes or plan.postprocess is not None or not _lease_unexpired(remote):
             return False
         if not all(remote_ranks[r].early_reads for r in plan.remote_ranks):
             return False
@@ -801,6 +801,12 @@ class Puller:
         for pool in self._staging.values():
             pool.lost = True
         self._staging.clear()
+
+
+def _lease_unexpired(remote: TransferParams) -> bool:
+    """Whether the lease's expiry (as its params name it, wall clock) is still ahead: past it, the
+    holder no longer keeps a gone engine's memory for an early READ (Daemon._keep_for_early_reads)."""
+    return not remote.lease_expires_unix_ms or remote.lease_expires_unix_ms > time.time() * 1000
 
 
 def _names_the_leased_registrations(session: PeerSession, remote: TransferParams) -> bool:

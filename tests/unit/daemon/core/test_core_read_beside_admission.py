@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 
+from kvtest import small_spec
 from lifetime_fakes import Fabric, Gate
 from test_core_lifetimes import (
     DONE,
     FAILED,
     HOLD_BLOCKS,
+    HOLDER,
     LOCAL_BLOCKS,
     NUM_TOKENS,
     READING,
@@ -26,6 +28,7 @@ from test_core_lifetimes import (
     make_pair,
     run,
     settle,
+    sweep_round,
 )
 
 from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
@@ -243,5 +246,34 @@ def test_lease_end_reasons_are_unchanged_by_early_parts(fabric: Fabric) -> None:
         assert p.holder.metric("kvd_leases_ended_total", reason=LeaseEnd.READ.value) == 1
         assert p.holder.metric("kvd_leases_ended_total", reason=LeaseEnd.EXPIRED.value) == 0
         assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_holder_rank_that_goes_with_an_unread_lease_is_kept_retired_until_the_lease_could_no_longer_be_read(
+    fabric: Fabric,
+) -> None:
+    """The holder's engine unregisters while a lease of it has no reader yet: a reader may still
+    post a READ beside its admission (never admitted, never pinned), so the mapping is retired
+    (throw-away pages, never unmapped) until the lease's expiry plus the admission margin, then
+    freed by the sweeper. A rank whose lease is being read by every reader rank is freed at once
+    (test_core_lifetimes: the holder unregisters during an admitted read)."""
+
+    async def scenario() -> None:
+        holder = await fabric.start_node(HOLDER, read_admission_margin_s=0.05)
+        hrank = await fabric.register(holder, "eng-h", small_spec(8))
+        lease, _ = holder.daemon.hold("eng-h", "req-1", HOLD_BLOCKS, NUM_TOKENS, ttl_s=0.2)
+        memory = hrank.memory
+
+        await holder.daemon.unregister_engine("eng-h", 0)
+        await settle(holder)
+        assert memory.retired and memory in holder.daemon.memories.quarantine
+        assert holder.metric("kvd_quarantined_bytes") == memory.size_bytes
+
+        await asyncio.sleep(0.3)  # past the lease's expiry plus the margin
+        await sweep_round(holder)
+        assert memory not in holder.daemon.memories.quarantine
+        assert holder.metric("kvd_quarantined_bytes") == 0
+        assert_settled(holder)
 
     run(fabric, scenario)
