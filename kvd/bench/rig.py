@@ -336,11 +336,12 @@ class RawReader:
             raise errors.PeerUnavailable(f"raw NIXL read failed ({state})")
         return elapsed
 
-    def read_step(self, count: int) -> list[float]:
+    def read_step(self, count: int, timeout_s: float = 60.0) -> list[float]:
         """An engine step's worth of raw READs: ``count`` READs of the whole scratch, each into a
         slot of its own, all posted before any is polled, then polled together until every one
         is DONE; seconds from the first post to each READ's DONE (the raw side of a batched step:
-        what one bare agent does for ``count`` pulls with no control path at all)."""
+        what one bare agent does for ``count`` pulls with no control path at all). A step not
+        done within ``timeout_s`` fails the bench rather than hanging it."""
         if count > self.slots:
             raise ValueError(f"a raw step of {count} READs needs {count} slots of {self.nbytes} bytes")
         zero = np.array([0], np.int32)
@@ -352,7 +353,11 @@ class RawReader:
         pending = {i: self.agent.transfer(handle) for i, handle in enumerate(handles)}
         elapsed = [0.0] * count
         failed = ""
+        deadline = t0 + timeout_s
         while pending:
+            if time.perf_counter() > deadline:
+                failed = f"{len(pending)} of {count} READs not done in {timeout_s:.0f} s"
+                break
             for i, state in list(pending.items()):
                 if state == "PROC":
                     pending[i] = self.agent.check_xfer_state(handles[i])
@@ -362,7 +367,11 @@ class RawReader:
                 if state != "DONE":
                     failed = state
         for handle in handles:
-            handle.release()
+            if not failed:
+                handle.release()
+                continue
+            with contextlib.suppress(Exception):  # NIXL may refuse to release a READ still posted
+                handle.release()
         if failed:
             raise errors.PeerUnavailable(f"raw NIXL read failed ({failed})")
         return elapsed
