@@ -18,7 +18,7 @@ included), their open fds, and how many pulls the daemon has ended (``kvd_transf
 ``max(2 min, 20 %)`` of the run: until then the daemon keeps a record of every finished pull (for
 ``GetTransfer`` and the watches after the end: docs/lifetimes.md, "Bounded caches and pools"), so
 its memory grows with each pull by design, and the staging pool and the allocators' arenas fill.
-At this machine's pace (about 4 pulls a second into each daemon) that takes about 17 minutes: a
+At this machine's pace (3-4 pulls a second into each daemon) that takes about 20 minutes: a
 shorter soak cannot say whether memory is flat, and says so. **Flat** means: for each daemon, the
 least-squares slope of its total RssAnon (control + workers) over the samples after warm-up (at
 least 5 minutes of them) is at most ``--flat-mib-per-min`` (0.25 MiB a minute: 15 MiB an hour),
