@@ -655,6 +655,7 @@ class Puller:
         admission = asyncio.ensure_future(
             self._admit(session, transfer, rank, remote, plan, remote_ranks, read_id=read_id)
         )
+        admission.add_done_callback(_retrieved)  # a pull cancelled while posting never awaits it
         posting: KvdError | None = None
         try:
             self._begin_reading(transfer, plan)
@@ -801,6 +802,11 @@ class Puller:
         for pool in self._staging.values():
             pool.lost = True
         self._staging.clear()
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _lease_unexpired(remote: TransferParams) -> bool:
