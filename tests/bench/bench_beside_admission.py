@@ -42,9 +42,7 @@ async def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         names = ["holder", *WAYS]
         envs = [None, *(child_env(KVD_READ_BESIDE_ADMISSION=v) for v in WAYS.values())]
-        launches = [
-            launch_daemon(workdir, f"d{i}", ["--log-level", "WARNING"], env=env) for i, env in enumerate(envs)
-        ]
+        launches = [launch_daemon(workdir, f"d{i}", ["--log-level", "WARNING"], env=env) for i, env in enumerate(envs)]
         stack.callback(stop_launches, launches)
         daemons = dict(zip(names, (wait_ready(launch, ready_timeout_s=120.0) for launch in launches), strict=True))
         capacity = max(args.batch, 1)

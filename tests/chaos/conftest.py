@@ -2,10 +2,11 @@
 
 Every test here runs ``--chaos-repeat`` times (5 by default, which keeps CI's whole run under an
 hour on a loaded 2-core machine; 10 or more before believing a change to a lifetime;
-``KVD_CHAOS_REPEAT`` or the flag to change it; ``@pytest.mark.chaos_rounds(N)`` caps a test whose one round takes a minute and whose
-every case is covered within N rounds); round 0 runs beside a CPU load generator (a busy process
-per core), because lifetimes races show most when the daemons are starved. Tests that take the
-``ucx_env`` fixture run over UCX TCP and over UCX's default transports (shared memory, CMA, TCP as UCX picks).
+``KVD_CHAOS_REPEAT`` or the flag to change it; ``@pytest.mark.chaos_rounds(N)`` caps a test whose
+one round takes a minute and whose every case is covered within N rounds); round 0 runs beside
+a CPU load generator (a busy process per core), because lifetimes races show most when the
+daemons are starved. Tests that take the ``ucx_env`` fixture run over UCX TCP and over UCX's
+default transports (shared memory, CMA, TCP as UCX picks).
 """
 
 from __future__ import annotations
