@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvd.core import notif
 from kvd.core.leases import Admission, AdmissionEnd, Lease
 from kvd.core.local_memory import LocalMemory, Memories
-from kvd.core.peers import HandshakeInfo, PrepareResult, RemoteEngine
+from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult, RemoteEngine
 from kvd.layout import groups as kv_groups
 from kvd_client.errors import (
     FailedPrecondition,
@@ -208,31 +208,23 @@ class HolderReads:
             self._connect_poll_end = loop.call_at(loop.time() + CONNECT_POLL_S + 0.01, self._poll_fast_while_admitted)
 
     async def prepare_pull(
-        self,
-        *,
-        lease_id: str,
-        engine_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        reader_tp_rank: int,
-        reader_tp_size: int,
-        remote_tp_ranks: Sequence[int],
-        reader_address: str = "",
-        reader_incarnation: str = "",
-        reader_transfer_id: str = "",
-        read_timeout_s: float = 0.0,
-        group_block_ids: Sequence[Sequence[int]] = (),
-        read_id: str = "",
-        registration_ids: Sequence[int] = (),
+        self, request: PrepareRequest, *, reader_address: str = "", reader_incarnation: str = ""
     ) -> PrepareResult:
         """Admit a reader's read of a lease, after waiting (bounded) for committed tokens.
 
         The admission pins the holder ranks' memory until the read is over (see kvd.core.leases).
-        ``read_id``: the reader named its read (its READ may have been posted beside this call
-        and its notification be here already: kvd.core.early_reads). ``registration_ids``: the
-        registrations it planned against; another one now refuses the read, admitting nothing
-        (an early READ's parts are then never counted: the lease stays whole for a retry).
+        ``request.read_id``: the reader named its read (its READ may have been posted beside this
+        call and its notification be here already: kvd.core.early_reads).
+        ``request.registration_ids``: the registrations it planned against; another one now
+        refuses the read, admitting nothing (an early READ's parts are then never counted: the
+        lease stays whole for a retry). ``reader_address`` labels metrics and logs.
         """
+        lease_id, engine_id, block_ids = request.lease_id, request.engine_id, request.block_ids
+        num_tokens, remote_tp_ranks = request.num_tokens, request.remote_tp_ranks
+        reader_tp_rank, reader_tp_size = request.reader_tp_rank, request.reader_tp_size
+        read_timeout_s, read_id = request.read_timeout_s, request.read_id
+        reader_transfer_id, registration_ids = request.reader_transfer_id, request.registration_ids
+        group_block_ids = request.group_block_ids
         self.require_serving()
         if read_id and not notif.valid_read_id(read_id):
             raise InvalidArgument(

@@ -25,11 +25,12 @@ Event-loop only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
-from kvd.core.peers import HandshakeInfo, PeerTransport, PrepareResult
+from kvd.core.peers import HandshakeInfo, PeerTransport, PrepareRequest, PrepareResult
 from kvd_client.errors import DeadlineExceeded
 
 logger = logging.getLogger(__name__)
@@ -44,22 +45,7 @@ class LocalHolder(Protocol):
     def incarnation(self) -> str: ...
 
     async def prepare_pull(
-        self,
-        *,
-        lease_id: str,
-        engine_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        reader_tp_rank: int,
-        reader_tp_size: int,
-        remote_tp_ranks: Sequence[int],
-        reader_address: str = "",
-        reader_incarnation: str = "",
-        reader_transfer_id: str = "",
-        read_timeout_s: float = 0.0,
-        group_block_ids: Sequence[Sequence[int]] = (),
-        read_id: str = "",
-        registration_ids: Sequence[int] = (),
+        self, request: PrepareRequest, *, reader_address: str = "", reader_incarnation: str = ""
     ) -> PrepareResult: ...
 
     def abandon_pull(
@@ -103,61 +89,16 @@ class LoopbackTransport:
             self._own.discard(address)
         return info
 
-    async def prepare_pull(
-        self,
-        address: str,
-        *,
-        lease_id: str,
-        engine_id: str,
-        block_ids: tuple[int, ...],
-        num_tokens: int,
-        reader_tp_rank: int,
-        reader_tp_size: int,
-        remote_tp_ranks: tuple[int, ...],
-        reader_transfer_id: str,
-        read_timeout_s: float,
-        timeout_s: float,
-        group_block_ids: tuple[tuple[int, ...], ...] = (),
-        read_id: str = "",
-        registration_ids: tuple[int, ...] = (),
-    ) -> PrepareResult:
+    async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult:
         if address not in self._own:
-            groups = {"group_block_ids": group_block_ids} if group_block_ids else {}
-            return await self._peers.prepare_pull(
-                address,
-                lease_id=lease_id,
-                engine_id=engine_id,
-                block_ids=block_ids,
-                num_tokens=num_tokens,
-                reader_tp_rank=reader_tp_rank,
-                reader_tp_size=reader_tp_size,
-                remote_tp_ranks=remote_tp_ranks,
-                reader_transfer_id=reader_transfer_id,
-                read_timeout_s=read_timeout_s,
-                timeout_s=timeout_s,
-                read_id=read_id,
-                registration_ids=registration_ids,
-                **groups,
-            )
+            return await self._peers.prepare_pull(address, request, timeout_s)
+        local = dataclasses.replace(request, read_timeout_s=max(0.001, request.read_timeout_s))
         return await _within(
             timeout_s,
             "prepare pull",
             address,
             lambda: self._holder.prepare_pull(
-                lease_id=lease_id,
-                engine_id=engine_id,
-                block_ids=list(block_ids),
-                num_tokens=num_tokens,
-                reader_tp_rank=reader_tp_rank,
-                reader_tp_size=reader_tp_size,
-                remote_tp_ranks=list(remote_tp_ranks),
-                reader_address=address,
-                reader_incarnation=self._holder.incarnation,
-                reader_transfer_id=reader_transfer_id,
-                read_timeout_s=max(0.001, read_timeout_s),
-                group_block_ids=group_block_ids,
-                read_id=read_id,
-                registration_ids=registration_ids,
+                local, reader_address=address, reader_incarnation=self._holder.incarnation
             ),
         )
 

@@ -102,6 +102,25 @@ class HandshakeInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class PrepareRequest:
+    """A reader's PreparePull: the read it asks the holder to admit (peer.proto's
+    PreparePullRequest, less what the transport adds: the reader's incarnation and address)."""
+
+    lease_id: str
+    engine_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    reader_tp_rank: int
+    reader_tp_size: int
+    remote_tp_ranks: tuple[int, ...]  # the holder's ranks the reader will read
+    reader_transfer_id: str = ""  # with the reader's incarnation it names the admitted read
+    read_timeout_s: float = 0.0  # how long the reader may still read; 0: the holder's transfer_deadline_s
+    group_block_ids: tuple[tuple[int, ...], ...] = ()  # the lease's groups after group 0 (hybrid models)
+    read_id: str = ""  # the reader's name for the read: its READ is posted beside the admission
+    registration_ids: tuple[int, ...] = ()  # the holder registrations planned against (checked with read_id)
+
+
+@dataclasses.dataclass(frozen=True)
 class PrepareResult:
     registration_ids: tuple[int, ...]
     notif_tag: str
@@ -113,24 +132,7 @@ class PeerTransport(Protocol):
 
     async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo: ...
 
-    async def prepare_pull(
-        self,
-        address: str,
-        *,
-        lease_id: str,
-        engine_id: str,
-        block_ids: tuple[int, ...],
-        num_tokens: int,
-        reader_tp_rank: int,
-        reader_tp_size: int,
-        remote_tp_ranks: tuple[int, ...],
-        reader_transfer_id: str,
-        read_timeout_s: float,
-        timeout_s: float,
-        group_block_ids: tuple[tuple[int, ...], ...] = (),
-        read_id: str = "",
-        registration_ids: tuple[int, ...] = (),
-    ) -> PrepareResult: ...
+    async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult: ...
 
     async def abandon_pull(
         self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float

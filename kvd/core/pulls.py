@@ -47,6 +47,7 @@ from kvd.core.peers import (
     Peers,
     PeerSession,
     PeerTransport,
+    PrepareRequest,
     PrepareResult,
     RemoteAgent,
     RemoteEngine,
@@ -526,22 +527,22 @@ class Puller:
         holder_spec = remote_ranks[pull_plan.remote_ranks[0]].view.spec
         planned = self._planned_registrations(pull_plan, remote_ranks)
         try:
-            prepared = await self._transport.prepare_pull(
-                remote.daemon_address,
+            request = PrepareRequest(
                 lease_id=remote.lease_id,
                 engine_id=remote.engine_id,
                 block_ids=tuple(remote.block_ids[: holder_spec.blocks_for(remote.num_tokens)]),
                 num_tokens=remote.num_tokens,
                 reader_tp_rank=rank.tp_rank,
                 reader_tp_size=rank.spec.tp_size,
-                remote_tp_ranks=pull_plan.remote_ranks,
+                remote_tp_ranks=tuple(pull_plan.remote_ranks),
                 reader_transfer_id=transfer.transfer_id,
                 read_timeout_s=max(0.001, transfer.started + transfer.deadline_s - time.monotonic()),
-                timeout_s=self.config.commit_wait_s + self.config.handshake_timeout_s,
                 group_block_ids=self._remote_groups(remote),
                 read_id=read_id,
                 registration_ids=planned if read_id else (),
             )
+            timeout_s = self.config.commit_wait_s + self.config.handshake_timeout_s
+            prepared = await self._transport.prepare_pull(remote.daemon_address, request, timeout_s)
         except (UnknownEngine, StaleRegistration) as exc:  # the holder's ranks changed (registered again)
             raise _StaleHandshake("holder ranks changed", exc) from exc
         except KvdError as exc:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvd.core.peers import HandshakeInfo, PrepareResult
+from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult
 from kvd.server import convert
 from kvd.server.peer_stream import OPERATIONS, PeerStreamCaller, StreamUnsupported
 from kvd_client.channel import PEER_CHANNEL_OPTIONS
@@ -129,46 +129,29 @@ class GrpcPeerTransport:
         response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
         return convert.handshake_from_pb(response)
 
-    async def prepare_pull(
-        self,
-        address: str,
-        *,
-        lease_id: str,
-        engine_id: str,
-        block_ids: tuple[int, ...],
-        num_tokens: int,
-        reader_tp_rank: int,
-        reader_tp_size: int,
-        remote_tp_ranks: tuple[int, ...],
-        reader_transfer_id: str,
-        read_timeout_s: float,
-        timeout_s: float,
-        group_block_ids: tuple[tuple[int, ...], ...] = (),
-        read_id: str = "",
-        registration_ids: tuple[int, ...] = (),
-    ) -> PrepareResult:
-        request = peer_pb2.PreparePullRequest(
-            lease_id=lease_id,
-            engine_id=engine_id,
-            block_ids=list(block_ids),
-            num_tokens=num_tokens,
+    async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult:
+        message = peer_pb2.PreparePullRequest(
+            lease_id=request.lease_id,
+            engine_id=request.engine_id,
+            block_ids=list(request.block_ids),
+            num_tokens=request.num_tokens,
             reader_incarnation=self._own_incarnation(),
-            reader_tp_rank=reader_tp_rank,
-            reader_tp_size=reader_tp_size,
-            remote_tp_ranks=list(remote_tp_ranks),
+            reader_tp_rank=request.reader_tp_rank,
+            reader_tp_size=request.reader_tp_size,
+            remote_tp_ranks=list(request.remote_tp_ranks),
             reader_address=self._own_address(),
-            reader_transfer_id=reader_transfer_id,
-            read_timeout_ms=max(1, int(read_timeout_s * 1000)),
-            group_block_ids=[b for ids in group_block_ids for b in ids],
-            group_block_counts=[len(ids) for ids in group_block_ids],
-            read_id=read_id,
-            registration_ids=list(registration_ids),
+            reader_transfer_id=request.reader_transfer_id,
+            read_timeout_ms=max(1, int(request.read_timeout_s * 1000)),
+            group_block_ids=[b for ids in request.group_block_ids for b in ids],
+            group_block_counts=[len(ids) for ids in request.group_block_ids],
+            read_id=request.read_id,
+            registration_ids=list(request.registration_ids),
         )
         response = await self._peer_call(
             address,
             "prepare pull",
             "prepare_pull",
-            request,
+            message,
             timeout_s,
         )
         return PrepareResult(tuple(response.registration_ids), response.notif_tag, response.verify_after_read)

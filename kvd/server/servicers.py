@@ -15,6 +15,7 @@ from kvd.core.daemon import Daemon, PullOrder
 from kvd.core.events import EngineEvent, FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.holdchecks import HoldCheckCommand, SchedulerChannel, SchedulerCommandItem
 from kvd.core.leases import Lease
+from kvd.core.peers import PrepareRequest
 from kvd.core.registry import EngineRank
 from kvd.server import convert
 from kvd.server.edge import bounded, rpc
@@ -317,22 +318,24 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     async def _prepare_pull(self, request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
         result = await self.daemon.prepare_pull(
-            lease_id=request.lease_id,
-            engine_id=request.engine_id,
-            block_ids=list(request.block_ids),
-            num_tokens=request.num_tokens,
-            reader_tp_rank=request.reader_tp_rank,
-            reader_tp_size=request.reader_tp_size,
-            remote_tp_ranks=list(request.remote_tp_ranks),
+            PrepareRequest(
+                lease_id=request.lease_id,
+                engine_id=request.engine_id,
+                block_ids=tuple(request.block_ids),
+                num_tokens=request.num_tokens,
+                reader_tp_rank=request.reader_tp_rank,
+                reader_tp_size=request.reader_tp_size,
+                remote_tp_ranks=tuple(request.remote_tp_ranks),
+                reader_transfer_id=request.reader_transfer_id,
+                read_timeout_s=request.read_timeout_ms / 1000,
+                group_block_ids=convert.group_ids_from_pb(
+                    request.group_block_ids, request.group_block_counts, "prepare pull"
+                ),
+                read_id=request.read_id,
+                registration_ids=tuple(request.registration_ids),
+            ),
             reader_address=request.reader_address,
             reader_incarnation=request.reader_incarnation,
-            reader_transfer_id=request.reader_transfer_id,
-            read_timeout_s=request.read_timeout_ms / 1000,
-            group_block_ids=convert.group_ids_from_pb(
-                request.group_block_ids, request.group_block_counts, "prepare pull"
-            ),
-            read_id=request.read_id,
-            registration_ids=list(request.registration_ids),
         )
         return peer_pb2.PreparePullResponse(
             registration_ids=list(result.registration_ids),

@@ -33,7 +33,7 @@ from kvd.core import notif
 from kvd.core.dataplane import LOCAL, AgentIdentity, NixlRegion, Xfer, XferState
 from kvd.core.memory import MemoryKind, RegionRequest
 from kvd.core.metrics import Metrics
-from kvd.core.peers import HandshakeInfo, PrepareResult
+from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult
 from kvd.core.registry import EngineRank
 from kvd.dataplane_protocol import MappedRegion
 from kvd.layout.geometry import expand_strided
@@ -534,46 +534,18 @@ class FakePeerTransport:
         holder.require_serving()
         return holder.handshake_info()
 
-    async def prepare_pull(
-        self,
-        address: str,
-        *,
-        lease_id: str,
-        engine_id: str,
-        block_ids: tuple[int, ...],
-        num_tokens: int,
-        reader_tp_rank: int,
-        reader_tp_size: int,
-        remote_tp_ranks: tuple[int, ...],
-        reader_transfer_id: str,
-        read_timeout_s: float,
-        timeout_s: float,
-        read_id: str = "",
-        registration_ids: tuple[int, ...] = (),
-        group_block_ids: tuple[tuple[int, ...], ...] = (),
-    ) -> PrepareResult:
-        self.prepares.append(dict(address=address, lease_id=lease_id, reader_transfer_id=reader_transfer_id))
-        if read_id:  # its READ may be posted already, under the tag it names
-            self._tags.setdefault(reader_transfer_id, []).append(notif.tag(lease_id, read_id))
+    async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult:
+        reader_transfer_id = request.reader_transfer_id
+        self.prepares.append(dict(address=address, lease_id=request.lease_id, reader_transfer_id=reader_transfer_id))
+        if request.read_id:  # its READ may be posted already, under the tag it names
+            self._tags.setdefault(reader_transfer_id, []).append(notif.tag(request.lease_id, request.read_id))
         if self.prepare_gate is not None:
             await self.prepare_gate.passage()
         if address in self.prepare_answers:
             result = self.prepare_answers[address]
         else:
             result = await self._holder(address).prepare_pull(
-                lease_id=lease_id,
-                engine_id=engine_id,
-                block_ids=list(block_ids),
-                num_tokens=num_tokens,
-                reader_tp_rank=reader_tp_rank,
-                reader_tp_size=reader_tp_size,
-                remote_tp_ranks=list(remote_tp_ranks),
-                reader_address=self.own_address,
-                reader_incarnation=self.own_incarnation(),
-                reader_transfer_id=reader_transfer_id,
-                read_timeout_s=read_timeout_s,
-                read_id=read_id,
-                registration_ids=registration_ids,
+                request, reader_address=self.own_address, reader_incarnation=self.own_incarnation()
             )
         if result.notif_tag not in self._tags.get(reader_transfer_id, []):
             self._tags.setdefault(reader_transfer_id, []).append(result.notif_tag)

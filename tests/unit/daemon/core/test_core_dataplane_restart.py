@@ -36,6 +36,7 @@ from test_core_lifetimes import (
 from kvd.core.dataplane import LOCAL
 from kvd.core.events import FinishedRecving, LoadFailed
 from kvd.core.local_memory import LocalMemory, MemoryState
+from kvd.core.peers import PrepareRequest
 from kvd.core.transfers import Transfer
 from kvd.core.workers import WorkerStartFailed
 from kvd.layout.spec import KvLayout
@@ -321,13 +322,15 @@ def test_while_the_holder_restarts_registrations_handshakes_and_prepare_pull_are
             holder.handshake_info()
         with pytest.raises(Unavailable):
             await holder.prepare_pull(
-                lease_id=lease.lease_id,
-                engine_id="eng-h",
-                block_ids=HOLD_BLOCKS,
-                num_tokens=NUM_TOKENS,
-                reader_tp_rank=0,
-                reader_tp_size=1,
-                remote_tp_ranks=[0],
+                PrepareRequest(
+                    lease_id=lease.lease_id,
+                    engine_id="eng-h",
+                    block_ids=tuple(HOLD_BLOCKS),
+                    num_tokens=NUM_TOKENS,
+                    reader_tp_rank=0,
+                    reader_tp_size=1,
+                    remote_tp_ranks=(0,),
+                )
             )
         transfer = p.reader.daemon.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, params)
         await ended(transfer)

@@ -4,13 +4,14 @@ incarnation go to its holder in the process; every other call goes to the peer t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from kvd.core.loopback import LoopbackTransport
-from kvd.core.peers import HandshakeInfo, PrepareResult
+from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult
 from kvd_client.errors import DeadlineExceeded, UnknownLease
 
 OWN = "inc-own"
@@ -31,7 +32,7 @@ class Inner:
         self.calls.append(("handshake", address))
         return _info(self.incarnations[address])
 
-    async def prepare_pull(self, address: str, **kw: Any) -> PrepareResult:
+    async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult:
         self.calls.append(("prepare_pull", address))
         return PrepareResult((9,), "peer-tag")
 
@@ -64,8 +65,8 @@ class Holder:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.prepare_s = prepare_s
 
-    async def prepare_pull(self, **kw: Any) -> PrepareResult:
-        self.calls.append(("prepare_pull", kw))
+    async def prepare_pull(self, request: PrepareRequest, **kw: Any) -> PrepareResult:
+        self.calls.append(("prepare_pull", {**dataclasses.asdict(request), **kw}))
         await asyncio.sleep(self.prepare_s)
         return PrepareResult((1,), "own-tag", verify_after_read=True)
 
@@ -85,7 +86,7 @@ class Holder:
         return 1
 
 
-PREPARE = dict(
+PREPARE = PrepareRequest(
     lease_id="L",
     engine_id="p",
     block_ids=(1, 2),
@@ -95,7 +96,6 @@ PREPARE = dict(
     remote_tp_ranks=(0,),
     reader_transfer_id="T",
     read_timeout_s=5.0,
-    timeout_s=1.0,
 )
 
 
@@ -107,11 +107,11 @@ def test_calls_to_this_daemon_stay_in_the_process_with_its_reader_identity() -> 
         assert transport.is_self("self:1") and not transport.is_self("self:2")
         assert ("forget", "self:1") in inner.calls  # the channel the handshake opened is closed
         inner.calls.clear()
-        result = await transport.prepare_pull("self:1", **PREPARE)  # type: ignore[arg-type]
+        result = await transport.prepare_pull("self:1", PREPARE, 1.0)
         assert result == PrepareResult((1,), "own-tag", verify_after_read=True)
         (name, kw), *_ = holder.calls
         assert name == "prepare_pull" and kw["reader_incarnation"] == OWN and kw["reader_transfer_id"] == "T"
-        assert kw["lease_id"] == "L" and kw["block_ids"] == [1, 2] and kw["read_timeout_s"] == 5.0
+        assert kw["lease_id"] == "L" and kw["block_ids"] == (1, 2) and kw["read_timeout_s"] == 5.0
         await transport.finish_read("self:1", "L", 0, "T", 1.0)
         assert await transport.renew_leases("self:1", ["L", "gone"], 1.0) == ["gone"]
         await transport.release_leases("self:1", ["L"], "done", 1.0)
@@ -135,7 +135,7 @@ def test_calls_to_peers_go_to_the_network_and_a_reused_address_stops_being_self(
         inner, holder = Inner(), Holder()
         transport = LoopbackTransport(inner, holder)  # type: ignore[arg-type]
         await transport.handshake("peer:1", 1.0)
-        await transport.prepare_pull("peer:1", **PREPARE)  # type: ignore[arg-type]
+        await transport.prepare_pull("peer:1", PREPARE, 1.0)
         await transport.renew_leases("peer:1", ["L"], 1.0)
         assert [name for name, _ in inner.calls] == ["handshake", "prepare_pull", "renew_leases"]
         assert holder.calls == []
@@ -154,6 +154,6 @@ def test_a_local_prepare_past_its_timeout_is_deadline_exceeded() -> None:
         transport = LoopbackTransport(Inner(), Holder(prepare_s=5.0))  # type: ignore[arg-type]
         await transport.handshake("self:1", 1.0)
         with pytest.raises(DeadlineExceeded, match="this daemon"):
-            await transport.prepare_pull("self:1", **{**PREPARE, "timeout_s": 0.05})  # type: ignore[arg-type]
+            await transport.prepare_pull("self:1", PREPARE, 0.05)
 
     asyncio.run(main())

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvd.core.peers import PrepareRequest
 from kvd.server.peer_stream import PeerStreamCaller, serve_peer_stream
 from kvd_client.errors import Internal, InvalidArgument, LeaseExpired, PeerUnavailable, UnknownLease
 from kvd_client.v1 import peer_pb2, peer_pb2_grpc
@@ -232,8 +233,7 @@ def test_a_holder_without_the_stream_is_called_with_unary_rpcs() -> None:
         address = f"127.0.0.1:{port}"
         try:
             for lease in ("a", "b"):
-                result = await transport.prepare_pull(
-                    address,
+                request = PrepareRequest(
                     lease_id=lease,
                     engine_id="e",
                     block_ids=(1,),
@@ -243,8 +243,8 @@ def test_a_holder_without_the_stream_is_called_with_unary_rpcs() -> None:
                     remote_tp_ranks=(0,),
                     reader_transfer_id="t",
                     read_timeout_s=5,
-                    timeout_s=5,
                 )
+                result = await transport.prepare_pull(address, request, 5)
                 assert result.notif_tag == f"tag-{lease}"
             assert holder.unary == 2
         finally:
