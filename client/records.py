@@ -10,6 +10,7 @@ Imports neither grpc nor protobuf (message classes are passed in).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -30,7 +31,15 @@ M = TypeVar("M")
 
 def field_names(record_type: type[Record]) -> tuple[str, ...]:
     """The record's (and its message's) field names, in proto order."""
-    return tuple(f.name for f in dataclasses.fields(record_type))
+    return tuple(name for name, _, _ in _schema(record_type))
+
+
+@functools.cache
+def _schema(record_type: type[Record]) -> tuple[tuple[str, type, bool], ...]:
+    """(name, scalar type, repeated) of each field, in proto order: read once per record type
+    (reading the annotations is most of a conversion's cost, and every pull converts its
+    ``KvTransferParams``). The record types are the generated module's: a fixed, small set."""
+    return tuple((f.name, *_element_type(f)) for f in dataclasses.fields(record_type))
 
 
 def _element_type(field: dataclasses.Field[Any]) -> tuple[type, bool]:
@@ -54,17 +63,16 @@ def from_fields(record_type: type[R], fields: Mapping[str, Any]) -> R:
     coerced raises ``TypeError`` or ``ValueError``.
     """
     values: dict[str, Any] = {}
-    for field in dataclasses.fields(record_type):
-        if field.name not in fields:
+    for name, scalar, repeated in _schema(record_type):
+        if name not in fields:
             continue
-        scalar, repeated = _element_type(field)
-        raw = fields[field.name]
+        raw = fields[name]
         if repeated:
             if isinstance(raw, str | bytes | Mapping):
-                raise TypeError(f"{record_type.PROTO}.{field.name} must be a sequence, got {type(raw).__name__}")
-            values[field.name] = tuple(scalar(v) for v in raw)
+                raise TypeError(f"{record_type.PROTO}.{name} must be a sequence, got {type(raw).__name__}")
+            values[name] = tuple(scalar(v) for v in raw)
         else:
-            values[field.name] = scalar(raw)
+            values[name] = scalar(raw)
     return record_type(**values)
 
 
@@ -86,7 +94,13 @@ def to_message(record: Record, message_type: type[M]) -> M:
 def from_message(record_type: type[R], message: Any) -> R:
     """The record of a protobuf message of the record's ``PROTO`` type."""
     _check(record_type.PROTO, type(message))
-    return from_fields(record_type, {name: getattr(message, name) for name in field_names(record_type)})
+    # from_fields without its dict of the message's fields: a message has every field, and its
+    # repeated fields are never a str, bytes or mapping (every pull converts one of these).
+    values: dict[str, Any] = {}
+    for name, scalar, repeated in _schema(record_type):
+        raw = getattr(message, name)
+        values[name] = tuple(map(scalar, raw)) if repeated else scalar(raw)
+    return record_type(**values)
 
 
 def _check(proto: str, message_type: type) -> None:

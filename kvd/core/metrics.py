@@ -2,13 +2,103 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as _Counter
+from prometheus_client import Gauge as _Gauge
+from prometheus_client import Histogram as _Histogram
 from prometheus_client.metrics_core import Metric
 
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _Children:
+    """A labelled metric's children by the label values as given, beside prometheus_client's own
+    table (keyed by their strings): ``labels()`` there checks the values, makes a tuple of their
+    strings and takes a lock on every call, and the pull path calls it several times per pull
+    (in a profile of batched pulls, 7 % of the holder's CPU at one call site). A hit is one dict
+    lookup; a miss, a ``remove`` or a ``clear`` takes the lock, and the last two forget every
+    cached child (they are rare: an engine unregistered), so a removed child is never handed out."""
+
+    def __init__(self) -> None:
+        self.by_values: dict[tuple[Any, ...], Any] = {}
+        self.lock = threading.Lock()
+
+    def get(self, values: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        try:
+            child = self.by_values.get(values)
+        except TypeError:  # an unhashable value: prometheus_client's path, uncached
+            return make()
+        if child is None:
+            with self.lock:
+                child = self.by_values[values] = make()
+        return child
+
+    def forget(self, drop: Callable[[], None]) -> None:
+        with self.lock:
+            drop()
+            self.by_values = {}
+
+
+def _children_of(metric: Any) -> _Children:
+    """The metric's cache of children, made on first use (prometheus_client makes a labelled
+    metric's children through its constructor: no attribute of ours is set there)."""
+    children: _Children | None = metric.__dict__.get("_kvd_children")
+    if children is None:
+        children = metric.__dict__.setdefault("_kvd_children", _Children())
+    return children
+
+
+class Counter(_Counter):
+    """prometheus_client's Counter, its labelled children cached (:class:`_Children`)."""
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Counter:
+        if labelkwargs:
+            return super().labels(*labelvalues, **labelkwargs)
+        children = _children_of(self)
+        return children.get(labelvalues, lambda: super(Counter, self).labels(*labelvalues))
+
+    def remove(self, *labelvalues: Any) -> None:
+        _children_of(self).forget(lambda: super(Counter, self).remove(*labelvalues))
+
+    def clear(self) -> None:
+        _children_of(self).forget(super().clear)
+
+
+class Gauge(_Gauge):
+    """prometheus_client's Gauge, its labelled children cached (:class:`_Children`)."""
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Gauge:
+        if labelkwargs:
+            return super().labels(*labelvalues, **labelkwargs)
+        children = _children_of(self)
+        return children.get(labelvalues, lambda: super(Gauge, self).labels(*labelvalues))
+
+    def remove(self, *labelvalues: Any) -> None:
+        _children_of(self).forget(lambda: super(Gauge, self).remove(*labelvalues))
+
+    def clear(self) -> None:
+        _children_of(self).forget(super().clear)
+
+
+class Histogram(_Histogram):
+    """prometheus_client's Histogram, its labelled children cached (:class:`_Children`)."""
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Histogram:
+        if labelkwargs:
+            return super().labels(*labelvalues, **labelkwargs)
+        children = _children_of(self)
+        return children.get(labelvalues, lambda: super(Histogram, self).labels(*labelvalues))
+
+    def remove(self, *labelvalues: Any) -> None:
+        _children_of(self).forget(lambda: super(Histogram, self).remove(*labelvalues))
+
+    def clear(self) -> None:
+        _children_of(self).forget(super().clear)
 
 
 class Metrics:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from kvd.core.params import TransferParams
@@ -20,6 +20,27 @@ RequestKey = tuple[str, int, str]
 
 # Finished transfers kept for GetTransfer / WatchTransfer after they end.
 KEEP_FINISHED = 4096
+
+
+class _TransferIds:
+    """Transfer ids as ``uuid.uuid4().hex`` makes them (122 random bits, version 4, RFC 4122
+    variant), drawn from one ``os.urandom`` call per 256 ids: ``uuid4`` (a syscall and a UUID
+    object per id) showed in a profile of batched pulls, about 4 % of the reader's CPU."""
+
+    BATCH = 256
+    _CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
+    _SET = (0x8000 << 48) | (4 << 76)
+
+    def __init__(self) -> None:
+        self._random = b""
+        self._at = 0
+
+    def next(self) -> str:
+        if self._at >= len(self._random):
+            self._random, self._at = os.urandom(16 * self.BATCH), 0
+        value = int.from_bytes(self._random[self._at : self._at + 16], "big")
+        self._at += 16
+        return f"{value & self._CLEAR | self._SET:032x}"
 
 
 class TransferState(enum.Enum):
@@ -126,6 +147,7 @@ class TransferTable:
         self._live: dict[str, Transfer] = {}
         self._latest: dict[RequestKey, Transfer] = {}
         self._final_listeners: list[Callable[[Transfer], None]] = []
+        self._ids = _TransferIds()
 
     def on_final(self, listener: Callable[[Transfer], None]) -> None:
         """Call ``listener`` with each transfer as it ends (final, its error set), in the call that
@@ -134,7 +156,7 @@ class TransferTable:
         self._final_listeners.append(listener)
 
     def new(self, **fields: object) -> Transfer:
-        transfer = Transfer(transfer_id=uuid.uuid4().hex, _on_final=self._ended, **fields)  # type: ignore[arg-type]
+        transfer = Transfer(transfer_id=self._ids.next(), _on_final=self._ended, **fields)  # type: ignore[arg-type]
         self._transfers[transfer.transfer_id] = transfer
         self._live[transfer.transfer_id] = transfer
         if transfer.request_id:

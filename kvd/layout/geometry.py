@@ -70,6 +70,24 @@ class DescGeometry:
         idx = (np.asarray(plane, dtype=np.int64) * self.run_classes + log2) * self.num_units + position
         return idx.astype(np.int32)
 
+    def index_every_plane(self, start: np.ndarray, log2_len: np.ndarray) -> np.ndarray:
+        """Table indices of the runs ``(first unit, log2 of length)`` in every plane, plane by plane:
+        :meth:`index` of each plane repeated over the runs, each run tiled over the planes, without
+        building those arrays. A run sits at the same position of every plane's block, so each
+        plane's indices are the first plane's offset by the plane's base (int32 for NIXL)."""
+        first, _, _ = self._residue_offsets()
+        base = _plane_bases(len(self.planes), self.run_classes * self.num_units)
+        log2 = np.asarray(log2_len, dtype=np.int64)
+        units = np.asarray(start, dtype=np.int64)
+        if units.size == 1:  # one run (a one-block pull): its offset in Python ints, one numpy add
+            unit, c = int(units[0]), int(log2[0])
+            return (
+                base + (c * self.num_units + int(first[(1 << c) - 1 + (unit & ((1 << c) - 1))]) + (unit >> c))
+            ).astype(np.int32)
+        residue = units & ((np.int64(1) << log2) - 1)
+        offset = log2 * self.num_units + first[(np.int64(1) << log2) - 1 + residue] + (units >> log2)
+        return (base[:, None] + offset[None, :]).reshape(-1).astype(np.int32)
+
     def _runs_at(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(plane, first unit, log2 of length) of table indices: the inverse of :meth:`index`."""
         idx = np.asarray(indices, dtype=np.int64)
@@ -136,6 +154,14 @@ class DescGeometry:
     def nbytes_of(self, log2_len: np.ndarray) -> int:
         """Bytes moved by runs of these lengths."""
         return int(((np.int64(1) << log2_len.astype(np.int64)) * self.unit_bytes).sum())
+
+
+@functools.lru_cache(maxsize=256)
+def _plane_bases(planes: int, plane_size: int) -> np.ndarray:
+    """The first table index of each plane (cached: every pull of a geometry offsets the same ones)."""
+    bases = np.arange(planes, dtype=np.int64) * plane_size
+    bases.flags.writeable = False
+    return bases
 
 
 @functools.lru_cache(maxsize=256)

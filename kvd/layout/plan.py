@@ -145,14 +145,10 @@ def _same_layout_group(
     pair whose limits differ, prepared on that pair's first pull.)"""
     max_run_log2 = min(local_geo.max_run_log2, remote_geo.max_run_log2)
     local_start, remote_start, log2_len, _ = split_runs(local_units, remote_units, max_run_log2)
-    pieces = log2_len.size
-    plane = np.repeat(np.arange(len(local_geo.planes), dtype=np.int64), pieces)
-    local_idx = local_geo.index(
-        plane, np.tile(local_start, len(local_geo.planes)), np.tile(log2_len, len(local_geo.planes))
-    )
-    remote_idx = remote_geo.index(
-        plane, np.tile(remote_start, len(remote_geo.planes)), np.tile(log2_len, len(remote_geo.planes))
-    )
+    # Plane by plane, each plane's runs at the same positions: the first plane's indices offset
+    # by each plane's base (no per-plane arrays built per pull).
+    local_idx = local_geo.index_every_plane(local_start, log2_len)
+    remote_idx = remote_geo.index_every_plane(remote_start, log2_len)
     nbytes = local_geo.nbytes_of(log2_len) * len(local_geo.planes)
     return ReadGroup(remote_rank, remote_geo, remote_idx, Target.ENGINE, local_geo, local_idx, nbytes)
 

@@ -368,24 +368,35 @@ def check_request(message: Message | Malformed, where: str = "") -> Message:
     return message
 
 
+# What a set field's value is when the field is not repeated (anything else is a container).
+# A tuple made once: the union ``str | bytes | Message | int | float`` written in the loop was
+# built again for every field of every request, and with the field's name (formatted whether
+# or not it was needed) it made this check about 50 us per pull of a StartPulls on a loaded machine.
+_SINGLE = (str, bytes, Message, int, float)
+_PLAIN = frozenset((str, bytes, int, float, bool))  # the usual scalars, by type: no isinstance walk
+
+
 def _check_bounds(message: Message, where: str) -> None:
     for field, value in message.ListFields():
-        name = f"{where}{field.name}"
-        repeated = not isinstance(value, str | bytes | Message | int | float)  # a repeated container
+        repeated = type(value) not in _PLAIN and not isinstance(value, _SINGLE)  # a repeated container
         if repeated and len(value) > MAX_REPEATED:
-            raise InvalidArgument(f"{name} has {len(value)} entries; at most {MAX_REPEATED} are accepted")
-        if field.type == FieldDescriptor.TYPE_STRING:
+            raise InvalidArgument(f"{where}{field.name} has {len(value)} entries; at most {MAX_REPEATED} are accepted")
+        kind = field.type
+        if kind == _STRING:
             for text in value if repeated else (value,):
                 if len(text) > MAX_STRING_BYTES:
                     raise InvalidArgument(
-                        f"{name} is {len(text)} characters ({clip(text, 40)!r}); "
+                        f"{where}{field.name} is {len(text)} characters ({clip(text, 40)!r}); "
                         f"at most {MAX_STRING_BYTES} are accepted"
                     )
-        elif field.type == FieldDescriptor.TYPE_MESSAGE and not (
-            field.message_type.GetOptions().map_entry if field.message_type else False
-        ):
+        elif kind == _MESSAGE and not (field.message_type.GetOptions().map_entry if field.message_type else False):
+            name = f"{where}{field.name}."
             for item in value if repeated else (value,):
-                _check_bounds(item, f"{name}.")
+                _check_bounds(item, name)
+
+
+_STRING = FieldDescriptor.TYPE_STRING
+_MESSAGE = FieldDescriptor.TYPE_MESSAGE
 
 
 # -- the interceptor -----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 from hypothesis import given, settings
@@ -235,6 +236,17 @@ def test_table_in_flight_follows_each_transfer_to_its_end(
     assert table.in_flight() == [new]
     new.advance(F)
     assert not table.any_in_flight() and table.in_flight() == []
+
+
+def test_transfer_ids_are_version_4_uuids_never_repeated() -> None:
+    """Ids drawn from the batched random source are what uuid4().hex made: 32 hex digits, version
+    4, RFC 4122 variant, distinct across several batches of random bytes."""
+    table = TransferTable()
+    ids = [table.new(**_fields()).transfer_id for _ in range(3 * transfers._TransferIds.BATCH + 7)]
+    assert len(set(ids)) == len(ids)
+    for transfer_id in ids:
+        parsed = uuid.UUID(hex=transfer_id)
+        assert parsed.hex == transfer_id and parsed.version == 4 and parsed.variant == uuid.RFC_4122
 
 
 def test_table_get_unknown() -> None:

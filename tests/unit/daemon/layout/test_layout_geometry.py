@@ -156,6 +156,20 @@ def test_index_names_the_row_of_each_run(geo: DescGeometry) -> None:
 
 
 @settings(max_examples=200, deadline=None)
+@given(geo=_geometries(), data=st.data())
+def test_index_every_plane_is_index_of_each_plane_in_turn(geo: DescGeometry, data: st.DataObject) -> None:
+    """index_every_plane(start, log2) is index() with the runs tiled over the planes, plane by
+    plane (what a same-layout plan reads: every plane's runs at the same units)."""
+    log2 = np.array(data.draw(st.lists(st.integers(0, geo.max_run_log2), max_size=8)), dtype=np.int64)
+    start = np.array([data.draw(st.integers(0, geo.num_units - 1)) for _ in log2], dtype=np.int64)
+    planes = len(geo.planes)
+    expected = geo.index(np.repeat(np.arange(planes), log2.size), np.tile(start, planes), np.tile(log2, planes))
+    got = geo.index_every_plane(start, log2)
+    assert got.dtype == np.int32
+    assert np.array_equal(got, expected)
+
+
+@settings(max_examples=200, deadline=None)
 @given(geo=_geometries(), device=st.integers(0, 7))
 def test_the_compressed_table_is_the_table_in_a_few_rows_none_overlapping(geo: DescGeometry, device: int) -> None:
     """strided() (NIXL's Nx5 form) expands to exactly descriptors(); each row's descriptors are
