@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/kvtest.py helpers
 
-from kvd.cli.spawn import DaemonProcess, start_daemon
+from kvd.spawn import DaemonProcess, start_daemon
 
 # Every /dev/shm file of the run is removed however its processes end; the session fails if a
 # test left one behind (tests/shm_guard.py).

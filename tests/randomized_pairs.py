@@ -35,11 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvd.cli.spawn import DaemonProcess, launch_daemon, wait_ready
 from kvd.layout import oracle
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import KvFormat, KvLayout, LayoutSpec, contiguous_placements
 from kvd.server import convert
+from kvd.spawn import DaemonProcess, launch_daemon, wait_ready
 from kvd_client import KvdClient, errors
 from kvd_client.shm import create_shm_tensor, new_shm_name, unlink_shm
 from kvd_client.v1 import common_pb2

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvd.cli.spawn import DaemonProcess, launch_daemon, stop_launches, wait_ready
+from kvd.spawn import DaemonProcess, launch_daemon, stop_launches, wait_ready
 from kvd_client import errors
 from kvd_client.aio import AsyncKvdClient
 from kvd_client.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc, router_pb2

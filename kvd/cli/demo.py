@@ -13,8 +13,8 @@ import contextlib
 import tempfile
 from pathlib import Path
 
-from kvd.cli.spawn import start_owned
 from kvd.core.metrics_text import counters_that_moved
+from kvd.spawn import start_owned
 
 
 def run_demo(args: argparse.Namespace) -> int:

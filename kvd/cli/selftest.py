@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvd.cli.selftest_parts import PatternMismatch, PullMeasurement, raw_nixl_reads, timed_pull
-from kvd.cli.spawn import launch_owned, stop_launches, wait_ready
 from kvd.cli.tls import TlsFlagsError, tls_flags, tls_from_args
 from kvd.layout.spec import contiguous_placements
+from kvd.spawn import launch_owned, stop_launches, wait_ready
 from kvd_client import KvdClient, errors
 from kvd_client.channel import TlsConfig, is_unix_target
 from kvd_client.v1 import common_pb2

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.bench.rig import BLOCK_BYTES, Engine, RawReader, hold_many, scratch_engine_id
-from kvd.cli.spawn import child_env, launch_daemon, stop_launches, wait_ready
+from kvd.spawn import child_env, launch_daemon, stop_launches, wait_ready
 from kvd_client.aio import AsyncKvdClient
 
 WAYS = {"beside": "true", "admission first": "false"}

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtest import ShmEngine, llama_spec
 
-from kvd.cli.spawn import start_daemon
+from kvd.spawn import start_daemon
 from kvd_client.v1 import common_pb2
 
 

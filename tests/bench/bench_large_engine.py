@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_fresh_blocks import _pull
 from kvtest import ShmEngine, llama_spec
 
-from kvd.cli.spawn import start_daemon
+from kvd.spawn import start_daemon
 
 PULL_BLOCKS = 64
 

@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm_harness import VllmEngine, tiny_model_dir  # noqa: E402
 
-from kvd.cli.spawn import DaemonProcess, start_daemon  # noqa: E402
+from kvd.spawn import DaemonProcess, start_daemon  # noqa: E402
 
 
 def _engine(model: Path, daemon: DaemonProcess, role: str, **extra: Any) -> VllmEngine:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvd.cli.spawn import child_env
+from kvd.spawn import child_env
 
 LOADED_ROUND = 0
 TRANSPORTS = {"tcp": {"UCX_TLS": "tcp"}, "default": {}}

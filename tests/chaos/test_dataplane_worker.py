@@ -37,7 +37,7 @@ import pytest
 import torch
 from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 
-from kvd.cli.spawn import DaemonProcess, child_env, launch_daemon, wait_ready
+from kvd.spawn import DaemonProcess, child_env, launch_daemon, wait_ready
 from kvd_client import KvdClient, errors
 from kvd_client.v1 import common_pb2
 

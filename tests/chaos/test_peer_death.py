@@ -8,7 +8,7 @@ import time
 import pytest
 from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 
-from kvd.cli.spawn import child_env
+from kvd.spawn import child_env
 from kvd_client import errors
 from kvd_client.v1 import common_pb2
 

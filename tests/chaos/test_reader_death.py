@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kvtest import ShmEngine, drain, gauges_settle, llama_spec, metric_value, scrape, wait_reading
 
-from kvd.cli.spawn import child_env
+from kvd.spawn import child_env
 from kvd_client import KvdClient, errors
 from kvd_client.shm import unlink_shm
 from kvd_client.v1 import common_pb2

@@ -20,7 +20,7 @@ import pytest
 import torch
 from kvtest import ShmEngine, drain, gauges_settle, llama_spec, wait_reading
 
-from kvd.cli.spawn import child_env
+from kvd.spawn import child_env
 from kvd_client import KvdClient, errors
 from kvd_client.shm import unlink_shm
 from kvd_client.v1 import common_pb2

@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from fleet.router import ENGINE_SIDE, EngineRef, Router, engine_call
-from kvd.cli.spawn import DaemonProcess, launch_daemon, wait_ready
 from kvd.core import metrics_text
 from kvd.core.transfers import KEEP_FINISHED
+from kvd.spawn import DaemonProcess, launch_daemon, wait_ready
 from kvd_client import errors
 from kvd_client.v1 import common_pb2
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.cli.spawn import start_daemon
+from kvd.spawn import start_daemon
 
 pytestmark = pytest.mark.integration
 

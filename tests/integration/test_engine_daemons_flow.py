@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvd.cli.spawn import DaemonProcess, start_daemon
 from kvd.demo.reference_engine import AcceptancePattern, ReferenceEngine, oracle_next_token
+from kvd.spawn import DaemonProcess, start_daemon
 from kvd_engine.cache_layout import KvFormat, KvLayout
 from kvd_engine.config import KvdConnectorConfig
 from kvd_engine.local import kvd_connectors

@@ -20,7 +20,7 @@ import pytest
 from release_kit import REPO, base_python, clean_env, one, run
 
 import kvd
-from kvd.cli.spawn import DaemonProcess, Launch, wait_ready
+from kvd.spawn import DaemonProcess, Launch, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 

@@ -37,10 +37,10 @@ import torch
 from engine_proc import engine_spec
 from kvtest import metric_value, scrape
 
-from kvd.cli.spawn import DaemonProcess, child_env
 from kvd.layout import oracle
 from kvd.layout.plan import EngineView
 from kvd.layout.spec import contiguous_placements
+from kvd.spawn import DaemonProcess, child_env
 from kvd_client import KvdClient, errors
 from kvd_client.shm import unlink_shm
 from kvd_client.v1 import common_pb2

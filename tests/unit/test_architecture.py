@@ -81,6 +81,19 @@ def test_the_client_imports_neither_the_daemon_nor_the_engine_patch() -> None:
     assert _importers_of(("kvd", "kvd_engine"), within="kvd_client") == []
 
 
+def test_the_bench_sits_below_the_cli() -> None:
+    """kvd.bench is what `kvd bench` runs; the CLI imports it, never the other way (the daemon
+    processes both start come from kvd.spawn, below both)."""
+    bad = [
+        f"{name} imports {imported}"
+        for name, path in _modules("kvd")
+        if name.startswith("kvd.bench")
+        for imported in sorted(_imports(name, path))
+        if imported == "kvd.cli" or imported.startswith("kvd.cli.")
+    ]
+    assert bad == []
+
+
 def test_the_engine_patch_imports_no_daemon_code() -> None:
     """An engine loads kvd_engine and kvd_client only: the daemon package stays out of its process."""
     assert _importers_of(("kvd",), within="kvd_engine") == []

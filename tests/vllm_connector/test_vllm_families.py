@@ -37,7 +37,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm_family_harness import FamilyEngine, model_dir, state_block, state_bytes
 
-from kvd.cli.spawn import DaemonProcess
+from kvd.spawn import DaemonProcess
 from kvd_client.errors import UnsupportedModelFeature
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]

@@ -41,7 +41,7 @@ from test_vllm_real_daemons import (
 from vllm.v1.request import RequestStatus
 from vllm_harness import LAYERS, VllmEngine, expected_kv, tiny_model_dir
 
-from kvd.cli.spawn import DaemonProcess
+from kvd.spawn import DaemonProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

@@ -27,7 +27,7 @@ import torch
 from kvtest import metric_value, scrape
 from vllm_harness import LAYERS, VllmEngine, blocks_for, expected_kv, tiny_model_dir
 
-from kvd.cli.spawn import DaemonProcess
+from kvd.spawn import DaemonProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 

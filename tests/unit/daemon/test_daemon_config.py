@@ -370,7 +370,7 @@ def test_float_flags_round_trip_exactly() -> None:
 
 _ALLOWED_ENV_READERS = {
     ("kvd/config.py", "resolve_config"),
-    ("kvd/cli/spawn.py", "child_env"),
+    ("kvd/spawn.py", "child_env"),
     ("kvd/server/startup.py", "apply_nixl_env"),  # writes UCX's variable from the config, reads nothing
 }
 
