@@ -629,6 +629,8 @@ class Puller:
         its leased blocks are final when leased (no commit to wait for) and it counts early
         notifications (RemoteEngine.early_reads), and the pull needs no staging. docs/lifetimes.md.
         """
+        if not _lease_unexpired(remote):
+            return False
         asked_at = time.monotonic()
         session = await self._session(remote)
         if not _names_the_leased_registrations(session, remote):
@@ -643,7 +645,7 @@ class Puller:
             plan, remote_ranks = await self._plan_layout(session, transfer, rank, remote)
         except _StaleHandshake:
             return False  # the sequential way handshakes again
-        if plan.staging_bytes or plan.postprocess is not None or not _lease_unexpired(remote):
+        if plan.staging_bytes or plan.postprocess is not None:
             return False
         if not all(remote_ranks[r].early_reads for r in plan.remote_ranks):
             return False
