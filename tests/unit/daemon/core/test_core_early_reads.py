@@ -9,27 +9,15 @@ from __future__ import annotations
 
 import pytest
 from lifetime_fakes import FakeClock
+from test_core_leases import Recorder
 
 from kvd.core import early_reads
 from kvd.core.early_reads import EarlyParts
-from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseEnd, LeaseTable
+from kvd.core.leases import AdmissionEnd, LeaseEnd, LeaseTable
 from kvd_client.errors import FailedPrecondition
 
 HOLD = 30.0
 READER = "incarnation/transfer-1"
-
-
-class Ends:
-    def __init__(self) -> None:
-        self.admissions: list[tuple[str, AdmissionEnd]] = []
-        self.leases: list[tuple[str, LeaseEnd]] = []
-
-    def admission_over(self, admission: Admission) -> None:
-        assert admission.ended is not None
-        self.admissions.append((admission.admission_id, admission.ended))
-
-    def lease_over(self, lease: Lease, how: LeaseEnd) -> None:
-        self.leases.append((lease.lease_id, how))
 
 
 @pytest.fixture
@@ -38,17 +26,17 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def ends() -> Ends:
-    return Ends()
+def ends() -> Recorder:
+    return Recorder()
 
 
 @pytest.fixture
-def table(clock: FakeClock, ends: Ends) -> LeaseTable:
+def table(clock: FakeClock, ends: Recorder) -> LeaseTable:
     return LeaseTable(clock=clock, on_admission_over=ends.admission_over, on_lease_over=ends.lease_over)
 
 
 def test_parts_that_arrive_before_the_admission_end_a_hard_read_once_it_claims_them(
-    table: LeaseTable, ends: Ends
+    table: LeaseTable, ends: Recorder
 ) -> None:
     lease = table.create("eng", "req", (0, 1), 32, ttl_s=HOLD)
     assert table.record_read(lease.lease_id, "read-1", 0, 2) is None
@@ -64,7 +52,7 @@ def test_parts_that_arrive_before_the_admission_end_a_hard_read_once_it_claims_t
     assert table.early_reads == 0 and table.open_admissions == 0
 
 
-def test_early_and_late_parts_of_one_read_add_up(table: LeaseTable, ends: Ends) -> None:
+def test_early_and_late_parts_of_one_read_add_up(table: LeaseTable, ends: Recorder) -> None:
     lease = table.create("eng", "req", (0, 1), 32, ttl_s=HOLD)
     table.record_read(lease.lease_id, "read-1", 1, 2)
     admission = table.admit(lease.lease_id, READER, 0, 1, HOLD, admission_id="read-1")
@@ -75,7 +63,7 @@ def test_early_and_late_parts_of_one_read_add_up(table: LeaseTable, ends: Ends) 
     assert admission.ended is AdmissionEnd.READ and ends.leases == [(lease.lease_id, LeaseEnd.READ)]
 
 
-def test_a_soft_read_counts_early_parts_but_ends_only_with_its_finish_read(table: LeaseTable, ends: Ends) -> None:
+def test_a_soft_read_counts_early_parts_but_ends_only_with_its_finish_read(table: LeaseTable, ends: Recorder) -> None:
     lease = table.create("eng", "req", (0,), 16, ttl_s=HOLD, soft=True)
     table.record_read(lease.lease_id, "read-1", 0, 1)
     admission = table.admit(lease.lease_id, READER, 0, 1, HOLD, admission_id="read-1")
