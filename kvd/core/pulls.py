@@ -361,14 +361,24 @@ class Puller:
             self._stale.append(held)
 
     async def _release_buffers(self, held: _PullResources) -> None:
-        lists = await asyncio.gather(*(asyncio.shield(f) for f in held.one_off_tables), return_exceptions=True)
-        held.one_off_tables.clear()
-        # Through the worker that prepared them: after a restart, ids mean nothing to the new one.
-        await held.plane.release_tables([t for t in lists if not isinstance(t, BaseException)])
+        """Hand back the pull's staging chunk and one-off lists (its reads are final).
+
+        The chunk goes back first and whatever the lists' release does: that call waits on the
+        worker, which may hang and be declared lost meanwhile (the lists then die with it), and a
+        chunk left out of its pool would stay counted in use for good."""
         if held.staging is not None:
             self.metrics.staging_bytes_in_use.dec(held.staging.size)
             held.staging.release()
             held.staging = None
+        lists = await asyncio.gather(*(asyncio.shield(f) for f in held.one_off_tables), return_exceptions=True)
+        held.one_off_tables.clear()
+        try:
+            # Through the worker that prepared them: after a restart, ids mean nothing to the new one.
+            await held.plane.release_tables([t for t in lists if not isinstance(t, BaseException)])
+        except KvdError as error:
+            if held.plane.alive:
+                raise
+            logger.debug("one-off lists went with their lost worker: %s", error.message)
 
     async def sweep(self) -> None:
         """Hand back what stale pulls held once NIXL finished their reads."""

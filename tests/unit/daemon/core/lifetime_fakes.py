@@ -172,6 +172,7 @@ class FakeDataPlane:
         self.read_gate: Gate | None = None  # set by a test to hold read() calls mid-post
         self.add_remote_gate: Gate | None = None  # set by a test to hold add_remote() calls
         self.add_remote_errors: list[BaseException] = []  # raised, one per add_remote() call, first
+        self.release_gate: Gate | None = None  # set by a test to hold release_tables() calls (a hung worker)
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -399,6 +400,9 @@ class FakeDataPlane:
             return
         if tables:
             self._require_started()
+            if self.release_gate is not None:  # a hung worker: the call fails if it dies meanwhile
+                await self.release_gate.passage()
+                self._require_started()
             self._release(tables)
 
     def _release(self, tables: Sequence[FakeTable]) -> None:

@@ -271,6 +271,34 @@ def test_reader_worker_lost_mid_converting_read_releases_no_list_in_the_new_work
     run(fabric, scenario)
 
 
+def test_a_converting_pull_whose_lists_are_released_while_the_worker_hangs_hands_its_staging_back(
+    fabric: Fabric,
+) -> None:
+    """The reads are final, and handing the pull's one-off lists back waits on a worker that hangs
+    and is then declared lost: that call fails, and the staging chunk must still go back to its
+    pool (it stayed counted in kvd_staging_bytes_in_use for good: a fleet's quiescence check)."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, small_spec(8, layout=KvLayout.HND), staging_pool_bytes=1 << 20)
+        dp = p.reader.dataplane
+        transfer, _ = p.pull()
+        xfers = await p.reading(transfer)
+        dp.release_gate = Gate()
+        for xfer in xfers:
+            dp.finish(xfer)
+        async with asyncio.timeout(SAFETY_TIMEOUT_S):
+            await dp.release_gate.arrived.reach(1)
+        dp.lose("hung")  # the heartbeat gave up on it
+        dp.release_gate.open()
+        await restarted(p.reader)
+        await ended(transfer)
+        await settle(p.reader, p.holder)
+        assert p.reader.metric("kvd_staging_bytes_in_use") == 0
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
 # --- 4. registrations, handshakes and PreparePull while the worker is replaced ----------------------
 
 
