@@ -84,3 +84,49 @@ def test_an_abandon_to_a_dropped_peer_leaves_no_channel_and_the_peer_is_reached_
                 await server.stop(None)
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+class SlowHolder(peer_pb2_grpc.PeerServiceServicer):
+    """Answers no AbandonPull until the test opens ``gate``; records each call's connection."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.connections: list[str] = []  # the caller's address:port of each AbandonPull
+
+    async def AbandonPull(
+        self, request: peer_pb2.AbandonPullRequest, context: grpc.aio.ServicerContext
+    ) -> peer_pb2.AbandonPullResponse:
+        self.connections.append(context.peer())
+        await self.gate.wait()
+        return peer_pb2.AbandonPullResponse()
+
+
+def test_abandons_in_flight_together_to_a_dropped_peer_share_one_connection_closed_after_the_last() -> None:
+    """A holder that restarts under load fails many pulls at once: their AbandonPulls must not
+    open a TCP connection each (the fleet counted 30-80 to one restarted peer)."""
+
+    async def scenario() -> None:
+        address = f"127.0.0.1:{_free_port()}"
+        holder = SlowHolder()
+        server = grpc.aio.server()
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(holder, server)
+        server.add_insecure_port(address)
+        await server.start()
+        transport = GrpcPeerTransport(lambda: "reader:1", lambda: "inc-r")
+        try:
+            calls = [
+                asyncio.ensure_future(transport.abandon_pull(address, f"lease-{i}", 0, f"t{i}", "peer died", 10.0))
+                for i in range(16)
+            ]
+            while len(holder.connections) < len(calls):
+                await asyncio.sleep(0.01)
+            assert len(set(holder.connections)) == 1, holder.connections
+            assert list(transport._abandon_channels) == [address] and transport._abandon_channels[address][1] == 16
+            holder.gate.set()
+            await asyncio.gather(*calls)
+            assert transport._abandon_channels == {} and address not in transport._channels
+        finally:
+            await transport.close()
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
