@@ -1,67 +1,47 @@
 """The worker's NIXL agent: one per worker incarnation, driven by one thread that owns it.
 
-This is the only module that talks to NIXL (it runs in the data-plane worker process, never in
-the control process: see kvd.dataplane_protocol). It turns NIXL's string states and exceptions into
-:class:`XferState` and kvd errors.
+This module runs in the data-plane worker process, never in the control process (see
+kvd.dataplane_protocol); with kvd.worker.nixl_setup (which creates the agent) and
+kvd.worker.nixl_reads (what a READ is and how it is cut) it is the only code that talks to NIXL.
+It turns NIXL's string states and exceptions into :class:`XferState` and kvd errors, and promises:
 
-**Threads.** Every call on the agent runs on the data plane's own thread (``kvd-nixl``), fed
-by a queue, except ``prep_xfer_dlist``: preparing a large table takes long, touches no UCX
-worker and runs under NIXL's agent lock, so it runs in the caller's thread pool. The owner
-thread also polls every posted transfer and NIXL's notifications, so UCX makes progress (it
-copies inside those polls) and no two threads ever drive the UCX worker at once.
+* **One thread drives NIXL.** Every call on the agent runs on the owner thread (``kvd-nixl``),
+  fed by a queue, except ``prep_xfer_dlist``: preparing a large table takes long, touches no UCX
+  worker and runs under NIXL's agent lock, so it runs in the caller's thread pool. The owner
+  thread also polls every posted READ and NIXL's notifications, so UCX makes progress (it copies
+  inside those polls) and no two threads ever drive the UCX worker at once.
+* **A READ is settled only once final.** NIXL cannot cancel a READ in flight (``release`` leaves
+  the UCX request running and its bytes still land), so a handle that is not final is never
+  released: it is polled until NIXL reports DONE or ERR, then released and reported settled
+  (``on_settled``). A final state is therefore the proof that no byte of the READ can land any
+  more; callers that give up on a READ keep its destination pinned until then (docs/lifetimes.md).
+* **Heartbeats are answered between NIXL calls.** Over shared memory UCX copies a READ within its
+  post, and meanwhile the owner thread answers nothing, the control process's heartbeat included.
+  So a READ larger than ``max_post_bytes`` is posted in pieces, one after the other (the next once
+  the previous is DONE), heartbeats answered between them and between the READs of one batch; the
+  READ is final when its last piece is, or when a piece ends in ERR (kvd.worker.nixl_reads).
+* **Large host READs may be copied by several threads** (opt-in: ``copy_threads`` > 1; the UCX
+  backend is then NIXL's thread pool). Such a READ is re-cut into equal descriptors for the
+  threads (kvd.worker.nixl_reads), and while it is in flight the owner thread polls it every
+  POLL_FAST_S without spinning: a spinning poller takes one of the copy threads' cores.
+* **An idle agent costs little.** With nothing to do the owner thread polls less and less often
+  (the POLL_* constants below), and not at all while no memory is registered; any call or a
+  reader's admission (``fast_poll_until``) wakes it at once.
+* **Callbacks run on the owner thread**: ``on_notifications``, ``on_settled`` and the answer of
+  :meth:`NixlAgent.post_reads`. The worker sends them to the control process straight from here
+  (kvd.worker.channel), without a hop through its event loop; they must not block.
 
-**Transfers.** A posted READ is a :class:`PostedRead`. NIXL 1.5 cannot cancel a READ in flight
-(``release`` leaves the UCX request running and its bytes still land), so the data plane
-never releases a handle that is not final: it polls it until NIXL reports DONE or ERR, then
-releases it and reports it settled (``on_settled``, on the owner thread). A final state is
-therefore the proof that no byte of the read can land any more; callers that give up on a read
-keep its destination pinned until then (see docs/lifetimes.md).
-
-**Large READs go in pieces.** One NIXL call copies about ``max_post_bytes`` of a READ at most
-(config ``dataplane_max_post_bytes``). Over shared memory UCX copies a READ within its post
-(128 MiB: 20-30 ms on a 2-core VM; a multi-GiB host pull on a busy machine, seconds), and
-meanwhile the owner thread answers nothing, the control process's heartbeat included: a worker
-copying one huge READ could be killed as hung. A larger READ is posted in pieces, one after the
-other (the next once the previous is DONE), answering heartbeats between them, its notification
-with the last piece only, so the holder hears of it once every byte is read. Pieces split the
-READ's runs by count (the runs of one READ are of similar size), so a piece can be larger by up
-to one run. The READ is final when its last piece is, or when a piece ends in ERR.
-
-**Large READs can be copied by several threads** (opt-in: config dataplane_copy_threads, default 1;
-with NIXL 1.5.1's pool a reader's worker killed mid-read over TCP crashed the holder's worker inside
-``get_new_notifs``, docs/performance.md). With ``copy_threads`` > 1 the agent's UCX backend is
-NIXL's thread pool (``num_threads``, as vLLM's NIXL connector creates it): a transfer of at least
-SPLIT_BATCH_SIZE descriptors is cut by NIXL into ``copy_threads`` consecutive chunks, each posted
-and progressed by a dedicated thread on its own UCX worker, and NIXL sends the notification once
-every chunk is done. Over shared memory UCX's copy runs in the thread that posts, so one thread
-copies a READ at about one core's memory bandwidth (~7 GB/s on the 2-core development VM); two
-copy a 128 MiB READ in 0.65-0.7 of the time (measured with raw NIXL, 64 runs of 2 MiB: 13-14 ms
-against 19-21). A READ (or piece) of at least ``parallel_min_bytes`` in host memory on both sides
-is therefore posted as ad-hoc lists (``initialize_xfer``) of about ``copy_threads`` x
-SPLIT_BATCH_SIZE equal descriptors, cut from its runs' addresses (:class:`PreparedTable` keeps the
-rows each list was prepared from): NIXL's descriptor count, not the bytes, decides a split, and a
-2 MiB pull is as many runs as a 128 MiB one. Smaller READs keep their prepared lists, and any of
-them with SPLIT_BATCH_SIZE runs or more is split by NIXL as well. While a parallel READ is in
-flight the owner thread polls every POLL_FAST_S without spinning: a spinning poller took one of
-the copy threads' cores.
-
-**Callbacks run on the owner thread**: ``on_notifications``, ``on_settled`` and the answer of
-:meth:`NixlAgent.post_reads`. The worker sends them to the control process straight from here
-(kvd.worker.channel), without a hop through its event loop; they must not block.
+The figures behind these choices, and the NIXL versions they were measured with:
+docs/performance.md ("The worker's NIXL agent: figures and history").
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import concurrent.futures
-import contextlib
-import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -74,6 +54,28 @@ from kvd.dataplane_protocol import (
     XferState,
 )
 from kvd.layout.geometry import expand_strided
+from kvd.worker.nixl_reads import (
+    PARALLEL_BYTES_PER_S,
+    NixlRead,
+    PostedRead,
+    PreparedTable,
+    build_parallel_xfer,
+    copies_in_parallel,
+    nixl_error,
+    nixl_handle,
+    split_read,
+)
+
+# ``X as X``: defined here before kvd.worker.nixl_reads and nixl_setup took them; still importable from here.
+from kvd.worker.nixl_reads import SPLIT_BATCH_SIZE as SPLIT_BATCH_SIZE
+from kvd.worker.nixl_reads import cut_runs as cut_runs
+from kvd.worker.nixl_reads import split_read as _split  # noqa: F401 - tests import it from here
+from kvd.worker.nixl_setup import PROGRESS_THREAD_WAIT_S as PROGRESS_THREAD_WAIT_S
+from kvd.worker.nixl_setup import WARMUP_BYTES as WARMUP_BYTES
+from kvd.worker.nixl_setup import WARMUP_TIMEOUT_S as WARMUP_TIMEOUT_S
+from kvd.worker.nixl_setup import create_agent_with_progress_wait as create_agent_with_progress_wait
+from kvd.worker.nixl_setup import loaded_agent_name, nixl_api, open_agent, takes_strided_lists, warm_transport
+from kvd.worker.nixl_thread import OwnerThread
 from kvd_client.errors import Internal, InvalidArgument, KvdError, PeerUnavailable, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -94,8 +96,8 @@ POLL_SLOW_S = 0.001
 POLL_IDLE_S = 0.001
 POLL_FAST_S = 0.0002
 # With nothing to do for DORMANT_AFTER_S (no call, no read, no notification, no admitted reader),
-# notifications are polled every POLL_DORMANT_S only: an idle daemon then costs well under 1 % of
-# a core instead of ~5 %. Any call or a reader's admission wakes the thread at once.
+# notifications are polled every POLL_DORMANT_S only (what an idle daemon costs:
+# docs/performance.md). Any call or a reader's admission wakes the thread at once.
 DORMANT_AFTER_S = 1.0
 POLL_DORMANT_S = 0.05
 # Dormant with no reader admitted at all (the control process sets fast_poll_until to 0.0 once the
@@ -103,120 +105,9 @@ POLL_DORMANT_S = 0.05
 # its read_admission_margin_s, and then a late notification is read within POLL_DORMANT_S, and
 # while a read that was never proven over may still be served: HolderReads._poll_fast_while_admitted):
 # nothing can notify us, so the thread polls once a second only (the control process's heartbeat wakes it
-# about as often anyway). An admission, or any call, wakes it at once. Each poll costs ~0.1 ms
-# (UCX progress): 20 a second were a quarter of an idle worker's CPU (issue 19).
+# about as often anyway). An admission, or any call, wakes it at once. Each poll costs UCX
+# progress, which added up to much of an idle worker's CPU (docs/performance.md).
 POLL_UNADMITTED_S = 1.0
-# NIXL's own progress thread (nixl_progress_thread), when it runs, sleeps in poll() on the UCX
-# worker's event fd between rounds and wakes when the worker has something to progress (a
-# notification, a peer's request over TCP, a connection), or after this long at most. NIXL's
-# Python API starts it with no timeout, and then it busy-polls a whole core (see
-# create_agent_with_progress_wait). With it, the owner thread no longer polls fast for admitted
-# readers: their READs progress as their packets arrive.
-PROGRESS_THREAD_WAIT_S = 0.1
-# NIXL's thread pool splits a transfer of at least this many descriptors across its threads
-# (UCX backend parameter ``split_batch_size``; NIXL's default, 1024, made the pieces of a parallel
-# READ small enough that UCX's cost per descriptor ate the gain). Above the descriptors of a
-# 1-block pull of most models (2 x layers), so small READs keep one thread and finish in their post.
-SPLIT_BATCH_SIZE = 256
-# While a parallel READ copies, its poller sleeps for its bytes at this rate per copy thread (a
-# lower bound of the copy's time: each poll costs the copy threads CPU), then every POLL_FAST_S.
-PARALLEL_BYTES_PER_S = 8e9
-# The transport warm-up at agent creation (see warm_transport) gives up after this long.
-WARMUP_TIMEOUT_S = 5.0
-WARMUP_BYTES = 4096
-
-
-def _nixl() -> Any:
-    """Import NIXL lazily: the layout and registry code is usable (and testable) without it."""
-    from nixl import _api  # noqa: PLC0415
-
-    return _api
-
-
-class NixlRead(NamedTuple):
-    """One READ for the owner thread to build and post: the prepared lists (NIXL's objects,
-    owned by the worker's table ids) and the indices into each, one run per index. ``xfer_id``
-    is the control process's name for it (its settled report carries it)."""
-
-    xfer_id: int
-    local_table: Any
-    local_indices: np.ndarray
-    remote_table: Any
-    remote_indices: np.ndarray
-    notif: bytes
-    peer: str
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PreparedTable:
-    """A prepared descriptor list and the rows it was prepared from (owner: the worker's table
-    id; released on the owner thread by :meth:`NixlAgent.release_tables` or with its peer).
-
-    The rows let a large READ be re-cut into ad-hoc lists for NIXL's copy threads (see the module
-    docstring): a row index is resolved to its address without NIXL, vectorised."""
-
-    handle: Any
-    agent_name: str
-    mem_type: str
-    rows: np.ndarray  # (address, length, device, stride, count) or (address, length, device)
-    first_index: np.ndarray  # compressed rows: the index of each row's first descriptor
-
-    @classmethod
-    def of(cls, handle: Any, agent_name: str, mem_type: str, rows: np.ndarray) -> PreparedTable:
-        rows = np.asarray(rows, dtype=np.int64)
-        first = np.cumsum(rows[:, 4]) - rows[:, 4] if rows.shape[1] == 5 else np.zeros(0, dtype=np.int64)
-        return cls(handle, agent_name, mem_type, rows, first)
-
-    def descriptors(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Address, length and device of each descriptor named by ``indices``."""
-        indices = np.asarray(indices, dtype=np.int64)
-        if self.rows.shape[1] == 5:
-            row = np.searchsorted(self.first_index, indices, side="right") - 1
-            address = self.rows[row, 0] + (indices - self.first_index[row]) * self.rows[row, 3]
-            return address, self.rows[row, 1], self.rows[row, 2]
-        return self.rows[indices, 0], self.rows[indices, 1], self.rows[indices, 2]
-
-
-def nixl_handle(table: Any) -> Any:
-    """NIXL's own handle of a list (tests pass bare stand-ins)."""
-    return table.handle if isinstance(table, PreparedTable) else table
-
-
-def cut_runs(lengths: np.ndarray, pieces: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut runs into about ``pieces`` descriptors of equal length (the last of each run shorter),
-    in order: NIXL gives each copy thread consecutive descriptors, so equal pieces give each
-    thread about the same bytes. Returns per piece its run, its offset in the run, its length."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    size = max(1, -(-int(lengths.sum()) // max(1, pieces)))
-    per_run = -(-lengths // size)
-    run = np.repeat(np.arange(lengths.size), per_run)
-    offset = (np.arange(run.size, dtype=np.int64) - np.repeat(np.cumsum(per_run) - per_run, per_run)) * size
-    return run, offset, np.minimum(size, lengths[run] - offset)
-
-
-@dataclasses.dataclass(eq=False)
-class PostedRead:
-    """A READ NIXL built, from its post until final (DONE or ERR); owner thread only. ``error``
-    set with the state still in progress: it was posted only in part, and is polled to its end.
-
-    A READ larger than the agent's max_post_bytes goes in pieces: ``handle`` is the piece in flight (None
-    between pieces and once released), ``rest`` what is still to post (with the notification)."""
-
-    xfer_id: int
-    handle: Any
-    peer: str
-    spin_until: float  # poll without sleeping until then (see SPIN_S)
-    state: XferState = XferState.IN_PROGRESS
-    error: KvdError | None = None
-    rest: NixlRead | None = None
-    pieces_posted: int = 0
-    parallel: bool = False  # the piece in flight is copied by NIXL's copy threads (poll, never spin)
-    poll_from: float = 0.0  # a parallel piece: not worth polling before (its bytes' time at best)
-
-    @property
-    def final(self) -> bool:
-        return self.state is not XferState.IN_PROGRESS
 
 
 class NixlAgent:
@@ -245,23 +136,11 @@ class NixlAgent:
         self._identity = AgentIdentity(b"", ())
         self._regions: dict[int, NixlRegion] = {}  # id(registration) -> region; owner thread only
         self._serials = 0
-        # (call, its future): each counts as activity (heartbeats, which do not, wait apart below)
-        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
-            collections.deque()
-        )
-        # Heartbeats (``activity=False``) wait apart: the owner thread answers them between commands
-        # and between the READs of one batch (see _answer_heartbeats).
-        self._heartbeats: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
-            collections.deque()
-        )
-        self._wake = threading.Event()
-        self._stopping = False
+        self._owner = OwnerThread("kvd-nixl", self._poll_created, self._poll_interval)
         self._xfers: list[PostedRead] = []  # posted and not final; owner thread only
-        self._thread: threading.Thread | None = None
         self._on_notifications: Callable[[dict[str, list[bytes]]], None] = lambda _: None
         self._on_settled: Callable[[PostedRead], None] = lambda _: None
         self._fast_poll_until = 0.0  # written on the event loop, read by the owner thread
-        self._active_at = time.monotonic()  # the owner thread's last call, read or notification
         self._warmup_leftovers: object = None  # what a warm-up that timed out could not release
 
     # --- the owner thread ---------------------------------------------------------------------
@@ -276,42 +155,15 @@ class NixlAgent:
         with each READ that became final after its post (not one final within it)."""
         self._on_notifications = on_notifications
         self._on_settled = on_settled
-        self._thread = threading.Thread(target=self._run, name="kvd-nixl", daemon=True)
-        self._thread.start()
+        self._owner.start()
         await self.call(self._create_agent)
 
     def _create_agent(self) -> None:
-        api = _nixl()
+        api = nixl_api()
         self._bindings = api.nixlBind
-        threaded = self._copy_threads > 1 and "UCX" in self._backends
-        config = api.nixl_agent_config(
-            enable_prog_thread=self._nixl_progress_thread,
-            # UCX with copy threads is created below, with the parameters NIXL's config cannot pass
-            backends=[b for b in self._backends if b != "UCX"] if threaded else self._backends,
-            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        self.agent = open_agent(
+            api, self.name, self._backends, self._nixl_progress_thread, self._copy_threads, self._parallel_min_bytes
         )
-        if self._nixl_progress_thread:
-            self.agent = create_agent_with_progress_wait(api, self.name, config, PROGRESS_THREAD_WAIT_S)
-        else:
-            self.agent = api.nixl_agent(self.name, config)
-        if threaded:
-            params = {"num_threads": str(self._copy_threads), "split_batch_size": str(SPLIT_BATCH_SIZE)}
-            try:
-                self.agent.create_backend("UCX", params)
-                logger.info(
-                    "NIXL's UCX backend copies READs of %d bytes or more with %d threads",
-                    self._parallel_min_bytes,
-                    self._copy_threads,
-                )
-            except Exception as exc:
-                raise Internal(
-                    f"NIXL's UCX backend with {self._copy_threads} copy threads could not be created: {exc}"
-                ) from exc
-        missing = [b for b in self._backends if b not in self.agent.backends]
-        if missing:
-            raise Internal(
-                f"NIXL backends {missing} could not be created (available plugins: {self.agent.plugin_list})"
-            )
         self._warmup_leftovers = warm_transport(api, self.agent, self._backends)
         self._snapshot()
 
@@ -322,20 +174,11 @@ class NixlAgent:
     def submit(self, fn: Callable[[], T], activity: bool = True) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the owner thread (any thread may call this). ``activity=False``: a
         heartbeat, which must not keep the thread polling fast (see DORMANT_AFTER_S)."""
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self._stopping or self._thread is None:
-            future.set_exception(Unavailable("the NIXL data plane is stopped"))
-            return future
-        if activity:
-            self._commands.append((fn, future))
-        else:
-            self._heartbeats.append((fn, future))
-        self._wake.set()
-        return future
+        return self._owner.submit(fn, activity)
 
     async def call(self, fn: Callable[[], T], activity: bool = True) -> T:
         """Run ``fn`` on the owner thread and wait for it (the call itself is not cancelled)."""
-        return await asyncio.shield(asyncio.wrap_future(self.submit(fn, activity)))
+        return await self._owner.call(fn, activity)
 
     @property
     def fast_poll_until(self) -> float:
@@ -345,38 +188,7 @@ class NixlAgent:
     def fast_poll_until(self, deadline: float) -> None:
         """Poll fast until ``deadline`` (a reader is admitted): wakes a dormant thread at once."""
         self._fast_poll_until = deadline
-        self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            # Popped one at a time, never iterated: other threads append while this one runs
-            # (iterating the deque raised "deque mutated during iteration" and ended the thread:
-            # its worker was then killed as hung).
-            self._answer_heartbeats()
-            while self._commands:
-                fn, future = self._commands.popleft()
-                self._active_at = time.monotonic()
-                _run_into(fn, future)
-                self._answer_heartbeats()
-            if self._stopping and not self._commands and not self._heartbeats:
-                return
-            if self.agent is not None:
-                try:
-                    self._poll()
-                except Exception:  # the owner thread must survive a NIXL hiccup: log and go on
-                    logger.exception("polling NIXL failed")
-            self._wake.wait(self._poll_interval())
-            self._wake.clear()
-
-    def _answer_heartbeats(self) -> None:
-        """Run the heartbeats waiting (owner thread only). Called between commands and between
-        the READs of one ``reads`` batch: over shared memory UCX copies a READ within its post
-        (128 MiB: tens of milliseconds, far more on a starved machine), and a batch of such READs
-        must not make a working thread miss the control process's heartbeat and be killed as
-        hung. A thread stuck inside one NIXL call still answers nothing."""
-        while self._heartbeats:  # popped one at a time: other threads append meanwhile
-            fn, future = self._heartbeats.popleft()
-            _run_into(fn, future)
+        self._owner.wake()
 
     def _poll_interval(self) -> float | None:
         """Seconds until the next poll; None: nothing to poll until a call comes (no memory is
@@ -385,18 +197,22 @@ class NixlAgent:
         if not self._regions and not self._xfers and now >= self._fast_poll_until:
             return None
         if self._xfers:
-            self._active_at = now
+            self._owner.active_at = now
             if any(now < x.spin_until for x in self._xfers):
                 return 0.0
             return min(max(POLL_FAST_S, x.poll_from - now) if x.parallel else POLL_SLOW_S for x in self._xfers)
         if now < self._fast_poll_until:
-            self._active_at = now
+            self._owner.active_at = now
             # NIXL's progress thread serves admitted readers as their requests arrive: only the
             # notifications are left to poll, and they need no hurry (they end admissions).
             return POLL_IDLE_S if self._nixl_progress_thread else POLL_FAST_S
-        if now - self._active_at < DORMANT_AFTER_S:
+        if now - self._owner.active_at < DORMANT_AFTER_S:
             return POLL_IDLE_S
         return POLL_DORMANT_S if self._fast_poll_until else POLL_UNADMITTED_S
+
+    def _poll_created(self) -> None:
+        if self.agent is not None:
+            self._poll()
 
     def _poll(self) -> None:
         if self._xfers:
@@ -420,15 +236,14 @@ class NixlAgent:
                 time.sleep(0)  # let the event loop run between spins
         notifications = self.agent.get_new_notifs()
         if notifications:
-            self._active_at = time.monotonic()
-        if notifications:
+            self._owner.active_at = time.monotonic()
             _report(self._on_notifications, dict(notifications))
 
     def _check(self, xfer: PostedRead) -> None:
         try:
             state = XferState(self.agent.check_xfer_state(xfer.handle))
         except Exception as exc:  # NIXL reports a failed request by raising: it is final
-            xfer.state, xfer.error = XferState.ERROR, self._map(exc, xfer.peer)
+            xfer.state, xfer.error = XferState.ERROR, nixl_error(self._bindings, exc, xfer.peer)
             return
         if state is XferState.ERROR:
             xfer.error = PeerUnavailable(f"NIXL read from peer {xfer.peer} failed: peer gone?")
@@ -447,12 +262,7 @@ class NixlAgent:
 
     async def stop(self) -> None:
         """Stop the owner thread after the queued calls (reads still in flight stay unreleased)."""
-        if self._thread is None:
-            return
-        self._stopping = True
-        self._wake.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 5.0)
-        if self._xfers:
+        if await self._owner.stop() and self._xfers:
             logger.warning("%d NIXL reads were still in flight at shutdown", len(self._xfers))
 
     # --- identity -----------------------------------------------------------------------------
@@ -494,8 +304,8 @@ class NixlAgent:
         the sections: prepared lists stay valid), so a re-handshake never removes the agent.
 
         The UCX connection is started at once (``make_connection`` does not wait): it then sets
-        up while the first pull plans and is admitted, instead of after its READ is posted (a
-        first READ on a new endpoint took ~4-12 ms more; one 2 ms after the connect, ~1 ms)."""
+        up while the first pull plans and is admitted, instead of after its READ is posted
+        (what that saves: docs/performance.md)."""
 
         def add() -> str:
             try:
@@ -504,7 +314,7 @@ class NixlAgent:
                 if REMOTE_DISCONNECT in str(exc):  # the peer went away while it loaded: not bad metadata
                     raise PeerUnavailable(f"peer agent gone while its metadata was loaded: {exc}") from exc
                 raise InvalidArgument(f"peer agent metadata rejected by NIXL: {exc}") from exc
-            name = _agent_name(name)
+            name = loaded_agent_name(name)
             try:
                 self.agent.make_connection(name)
             except Exception as exc:  # an optimisation only: the first READ connects anyway
@@ -576,7 +386,7 @@ class NixlAgent:
                     out.append(exc)
                 except Exception as exc:
                     out.append(Internal(f"posting a READ from {read.peer} failed: {type(exc).__name__}: {exc}"))
-                self._answer_heartbeats()
+                self._owner.answer_heartbeats()
             answer(out)
 
         posting = self.submit(post_all)
@@ -605,11 +415,11 @@ class NixlAgent:
         READ final (DONE, or ERR where a later piece could not be built: nothing is in flight
         then). Raises only where its first piece could not be built (nothing was posted)."""
         while xfer.rest is not None:
-            piece, xfer.rest = _split(xfer.rest, self._max_post_bytes)
-            xfer.parallel = self._copies_in_parallel(piece)
+            piece, xfer.rest = split_read(xfer.rest, self._max_post_bytes)
+            xfer.parallel = copies_in_parallel(piece, self._copy_threads, self._parallel_min_bytes)
             try:
                 if xfer.parallel:
-                    xfer.handle = self._make_parallel_xfer(piece)
+                    xfer.handle = build_parallel_xfer(self.agent, self.name, piece, self._copy_threads)
                 else:
                     xfer.handle = self.agent.make_prepped_xfer(
                         "READ",
@@ -620,7 +430,7 @@ class NixlAgent:
                         piece.notif,
                     )
             except Exception as exc:
-                error = self._map(exc, piece.peer)
+                error = nixl_error(self._bindings, exc, piece.peer)
                 if xfer.pieces_posted == 0:
                     raise error from exc
                 xfer.state, xfer.error, xfer.rest = XferState.ERROR, error, None
@@ -640,7 +450,7 @@ class NixlAgent:
                 state = self.agent.transfer(xfer.handle)
             except Exception as exc:
                 # Some of the piece may be posted already: poll it to a final state like any other.
-                xfer.error, xfer.rest = self._map(exc, piece.peer), None
+                xfer.error, xfer.rest = nixl_error(self._bindings, exc, piece.peer), None
                 return
             if state == "ERR":
                 xfer.error, xfer.rest = PeerUnavailable(f"NIXL could not post a read from peer {piece.peer}"), None
@@ -651,227 +461,11 @@ class NixlAgent:
             if xfer.rest is None:
                 xfer.state = XferState.DONE
                 return
-            self._answer_heartbeats()
-
-    def _copies_in_parallel(self, piece: NixlRead) -> bool:
-        """Is this piece posted as ad-hoc lists cut for NIXL's copy threads? Host memory on both
-        sides (a GPU copy is the GPU's, not a thread's), large enough, and lists kvd prepared."""
-        local, remote = piece.local_table, piece.remote_table
-        return (
-            self._copy_threads > 1
-            and piece.nbytes >= self._parallel_min_bytes
-            and isinstance(local, PreparedTable)
-            and isinstance(remote, PreparedTable)
-            and local.mem_type == "DRAM"
-            and remote.mem_type == "DRAM"
-        )
-
-    def _make_parallel_xfer(self, piece: NixlRead) -> Any:
-        """Build a piece as about ``copy_threads`` x SPLIT_BATCH_SIZE equal descriptors (owner
-        thread). The same bytes as its runs, in the same registrations: only the cut differs."""
-        local, remote = piece.local_table, piece.remote_table
-        assert isinstance(local, PreparedTable) and isinstance(remote, PreparedTable)
-        local_address, lengths, local_device = local.descriptors(piece.local_indices)
-        remote_address, remote_lengths, remote_device = remote.descriptors(piece.remote_indices)
-        if not np.array_equal(lengths, remote_lengths):  # the planner pairs runs of one length
-            raise Internal(f"a READ from {piece.peer} pairs runs of different lengths")
-        run, offset, length = cut_runs(lengths, self._copy_threads * SPLIT_BATCH_SIZE)
-        local_rows = np.stack([local_address[run] + offset, length, local_device[run]], axis=1)
-        remote_rows = np.stack([remote_address[run] + offset, length, remote_device[run]], axis=1)
-        peer_agent = self.name if remote.agent_name == LOCAL else remote.agent_name
-        logger.debug(
-            "READ %d from %s: %d bytes in %d runs, posted as %d descriptors for %d copy threads",
-            piece.xfer_id,
-            piece.peer,
-            int(length.sum()),
-            lengths.size,
-            length.size,
-            self._copy_threads,
-        )
-        return self.agent.initialize_xfer(
-            "READ",
-            self.agent.get_xfer_descs(local_rows, "DRAM"),
-            self.agent.get_xfer_descs(remote_rows, "DRAM"),
-            peer_agent,
-            piece.notif,
-        )
+            self._owner.answer_heartbeats()
 
     def in_flight(self) -> int:
         """Reads posted and not yet final (approximate: read from another thread)."""
         return len(self._xfers)
-
-    def _map(self, exc: Exception, peer: str) -> KvdError:
-        # The bindings of the agent this module created: never an import here (a test's fake
-        # agent must not load NIXL into its process: loaded there, it made a later import of
-        # grpc_tools' protoc compiler segfault).
-        bindings = self._bindings
-        if bindings is None:
-            return Internal(f"NIXL error reading from {peer}: {type(exc).__name__}: {exc}")
-        if isinstance(exc, (bindings.nixlRemoteDisconnectError, bindings.nixlBackendError)):
-            return PeerUnavailable(f"peer {peer} disconnected: {exc}")
-        if isinstance(exc, bindings.nixlNotFoundError):
-            return PeerUnavailable(f"peer {peer} is not known to NIXL (restarted?): {exc}")
-        if isinstance(exc, bindings.nixlInvalidParamError):
-            return Internal(f"NIXL rejected a transfer built by kvd: {exc}")
-        return Internal(f"NIXL error reading from {peer}: {type(exc).__name__}: {exc}")
-
-
-_CREATE_LOCK = threading.Lock()
-
-
-def _split(read: NixlRead, max_bytes: int) -> tuple[NixlRead, NixlRead | None]:
-    """The first piece of a READ to post (about ``max_bytes``, at least one run) and the rest, or
-    None where it fits whole. Only the last piece carries the notification."""
-    runs = len(read.local_indices)
-    if read.nbytes <= max_bytes or runs <= 1:
-        return read, None
-    take = max(1, runs * max_bytes // read.nbytes)
-    if take >= runs:
-        return read, None
-    piece_bytes = read.nbytes * take // runs
-    piece = read._replace(
-        local_indices=read.local_indices[:take],
-        remote_indices=read.remote_indices[:take],
-        notif=b"",
-        nbytes=piece_bytes,
-    )
-    rest = read._replace(
-        local_indices=read.local_indices[take:],
-        remote_indices=read.remote_indices[take:],
-        nbytes=read.nbytes - piece_bytes,
-    )
-    return piece, rest
-
-
-def _run_into(fn: Callable[[], T], future: concurrent.futures.Future[T]) -> None:
-    """Run a submitted call and settle its future with the result or the exception."""
-    if future.set_running_or_notify_cancel():
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-
-def create_agent_with_progress_wait(api: Any, name: str, config: Any, wait_s: float) -> Any:
-    """``api.nixl_agent(name, config)`` with its progress thread waiting on UCX's event fd.
-
-    The C++ agent's config has the thread's poll timeout (``pthrDelay``, microseconds), but NIXL's
-    Python API sets it to 0 itself, and with 0 the thread busy-polls a whole core (measured with
-    NIXL 1.5.1 on an idle agent: 99.9 % of a core; with 100 ms, 0.08 %, and a notification or a
-    request from a peer still wakes it at once). So the agent is created with the bindings'
-    constructor wrapped to set the timeout: public fields of the public bindings, nothing else
-    changed. A NIXL whose bindings lack the field is refused: its thread would busy-poll."""
-    bindings = api.nixlBind
-    construct = bindings.nixlAgent
-    if not hasattr(bindings.nixlAgentConfig(), "pthrDelay"):
-        raise Internal("this NIXL's agent config has no progress-thread timeout: set nixl_progress_thread = false")
-
-    def with_wait(agent_name: str, agent_config: Any) -> Any:
-        agent_config.pthrDelay = max(1, round(wait_s * 1e6))
-        return construct(agent_name, agent_config)
-
-    with _CREATE_LOCK:  # agents are created one at a time anyway (the owner thread)
-        bindings.nixlAgent = with_wait
-        try:
-            return api.nixl_agent(name, config)
-        finally:
-            bindings.nixlAgent = construct
-
-
-def warm_transport(api: Any, agent: Any, backends: Sequence[str]) -> object:
-    """Pay UCX's one-time costs of a new agent now, at worker start, instead of on a first pull.
-
-    Measured here (UCX 1.23 through NIXL 1.5, tcp + cma): the first connection an agent ever
-    initiates costs ~10 ms in loading the peer's metadata, and the first connection it ever
-    accepts ~10 ms inside the progress call that handles it; later connections cost ~1-2 ms.
-    Both fell on the first pull to a new peer. So a throwaway agent in this process connects
-    both ways and reads ``WARMUP_BYTES`` with a notification each way: a pull's READ path.
-
-    Runs on the owner thread before the agent is used (nothing else knows its name yet, so the
-    only notifications it can get are the warm-up's own). Never fatal: a failure only costs the
-    first pull its time. The probes are dropped after it (the warmed state stays: measured).
-    Returns what could not be released (a READ that never became final keeps its buffers,
-    registrations and probes alive), or None."""
-    started = time.perf_counter()
-    probes: list[Any] = []
-    try:
-        # Two throwaway agents: one this agent connects out to, one that connects in. With one
-        # probe both ways, the second connection reused the first one's endpoint, and a first real
-        # peer still paid for whichever side that skipped (measured both orders).
-        for direction in ("out", "in"):
-            probe = api.nixl_agent(
-                f"{agent.name}-warmup-{direction}",
-                api.nixl_agent_config(enable_prog_thread=False, backends=list(backends)),
-            )
-            probes.append(probe)
-            initiator, target = (agent, probe) if direction == "out" else (probe, agent)
-            leftover = _warm_read(initiator, target)
-            if leftover is not None:  # _warm_read said why
-                return (probes, leftover)
-    except Exception as exc:  # an optimisation only
-        logger.warning("NIXL transport warm-up failed (the first pull to each peer will be slower): %s", exc)
-        return None
-    logger.debug("NIXL transport warm-up took %.1f ms", (time.perf_counter() - started) * 1e3)
-    return None  # the probes go with their last reference: their UCX workers and endpoints close
-
-
-def _warm_read(initiator: Any, target: Any) -> object:
-    """``initiator`` READs WARMUP_BYTES of ``target``'s memory with a notification, polling both
-    to the end; returns what must stay alive if the READ never became final, else None.
-    Whatever was set up is undone in reverse order, on errors too, once nothing is in flight."""
-    source = np.zeros(WARMUP_BYTES, np.uint8)
-    destination = np.zeros(WARMUP_BYTES, np.uint8)
-    with contextlib.ExitStack() as undo:
-        registration = target.register_memory([(source.ctypes.data, WARMUP_BYTES, 0, "")], "DRAM")
-        undo.callback(target.deregister_memory, registration)
-        registration = initiator.register_memory([(destination.ctypes.data, WARMUP_BYTES, 0, "")], "DRAM")
-        undo.callback(initiator.deregister_memory, registration)
-        name = _agent_name(initiator.add_remote_agent(target.get_agent_metadata()))
-        undo.callback(initiator.remove_remote_agent, name)
-        remote = initiator.prep_xfer_dlist(name, [(source.ctypes.data, WARMUP_BYTES, 0)], "DRAM")
-        undo.callback(initiator.release_dlist_handle, remote)
-        local = initiator.prep_xfer_dlist(LOCAL, [(destination.ctypes.data, WARMUP_BYTES, 0)], "DRAM")
-        undo.callback(initiator.release_dlist_handle, local)
-        handle = initiator.make_prepped_xfer("READ", local, [0], remote, [0], b"kvd-warmup")
-        state = "PROC"
-        failure: Exception | None = None
-        try:
-            state = initiator.transfer(handle)
-            notified = False
-            deadline = time.monotonic() + WARMUP_TIMEOUT_S
-            while (state == "PROC" or not notified) and state != "ERR" and time.monotonic() < deadline:
-                if state == "PROC":
-                    state = initiator.check_xfer_state(handle)
-                notified = notified or bool(target.get_new_notifs())
-                time.sleep(0)
-        except Exception as exc:
-            failure = exc
-        if state == "PROC":  # may still land (timed out, or a call failed mid-way): nothing is undone
-            logger.warning(
-                "the NIXL transport warm-up's READ is not final (%s): its buffers stay for the worker's life",
-                failure if failure is not None else f"not done in {WARMUP_TIMEOUT_S:.0f} s",
-            )
-            return (source, destination, handle, undo.pop_all())
-        if failure is not None:
-            raise failure
-        initiator.release_xfer_handle(handle)
-    return None
-
-
-def takes_strided_lists(agent: Any) -> bool:
-    """Does this NIXL prepare lists from compressed rows (address, length, device, stride, count)?
-
-    Tables come in that form (:meth:`kvd.layout.geometry.DescGeometry.strided`): a whole-block
-    table of a large engine is millions of descriptors, and building them one by one held the
-    GIL for 100-250 ms per table (measured, 4M descriptors), stalling every READ the worker
-    posts meanwhile; compressed, NIXL prepares it in about a millisecond. A NIXL whose
-    ``prep_xfer_dlist`` does not document the form gets them expanded (its old cost)."""
-    return "Nx5" in (getattr(type(agent).prep_xfer_dlist, "__doc__", None) or "")
-
-
-def _agent_name(loaded: bytes | str) -> str:
-    """The agent name ``add_remote_agent`` returns (bytes or str, depending on NIXL's binding)."""
-    return loaded.decode() if isinstance(loaded, bytes) else str(loaded)
 
 
 def _release_table(agent: Any, table: Any) -> None:

@@ -1,4 +1,4 @@
-"""The data-plane worker's transport warm-up (kvd.worker.nixl_agent.warm_transport).
+"""The data-plane worker's transport warm-up (kvd.worker.nixl_setup.warm_transport).
 
 A new agent pays UCX's one-time connection costs at worker start, against two throwaway agents,
 instead of on the first pull to a new peer (figures in docs/performance.md). What must hold: the
@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from kvd.worker import nixl_agent
+from kvd.worker import nixl_setup
 
 _SCRIPT = r"""
 import time
 import torch
 from nixl import _api as api
-from kvd.worker.nixl_agent import warm_transport
+from kvd.worker.nixl_setup import warm_transport
 
 config = api.nixl_agent_config(
     enable_prog_thread=False, backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
@@ -85,7 +85,7 @@ class _Api:
 
 
 def test_a_failed_warm_up_is_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
-    assert nixl_agent.warm_transport(_Api(), _FakeAgent("main"), ["UCX"]) is None
+    assert nixl_setup.warm_transport(_Api(), _FakeAgent("main"), ["UCX"]) is None
     assert "warm-up failed" in caplog.text
 
 
@@ -137,15 +137,15 @@ class _FakeAgent:
 
 def test_a_finished_warm_read_undoes_everything() -> None:
     initiator, target = _FakeAgent("initiator"), _FakeAgent("target")
-    assert nixl_agent._warm_read(initiator, target) is None
+    assert nixl_setup._warm_read(initiator, target) is None
     assert initiator.calls == ["register", "release handle", "release list", "release list", "remove", "deregister"]
     assert target.calls == ["register", "deregister"]
 
 
 def test_a_warm_read_that_never_finishes_keeps_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nixl_agent, "WARMUP_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(nixl_setup, "WARMUP_TIMEOUT_S", 0.05)
     initiator, target = _FakeAgent("initiator", stuck=True), _FakeAgent("target")
-    leftover = nixl_agent._warm_read(initiator, target)
+    leftover = nixl_setup._warm_read(initiator, target)
     assert leftover is not None  # buffers, handle and registrations stay alive
     assert initiator.calls == ["register"] and target.calls == ["register"]  # nothing released
 
@@ -159,7 +159,7 @@ def test_a_warm_read_whose_poll_fails_mid_way_keeps_its_memory_and_says_why(
 
     initiator, target = _PollFails("initiator"), _FakeAgent("target")
     with caplog.at_level(logging.WARNING):
-        leftover = nixl_agent._warm_read(initiator, target)
+        leftover = nixl_setup._warm_read(initiator, target)
     assert leftover is not None, "the READ may still land: nothing of it is released"
     assert initiator.calls == ["register"] and target.calls == ["register"]
     assert "backend error" in caplog.text and "not final" in caplog.text

@@ -35,14 +35,14 @@ class RefusingAgent:
 async def _add_remote(message: str) -> None:
     agent = NixlAgent("test-add-remote")
     agent.agent = RefusingAgent(message)
-    thread = threading.Thread(target=agent._run, name="kvd-nixl-test", daemon=True)
-    agent._thread = thread
+    thread = threading.Thread(target=agent._owner.run, name="kvd-nixl-test", daemon=True)
+    agent._owner.thread = thread
     thread.start()
     try:
         await agent.add_remote(b"metadata")
     finally:
-        agent._stopping = True
-        agent._wake.set()
+        agent._owner.stopping = True
+        agent._owner.wake()
         thread.join(WAIT_S)
 
 

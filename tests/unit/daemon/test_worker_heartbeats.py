@@ -56,15 +56,15 @@ def _read(xfer_id: int) -> NixlRead:
 def _started(fake: BlockingAgent) -> tuple[NixlAgent, threading.Thread]:
     agent = NixlAgent("test-heartbeats")
     agent.agent = fake
-    thread = threading.Thread(target=agent._run, name="kvd-nixl-test", daemon=True)
-    agent._thread = thread
+    thread = threading.Thread(target=agent._owner.run, name="kvd-nixl-test", daemon=True)
+    agent._owner.thread = thread
     thread.start()
     return agent, thread
 
 
 def _stop(agent: NixlAgent, thread: threading.Thread) -> None:
-    agent._stopping = True
-    agent._wake.set()
+    agent._owner.stopping = True
+    agent._owner.wake()
     thread.join(WAIT_S)
     assert not thread.is_alive()
 

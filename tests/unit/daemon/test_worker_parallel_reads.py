@@ -1,4 +1,4 @@
-"""Large host READs are cut into equal descriptors for NIXL's copy threads (kvd.worker.nixl_agent).
+"""Large host READs are cut into equal descriptors for NIXL's copy threads (kvd.worker.nixl_reads).
 
 NIXL's UCX thread pool splits a transfer by its descriptor count, not its bytes, and a 2 MiB
 pull has as many runs as a 128 MiB one; so the worker re-cuts a large READ's runs into about
@@ -20,8 +20,9 @@ import pytest
 
 from kvd.dataplane_protocol import LOCAL_AGENT
 from kvd.layout.geometry import DescGeometry, expand_strided
-from kvd.worker import nixl_agent
-from kvd.worker.nixl_agent import NixlAgent, NixlRead, PostedRead, PreparedTable, cut_runs
+from kvd.worker import nixl_agent, nixl_reads
+from kvd.worker.nixl_agent import NixlAgent
+from kvd.worker.nixl_reads import NixlRead, PostedRead, PreparedTable, build_parallel_xfer, copies_in_parallel, cut_runs
 from kvd_client.errors import Internal
 
 MIB = 1 << 20
@@ -143,13 +144,13 @@ def test_a_large_host_read_is_posted_as_equal_descriptors_of_the_same_bytes() ->
     remote_indices = np.array([31, 5, 9, 12, 30, 0], dtype=np.int32)  # other places, runs of the same lengths
     nbytes = int(local.descriptors(local_indices)[1].sum())
     read = NixlRead(1, local, local_indices, remote, remote_indices, b"done", "peer-addr", nbytes)
-    assert agent._copies_in_parallel(read)
-    agent._make_parallel_xfer(read)
+    assert copies_in_parallel(read, agent._copy_threads, agent._parallel_min_bytes)
+    build_parallel_xfer(fake, agent.name, read, agent._copy_threads)
     (built_local, built_remote, peer, notif) = fake.built[0]
     assert peer == "peer-agent" and notif == b"done"
     assert built_local.shape == built_remote.shape and built_local.shape[1] == 3
     assert np.array_equal(built_local[:, 1], built_remote[:, 1]), "the two sides were cut differently"
-    assert len(built_local) >= 2 * nixl_agent.SPLIT_BATCH_SIZE - len(local_indices), "too few for two threads"
+    assert len(built_local) >= 2 * nixl_reads.SPLIT_BATCH_SIZE - len(local_indices), "too few for two threads"
     # The same bytes, in the same order, on each side.
     assert _merged(built_local[:, 0], built_local[:, 1]) == _merged(*local.descriptors(local_indices)[:2])
     assert _merged(built_remote[:, 0], built_remote[:, 1]) == _merged(*remote.descriptors(remote_indices)[:2])
@@ -160,7 +161,7 @@ def test_a_read_pairing_runs_of_different_lengths_is_refused() -> None:
     local, remote = _tables()
     read = NixlRead(1, local, np.array([0, 30]), remote, np.array([30, 0]), b"", "peer", 96 << 10)
     with pytest.raises(Internal, match="different lengths"):
-        agent._make_parallel_xfer(read)
+        build_parallel_xfer(fake, agent.name, read, agent._copy_threads)
     assert not fake.built
 
 
@@ -168,7 +169,7 @@ def test_a_read_from_this_agents_own_memory_names_this_agent() -> None:
     agent, fake = _agent()
     local, remote = _tables(remote_agent=LOCAL_AGENT)
     indices = np.arange(8, dtype=np.int32)
-    agent._make_parallel_xfer(NixlRead(1, local, indices, remote, indices, b"", "me", 8 << 20))
+    build_parallel_xfer(fake, agent.name, NixlRead(1, local, indices, remote, indices, b"", "me", 8 << 20), 2)
     assert fake.built[0][2] == "me"
 
 
@@ -192,7 +193,7 @@ def test_which_reads_are_copied_in_parallel(
     if not prepared:
         local, remote = object(), object()
     read = NixlRead(1, local, indices, remote, indices, b"", "peer", nbytes)
-    assert agent._copies_in_parallel(read) is expected
+    assert copies_in_parallel(read, agent._copy_threads, agent._parallel_min_bytes) is expected
 
 
 def test_a_parallel_read_is_polled_without_spinning_until_its_bytes_time() -> None:
@@ -204,8 +205,8 @@ def test_a_parallel_read_is_polled_without_spinning_until_its_bytes_time() -> No
     nbytes = 64 * MIB
     settled: concurrent.futures.Future[PostedRead] = concurrent.futures.Future()
     agent._on_settled = settled.set_result
-    thread = threading.Thread(target=agent._run, daemon=True)
-    agent._thread = thread
+    thread = threading.Thread(target=agent._owner.run, daemon=True)
+    agent._owner.thread = thread
     thread.start()
     try:
         answered: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
@@ -214,15 +215,15 @@ def test_a_parallel_read_is_polled_without_spinning_until_its_bytes_time() -> No
         (xfer,) = answered.result(WAIT_S)
         assert isinstance(xfer, PostedRead) and xfer.parallel and fake.prepped == 0
         assert xfer.spin_until == 0.0
-        assert xfer.poll_from >= posted_at + nbytes / (nixl_agent.PARALLEL_BYTES_PER_S * 2) - 1e-3
+        assert xfer.poll_from >= posted_at + nbytes / (nixl_reads.PARALLEL_BYTES_PER_S * 2) - 1e-3
         interval = agent._poll_interval()
         assert interval is not None and interval >= nixl_agent.POLL_FAST_S
         with fake.lock:
             fake.finished = True
         assert settled.result(WAIT_S).xfer_id == 3
     finally:
-        agent._stopping = True
-        agent._wake.set()
+        agent._owner.stopping = True
+        agent._owner.wake()
         thread.join(WAIT_S)
 
 

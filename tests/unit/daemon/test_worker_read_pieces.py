@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from kvd.dataplane_protocol import XferState
-from kvd.worker.nixl_agent import NixlAgent, NixlRead, PostedRead, _split
+from kvd.worker.nixl_agent import NixlAgent
+from kvd.worker.nixl_reads import NixlRead, PostedRead, split_read
 from kvd_client.errors import Internal, KvdError, PeerUnavailable
 
 WAIT_S = 10.0
@@ -71,8 +72,8 @@ class Started:
         self.agent.agent = fake
         self.settled: concurrent.futures.Future[PostedRead] = concurrent.futures.Future()
         self.agent._on_settled = self.settled.set_result
-        self.thread = threading.Thread(target=self.agent._run, name="kvd-nixl-test", daemon=True)
-        self.agent._thread = self.thread
+        self.thread = threading.Thread(target=self.agent._owner.run, name="kvd-nixl-test", daemon=True)
+        self.agent._owner.thread = self.thread
         self.thread.start()
 
     def post(self, read: NixlRead) -> PostedRead | KvdError:
@@ -81,8 +82,8 @@ class Started:
         return answered.result(timeout=WAIT_S)[0]
 
     def stop(self) -> None:
-        self.agent._stopping = True
-        self.agent._wake.set()
+        self.agent._owner.stopping = True
+        self.agent._owner.wake()
         self.thread.join(WAIT_S)
         assert not self.thread.is_alive()
 
@@ -172,7 +173,7 @@ def test_a_piece_that_fails_its_post_ends_the_read_with_no_further_piece(started
     result = s.post(_read(9, 9 * MIB))
     assert isinstance(result, PostedRead) and isinstance(result.error, PeerUnavailable)
     fake.finish(1)
-    s.agent._wake.set()
+    s.agent._owner.wake()
     settled = s.settled.result(timeout=WAIT_S)
     assert isinstance(settled.error, PeerUnavailable)
     assert [notif for _, _, notif in fake.posts] == [b"", b""]
@@ -189,7 +190,7 @@ def test_a_piece_that_fails_its_post_ends_the_read_with_no_further_piece(started
     ],
 )
 def test_split_takes_about_the_bound_and_at_least_one_run(runs: int, nbytes: int, bound: int, first: int) -> None:
-    piece, rest = _split(_read(runs, nbytes), bound)
+    piece, rest = split_read(_read(runs, nbytes), bound)
     assert len(piece.local_indices) == first
     if first == runs:
         assert rest is None and piece.notif == b"done"

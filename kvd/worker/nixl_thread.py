@@ -1,0 +1,125 @@
+"""The one thread that drives a NIXL agent: calls run on it in order, heartbeats between them,
+polls between calls.
+
+NIXL's UCX worker must never be driven by two threads at once, and over shared memory UCX copies
+a READ inside the call that posts it: so kvd.worker.nixl_agent runs every NIXL call on this
+thread, and the control process's heartbeats wait apart from the calls, answered between any two
+of them (and wherever the agent calls :meth:`OwnerThread.answer_heartbeats`, e.g. between the
+READs of one batch), so a working thread is never mistaken for a hung one. A thread stuck inside
+one NIXL call still answers nothing: that is what the heartbeat detects.
+
+Between calls the thread polls (``poll``) and then sleeps for ``interval()`` seconds, or until a
+call or :meth:`OwnerThread.wake` wakes it; the agent decides both (what to poll, how often).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvd_client.errors import Unavailable
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class OwnerThread:
+    """Runs submitted calls, answers heartbeats and polls, all on one thread (named ``name``)."""
+
+    def __init__(self, name: str, poll: Callable[[], None], interval: Callable[[], float | None]) -> None:
+        self._name = name
+        self._poll = poll  # between calls; an exception is logged and the thread goes on
+        self._interval = interval  # seconds to sleep after a poll; None: until woken
+        # (call, its future): each counts as activity (heartbeats, which do not, wait apart below)
+        self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            collections.deque()
+        )
+        # Heartbeats (``activity=False``) wait apart: answered between commands and wherever the
+        # owner calls answer_heartbeats.
+        self._heartbeats: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = (
+            collections.deque()
+        )
+        self._wake = threading.Event()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.active_at = time.monotonic()  # the last call (the agent adds its reads and notifications)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name=self._name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[[], T], activity: bool = True) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the owner thread (any thread may call this). ``activity=False``: a
+        heartbeat, which must not count as activity (see kvd.worker.nixl_agent.DORMANT_AFTER_S)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if self.stopping or self.thread is None:
+            future.set_exception(Unavailable("the NIXL data plane is stopped"))
+            return future
+        if activity:
+            self._commands.append((fn, future))
+        else:
+            self._heartbeats.append((fn, future))
+        self._wake.set()
+        return future
+
+    async def call(self, fn: Callable[[], T], activity: bool = True) -> T:
+        """Run ``fn`` on the owner thread and wait for it (the call itself is not cancelled)."""
+        return await asyncio.shield(asyncio.wrap_future(self.submit(fn, activity)))
+
+    def wake(self) -> None:
+        """End the thread's sleep now (it polls again, and asks ``interval`` anew)."""
+        self._wake.set()
+
+    def run(self) -> None:
+        """The thread's loop (``start`` runs it; tests run it on a thread of their own)."""
+        while True:
+            # Popped one at a time, never iterated: other threads append while this one runs
+            # (iterating the deque raised "deque mutated during iteration" and ended the thread:
+            # its worker was then killed as hung).
+            self.answer_heartbeats()
+            while self._commands:
+                fn, future = self._commands.popleft()
+                self.active_at = time.monotonic()
+                _run_into(fn, future)
+                self.answer_heartbeats()
+            if self.stopping and not self._commands and not self._heartbeats:
+                return
+            try:
+                self._poll()
+            except Exception:  # the owner thread must survive a NIXL hiccup: log and go on
+                logger.exception("polling NIXL failed")
+            self._wake.wait(self._interval())
+            self._wake.clear()
+
+    def answer_heartbeats(self) -> None:
+        """Run the heartbeats waiting (owner thread only). Called between commands, and by the
+        agent between the READs of one batch and the pieces of one READ: a batch of READs copied
+        within their posts must not make a working thread miss the control process's heartbeat
+        and be killed as hung."""
+        while self._heartbeats:  # popped one at a time: other threads append meanwhile
+            fn, future = self._heartbeats.popleft()
+            _run_into(fn, future)
+
+    async def stop(self) -> bool:
+        """Stop the thread after the queued calls; False where it never started."""
+        if self.thread is None:
+            return False
+        self.stopping = True
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self.thread.join, 5.0)
+        return True
+
+
+def _run_into(fn: Callable[[], T], future: concurrent.futures.Future[T]) -> None:
+    """Run a submitted call and settle its future with the result or the exception."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it through the future
+            future.set_exception(exc)
