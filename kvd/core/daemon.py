@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,20 +26,19 @@ from kvd.core.commits import CommitTracker
 from kvd.core.dataplane import DataPlane
 from kvd.core.events import FinishedSending
 from kvd.core.holdchecks import HoldChecks, SchedulerChannel
-from kvd.core.holder import HolderReads
+from kvd.core.holder import Holder
 from kvd.core.leases import Lease, LeaseEnd, LeaseTable
 from kvd.core.local_memory import Memories
 from kvd.core.loopback import LoopbackTransport
 from kvd.core.memory import RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import Peers, PeerSession, PeerTransport
+from kvd.core.peers import HandshakeInfo, Peers, PeerSession, PeerTransport, PrepareRequest, PrepareResult
 from kvd.core.pulls import Puller
 from kvd.core.registry import EngineRank, Registry, next_registration_id
-from kvd.core.restarts import DataPlaneRestarts, RestartBackoff
+from kvd.core.restarts import Restarts
 from kvd.core.transfers import RequestKey, Transfer, TransferState, TransferTable
 from kvd.core.watches import TransferWatches
-from kvd.core.workers import WorkerLauncher
 from kvd.layout import groups as kv_groups
 from kvd.layout.plan import EngineView, block_geometry
 from kvd.layout.spec import LayerPlacement, LayoutSpec
@@ -109,23 +108,20 @@ class DaemonStatus:
     dataplane_last_restart: str = ""  # why the last worker was replaced ("" if never)
 
 
-class Daemon(HolderReads, DataPlaneRestarts):
+class Daemon:
     """Registry, memory, data plane, peers, commits, leases and transfers of one daemon."""
 
     def __init__(self, config: KvdConfig, transport: PeerTransport, metrics: Metrics) -> None:
         self.config = config
         self.metrics = metrics
         self._loop: asyncio.AbstractEventLoop | None = None  # the one every table belongs to (start())
-        self._connecting_until = 0.0  # a reader may be connecting its NIXL agent until then (handshake_info)
-        self._connect_poll_end: asyncio.TimerHandle | None = None
         self.incarnation = uuid.uuid4().hex
         host = socket.gethostname().split(".")[0] or "host"
         self._agent_base = f"{config.agent_name_prefix}-{host}-{self.incarnation}"
-        self.agent_name = self._agent_base  # a new data-plane worker gets a new name (…-r<N>)
         self.advertise_address = config.advertise_address
         self.registry = Registry()
         self.leases = LeaseTable(
-            on_admission_over=self._admission_over,
+            on_admission_over=lambda admission: self.holder.admission_over(admission),
             on_lease_over=self._lease_over,
             admission_margin_s=config.read_admission_margin_s,
             on_new_deadline=self._wake_sweeper,
@@ -140,73 +136,106 @@ class Daemon(HolderReads, DataPlaneRestarts):
         self._liveness_now = asyncio.Event()  # an engine registered with a pid, or one exited
         # Calls to this daemon's own addresses (both engines on this node) stay in the process.
         self._transport = LoopbackTransport(transport, self)
-        self.dataplane: DataPlane | None = None
         self.memories: Memories | None = None
         self.peers: Peers | None = None
         self._puller: Puller | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvd-work")
         self._background: list[asyncio.Task[None]] = []
         self._followups: set[asyncio.Task[None]] = set()  # unpins scheduled by lease callbacks
-        self._reader_labels: dict[str, str] = {}  # admission id -> reader's address (metrics label)
-        # admission id -> (engine, request) of a soft read pinned by the engine (to unpin it when
-        # the admission ends after its lease did)
-        self._soft_pins: dict[str, tuple[str, str]] = {}
         self._remote_calls: set[asyncio.Task[None]] = set()  # heartbeats and releases sent to peers
         self._selftest_seed = -1
         self.serving = False
         self.started_at = time.monotonic()
-        # Data-plane restarts (kvd.core.restarts): when, why; a crash loop backs off.
-        self._launcher: WorkerLauncher | None = None
-        self._backoff = RestartBackoff(
-            config.dataplane_restart_backoff_s,
-            config.dataplane_restart_backoff_max_s,
-            config.dataplane_restart_stable_s,
+        # The holder's side of a pull: handshakes, admissions, notifications (kvd.core.holder).
+        self.holder = Holder(
+            config,
+            metrics,
+            self.registry,
+            self.leases,
+            self.commits,
+            self.holdchecks,
+            incarnation=self.incarnation,
+            agent_name=lambda: self.agent_name,
+            dataplane=lambda: self.dataplane,
+            memories=lambda: self._mem,
+            require_serving=self.require_serving,
+            require_dataplane=self.require_dataplane,
+            follow_up=self._follow_up,
+            loop=lambda: self._loop,
         )
-        self.dataplane_serving = False
-        self.on_dataplane_serving = lambda: None
-        self._restarting: asyncio.Task[None] | None = None
-        self.dataplane_restarts = 0
-        self.dataplane_last_restart = ""
-        self.fatal: asyncio.Future[str] | None = None  # set with the reason when the daemon must exit
+        # The data-plane worker now serving, and its replacement when it is lost (kvd.core.restarts).
+        self.restarts = Restarts(
+            config,
+            metrics,
+            self.registry,
+            self.leases,
+            agent_base=self._agent_base,
+            on_notifications=self.holder.on_notifications,
+            memories=lambda: self._mem,
+            rebind=self._rebind,
+            prepare_tables=self._prepare_tables,
+            unregister=self._unregister,
+            daemon_serving=lambda: self.serving,
+            stop_serving=self._stop_serving,
+        )
         self.selftest_engine_id = f"kvd-selftest-{self.incarnation[:8]}"
 
     # --- life cycle ------------------------------------------------------------------------
 
-    def _new_dataplane(self) -> DataPlane:
-        assert self._launcher is not None
-        return DataPlane(
-            on_reads_in_flight=self.metrics.nixl_reads_in_flight.set,
-            launcher=self._launcher,
-            heartbeat_timeout_s=self.config.dataplane_heartbeat_timeout_s,
-            on_lost=self._dataplane_lost,
-        )
+    @property
+    def dataplane(self) -> DataPlane | None:
+        """The data-plane worker now serving (a restart replaces it: kvd.core.restarts)."""
+        return self.restarts.dataplane
+
+    @property
+    def agent_name(self) -> str:
+        """The NIXL agent's name: a new data-plane worker gets a new one (…-r<N>)."""
+        plane = self.restarts.dataplane
+        return plane.name if plane is not None else self._agent_base
+
+    @property
+    def fatal(self) -> asyncio.Future[str] | None:
+        """Set with the reason when the daemon must exit (a new worker cannot start)."""
+        return self.restarts.fatal
+
+    @property
+    def dataplane_serving(self) -> bool:
+        return self.restarts.serving
+
+    @property
+    def on_dataplane_serving(self) -> Callable[[], None]:
+        return self.restarts.on_serving
+
+    @on_dataplane_serving.setter
+    def on_dataplane_serving(self, callback: Callable[[], None]) -> None:
+        self.restarts.on_serving = callback  # kvd.server.app: health follows the worker
+
+    @property
+    def dataplane_restarts(self) -> int:
+        return self.restarts.restarts
+
+    @property
+    def dataplane_last_restart(self) -> str:
+        return self.restarts.last_restart
+
+    def require_dataplane(self) -> None:
+        self.restarts.require_dataplane()
+
+    def _rebind(self, plane: DataPlane) -> None:
+        """A new worker replaced a lost one: the parts that reach it through their own handle."""
+        self._mem.rebind(plane)
+        if self.peers is not None:
+            self.peers.rebind(plane)
+        if self._puller is not None:
+            self._puller.rebind(plane)
+
+    def _stop_serving(self) -> None:
+        self.serving = False
 
     async def start(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
         self.metrics.before_collect(self._gauges_for_scrape)
-        self.fatal = loop.create_future()
-        self._launcher = WorkerLauncher(
-            self._agent_base,
-            tuple(self.config.nixl_backends),
-            self.config.nixl_progress_thread,
-            self.config.log_level,
-            self.config.gil_switch_interval_s,
-            spare=self.config.dataplane_spare_worker,
-            prefault=self.config.prefault_host_memory,
-            max_post_bytes=self.config.dataplane_max_post_bytes,
-            copy_threads=self.config.copy_threads,
-            parallel_read_min_bytes=self.config.dataplane_parallel_read_min_bytes,
-            respawn_backoff_s=self.config.dataplane_restart_backoff_s,
-            respawn_backoff_max_s=self.config.dataplane_restart_backoff_max_s,
-        )
-        dataplane = self._new_dataplane()
-        try:
-            await dataplane.start(self._on_notifications)
-        except BaseException:
-            await self._launcher.close()
-            raise
-        self.dataplane = dataplane
-        self.agent_name = dataplane.name
+        dataplane = await self.restarts.start()
         self.memories = Memories(dataplane, self.metrics)
         self.memories.on_quarantined = self._wake_sweeper
         self.peers = Peers(
@@ -236,7 +265,7 @@ class Daemon(HolderReads, DataPlaneRestarts):
             loop.create_task(self._liveness_loop(), name="kvd-liveness"),
         ]
         self.serving = True
-        self._dataplane_serves(True)
+        self.restarts.serves(True)
         logger.info("daemon %s started (agent %s)", self.incarnation, self.agent_name)
 
     async def shutdown(self, grace_s: float) -> None:
@@ -274,13 +303,7 @@ class Daemon(HolderReads, DataPlaneRestarts):
         await self._transport.close()
         if self._puller is not None:
             await self._puller.close()
-        if self._restarting is not None:
-            self._restarting.cancel()
-            await asyncio.gather(self._restarting, return_exceptions=True)
-        if self.dataplane is not None:
-            await self.dataplane.stop()
-        if self._launcher is not None:
-            await self._launcher.close()
+        await self.restarts.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         logger.info("daemon %s stopped", self.incarnation)
 
@@ -782,6 +805,33 @@ class Daemon(HolderReads, DataPlaneRestarts):
             for fd in watched.values():
                 loop.remove_reader(fd)
                 os.close(fd)
+
+    # --- PeerService: a reader daemon's calls (kvd.core.holder) --------------------------------
+
+    def handshake_info(self) -> HandshakeInfo:
+        return self.holder.handshake_info()
+
+    async def prepare_pull(
+        self, request: PrepareRequest, *, reader_address: str = "", reader_incarnation: str = ""
+    ) -> PrepareResult:
+        return await self.holder.prepare_pull(
+            request, reader_address=reader_address, reader_incarnation=reader_incarnation
+        )
+
+    async def finish_read(
+        self, lease_id: str, reader_tp_rank: int, reader_incarnation: str = "", reader_transfer_id: str = ""
+    ) -> None:
+        await self.holder.finish_read(lease_id, reader_tp_rank, reader_incarnation, reader_transfer_id)
+
+    def abandon_pull(
+        self,
+        lease_id: str,
+        reader_tp_rank: int,
+        reason: str,
+        reader_incarnation: str = "",
+        reader_transfer_id: str = "",
+    ) -> None:
+        self.holder.abandon_pull(lease_id, reader_tp_rank, reason, reader_incarnation, reader_transfer_id)
 
     # --- pulls -----------------------------------------------------------------------------------
 

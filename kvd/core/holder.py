@@ -1,12 +1,27 @@
 """The holder's side of a pull: the handshake a reader plans against, the admission of its read,
 the soft-hold checks around it, and the NIXL notifications that end it.
 
-A mixin of :class:`kvd.core.daemon.Daemon` (kept apart so that the daemon's facade stays small,
-like :mod:`kvd.core.restarts`). The peer servicer calls :meth:`HolderReads.handshake_info`,
-:meth:`~HolderReads.prepare_pull`, :meth:`~HolderReads.finish_read` and
-:meth:`~HolderReads.abandon_pull`; the lease table calls back :meth:`~HolderReads._admission_over`;
-the data plane delivers READ notifications to :meth:`~HolderReads._on_notifications`. What an
-admission pins and when it is released: docs/lifetimes.md. Event-loop only.
+The holder side's pipeline, one part of the daemon (:class:`kvd.core.daemon.Daemon` composes it
+and forwards the peer calls to it). A read of a lease goes through it in this order:
+
+1. :meth:`Holder.handshake_info` (Handshake): the engines a reader plans against, this worker's
+   NIXL identity; the worker then polls fast while the reader connects (``CONNECT_POLL_S``);
+2. :meth:`Holder.prepare_pull` (PreparePull): checks, the wait for committed tokens
+   (:class:`~kvd.core.commits.CommitTracker`), the admission (:class:`~kvd.core.leases.LeaseTable`),
+   the pins of the holder ranks' memory, the early notifications claimed
+   (:mod:`kvd.core.early_reads`), and a soft hold's pin by the engine (:meth:`Holder._pin_soft`,
+   :class:`~kvd.core.holdchecks.HoldChecks`);
+3. the reader's READ; its notification arrives through the data plane:
+   :meth:`Holder.on_notifications` counts its parts (``LeaseTable.record_read``);
+4. a soft hold's :meth:`Holder.finish_read` (FinishRead) verifies and unpins; a reader that gave
+   up sends :meth:`Holder.abandon_pull` (AbandonPull);
+5. the lease table calls back :meth:`Holder.admission_over`: the memory is unpinned (tainted
+   first if the read was never proven over, until :meth:`Holder._admission_proven`).
+
+It owns the admissions' side tables (metrics labels, soft pins) and the connect polls; it gets
+everything else explicitly (the tables it shares with the daemon's other parts, getters for
+what a data-plane restart replaces). What an admission pins and when it is released:
+docs/lifetimes.md. Event-loop only.
 """
 
 from __future__ import annotations
@@ -14,13 +29,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
+from kvd.config import KvdConfig
 from kvd.core import notif
-from kvd.core.leases import Admission, AdmissionEnd, Lease
+from kvd.core.commits import CommitTracker
+from kvd.core.dataplane import DataPlane
+from kvd.core.holdchecks import HoldChecks
+from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseTable
 from kvd.core.local_memory import LocalMemory, Memories
+from kvd.core.metrics import Metrics
 from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult, RemoteEngine
+from kvd.core.registry import EngineRank, Registry
 from kvd.layout import groups as kv_groups
 from kvd_client.errors import (
     FailedPrecondition,
@@ -33,19 +54,10 @@ from kvd_client.errors import (
 )
 from kvd_client.v1.schema import HoldCheckAction
 
-if TYPE_CHECKING:
-    from kvd.config import KvdConfig
-    from kvd.core.commits import CommitTracker
-    from kvd.core.dataplane import DataPlane
-    from kvd.core.holdchecks import HoldChecks
-    from kvd.core.leases import LeaseTable
-    from kvd.core.metrics import Metrics
-    from kvd.core.registry import EngineRank, Registry
-
 logger = logging.getLogger(__name__)
 
 # A fast-poll deadline long past but not 0.0: the worker keeps polling every 50 ms, not 1 s (a read
-# that was never proven over may still be served; see HolderReads._poll_fast_while_admitted).
+# that was never proven over may still be served; see Holder._poll_fast_while_admitted).
 UNPROVEN_READS_DEADLINE = 1e-3
 # After serving a Handshake, the worker polls fast this long: the reader connects its NIXL agent
 # at once (NixlAgent.add_remote), and UCX sets the connection up only as both sides make progress.
@@ -55,40 +67,49 @@ UNPROVEN_READS_DEADLINE = 1e-3
 CONNECT_POLL_S = 0.1
 
 
-class HolderReads:
+class Holder:
     """What a holder does for the readers of its leases (module docstring)."""
 
-    config: KvdConfig
-    metrics: Metrics
-    registry: Registry
-    leases: LeaseTable
-    commits: CommitTracker
-    holdchecks: HoldChecks
-    dataplane: DataPlane | None
-    incarnation: str
-    agent_name: str
-    _loop: asyncio.AbstractEventLoop | None
-    _reader_labels: dict[str, str]
-    _soft_pins: dict[str, tuple[str, str]]
-    _connecting_until: float
-    _connect_poll_end: asyncio.TimerHandle | None
+    def __init__(
+        self,
+        config: KvdConfig,
+        metrics: Metrics,
+        registry: Registry,
+        leases: LeaseTable,
+        commits: CommitTracker,
+        holdchecks: HoldChecks,
+        *,
+        incarnation: str,
+        agent_name: Callable[[], str],
+        dataplane: Callable[[], DataPlane | None],
+        memories: Callable[[], Memories],
+        require_serving: Callable[[], None],
+        require_dataplane: Callable[[], None],
+        follow_up: Callable[[Coroutine[Any, Any, None]], None],
+        loop: Callable[[], asyncio.AbstractEventLoop | None],
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.registry = registry
+        self.leases = leases
+        self.commits = commits
+        self.holdchecks = holdchecks
+        self.incarnation = incarnation
+        self._agent_name = agent_name  # the worker's: a data-plane restart renames it
+        self._dataplane = dataplane
+        self._memories = memories
+        self._require_serving = require_serving
+        self._require_dataplane = require_dataplane
+        self._follow_up = follow_up  # runs an unpin, from a synchronous callback, as its own task
+        self._loop = loop
+        self._reader_labels: dict[str, str] = {}  # admission id -> reader's address (metrics label)
+        # admission id -> (engine, request) of a soft read pinned by the engine (to unpin it when
+        # the admission ends after its lease did)
+        self._soft_pins: dict[str, tuple[str, str]] = {}
+        self._connecting_until = 0.0  # a reader may be connecting its NIXL agent until then (handshake_info)
+        self._connect_poll_end: asyncio.TimerHandle | None = None
 
-    # Provided by the daemon.
-    @property
-    def _mem(self) -> Memories:
-        raise NotImplementedError
-
-    def _follow_up(self, coro: Any) -> None:
-        raise NotImplementedError
-
-    def require_serving(self) -> None:
-        raise NotImplementedError
-
-    if TYPE_CHECKING:  # DataPlaneRestarts's, after this class in the daemon's bases: no stub here
-
-        def require_dataplane(self) -> None: ...
-
-    def _admission_over(self, admission: Admission) -> None:
+    def admission_over(self, admission: Admission) -> None:
         """LeaseTable callback: an admitted read is over; unpin the holder memory it pinned."""
         assert admission.ended is not None
         label = self._reader_labels.pop(admission.admission_id, "")
@@ -118,10 +139,10 @@ class HolderReads:
             admission.tainted = pinned
             for memory in pinned:
                 assert isinstance(memory, LocalMemory)
-                self._mem.taint(memory, admission.admission_id)
+                self._memories().taint(memory, admission.admission_id)
         for memory in pinned:
             assert isinstance(memory, LocalMemory)
-            self._follow_up(self._mem.unpin(memory, holder=True))
+            self._follow_up(self._memories().unpin(memory, holder=True))
         self._poll_fast_while_admitted(unproven=bool(pinned) and not clean)
 
     def _admission_proven(self, admission: Admission, how: str) -> None:
@@ -140,7 +161,7 @@ class HolderReads:
         )
         for memory in tainted:
             assert isinstance(memory, LocalMemory)
-            self._mem.prove(memory, admission.admission_id)
+            self._memories().prove(memory, admission.admission_id)
         self._poll_fast_while_admitted()
 
     def _poll_fast_while_admitted(self, unproven: bool = False) -> None:
@@ -152,16 +173,17 @@ class HolderReads:
         memory here ended without being proven over (tainted): its reader may still be reading
         (a stalled READ resumes when a partition heals, and over TCP UCX serves it only as the
         holder makes progress), so it keeps a past, non-zero deadline: a poll every 50 ms."""
-        if self.dataplane is None:
+        dataplane = self._dataplane()
+        if dataplane is None:
             return
         deadline = self.leases.latest_admission_deadline()
         if not deadline and (unproven or any(rank.memory.tainted for rank in self.registry)):
             deadline = UNPROVEN_READS_DEADLINE
         if self._connecting_until > time.monotonic():
             deadline = max(deadline, self._connecting_until)
-        self.dataplane.fast_poll_until = deadline
+        dataplane.fast_poll_until = deadline
 
-    def _on_notifications(self, notifications: dict[str, list[bytes]]) -> None:
+    def on_notifications(self, notifications: dict[str, list[bytes]]) -> None:
         """READ notifications from readers (delivered by the data plane's thread, on the loop)."""
         for agent, messages in notifications.items():
             for message in messages:
@@ -190,18 +212,19 @@ class HolderReads:
             )
             for rank in self.registry
         )
-        self.require_dataplane()
-        assert self.dataplane is not None
-        identity = self.dataplane.identity()
+        self._require_dataplane()
+        dataplane = self._dataplane()
+        assert dataplane is not None
+        identity = dataplane.identity()
         self._poll_fast_for_connect()
-        return HandshakeInfo(self.incarnation, self.agent_name, identity.metadata, engines, identity.regions)
+        return HandshakeInfo(self.incarnation, self._agent_name(), identity.metadata, engines, identity.regions)
 
     def _poll_fast_for_connect(self) -> None:
         """A reader has the metadata and is connecting: poll fast for CONNECT_POLL_S (CONNECT_POLL_S's
         comment), then as the admissions say. Handshakes are rare (one per peer and re-registration)."""
         self._connecting_until = time.monotonic() + CONNECT_POLL_S
         self._poll_fast_while_admitted()
-        loop = self._loop
+        loop = self._loop()
         if loop is not None and not loop.is_closed():
             if self._connect_poll_end is not None:
                 self._connect_poll_end.cancel()
@@ -225,7 +248,7 @@ class HolderReads:
         read_timeout_s, read_id = request.read_timeout_s, request.read_id
         reader_transfer_id, registration_ids = request.reader_transfer_id, request.registration_ids
         group_block_ids = request.group_block_ids
-        self.require_serving()
+        self._require_serving()
         if read_id and not notif.valid_read_id(read_id):
             raise InvalidArgument(
                 f"read id {read_id[:80]!r} is not 1-{notif.READ_ID_MAX} characters of letters, digits, '.', '_', '-'"
@@ -262,8 +285,8 @@ class HolderReads:
                 )
         # The wait yielded: the lease and the ranks may have changed meanwhile. From here to the
         # return nothing awaits, so what is checked is what is pinned.
-        self.require_serving()
-        self.require_dataplane()
+        self._require_serving()
+        self._require_dataplane()
         ranks = self._holder_ranks(engine_id, remote_tp_ranks)
         current = tuple(ranks[r].registration_id for r in remote_tp_ranks)
         if registration_ids and tuple(registration_ids) != current:
@@ -273,7 +296,7 @@ class HolderReads:
             )
         reader = _reader_key(reader_incarnation, reader_transfer_id)
         admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, hold_s, read_id)
-        memories = self._mem
+        memories = self._memories()
         for r in remote_tp_ranks:
             memories.pin(ranks[r].memory, holder=True)
             admission.pinned.append(ranks[r].memory)

@@ -1,9 +1,10 @@
 """Replacing a lost data-plane worker: the daemon's side of docs/lifetimes.md, "A lost data-plane worker".
 
-A mixin of :class:`kvd.core.daemon.Daemon` (kept apart so that the daemon's facade stays small):
-the DataPlane reports its worker lost (reaped) through :meth:`_dataplane_lost`; the daemon then
-starts a new worker (the launcher's spare), rebinds memory, peers and the puller to it, and maps
-every registered rank again.
+One part of the daemon (:class:`kvd.core.daemon.Daemon` composes it): :class:`Restarts` owns the
+data-plane worker now serving (``dataplane``), the launcher that starts workers, and everything
+about replacing a lost one. The DataPlane reports its worker lost (reaped) through
+:meth:`Restarts.lost`; a new worker (the launcher's spare) is started, the daemon's other parts
+are rebound to it (``rebind``), and every registered rank is mapped again.
 
 **A crash loop backs off; it does not end the daemon** (as a pre-fork server's arbiter respawns
 workers that crash at run time): the first loss after a worker served ``dataplane_restart_stable_s``
@@ -20,22 +21,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
-from kvd.core.leases import Admission, AdmissionEnd
+from kvd.config import KvdConfig
+from kvd.core.dataplane import DataPlane
+from kvd.core.leases import Admission, AdmissionEnd, LeaseTable
 from kvd.core.local_memory import LocalMemory, Memories, MemoryState
+from kvd.core.metrics import Metrics
 from kvd.core.registry import EngineRank, Registry, next_registration_id
-from kvd.core.workers import WorkerStartFailed, backoff_delay
+from kvd.core.workers import WorkerLauncher, WorkerStartFailed, backoff_delay
 from kvd_client.errors import KvdError, Unavailable
-
-if TYPE_CHECKING:
-    from kvd.config import KvdConfig
-    from kvd.core.dataplane import DataPlane
-    from kvd.core.leases import LeaseTable
-    from kvd.core.metrics import Metrics
-    from kvd.core.peers import Peers
-    from kvd.core.pulls import Puller
 
 logger = logging.getLogger(__name__)
 
@@ -67,79 +62,139 @@ class RestartBackoff:
             self.serving_since = now
 
 
-class DataPlaneRestarts:
-    """What the daemon does when its data-plane worker is lost (module docstring)."""
+class Restarts:
+    """The data-plane worker now serving, and its replacement when it is lost (module docstring).
 
-    config: KvdConfig
-    metrics: Metrics
-    registry: Registry
-    leases: LeaseTable
-    dataplane: DataPlane | None
-    peers: Peers | None
-    _puller: Puller | None
-    agent_name: str
-    serving: bool
-    fatal: asyncio.Future[str] | None
-    dataplane_restarts: int
-    dataplane_last_restart: str
-    dataplane_serving: bool  # a worker serves (started, every rank mapped): health follows it
-    on_dataplane_serving: Callable[[], None]  # called when dataplane_serving changes (kvd.server.app)
-    _backoff: RestartBackoff
-    _restarting: asyncio.Task[None] | None
+    Owns ``dataplane`` (the handle every other part reaches through a getter, since a restart
+    replaces it), the worker launcher, the back-off, the restart under way, the counts and
+    reason GetStatus shows, ``serving`` (a worker serves: health follows it) and ``fatal``.
+    Event-loop only.
+    """
 
-    # Provided by the daemon.
-    @property
-    def _mem(self) -> Memories:
-        raise NotImplementedError
+    def __init__(
+        self,
+        config: KvdConfig,
+        metrics: Metrics,
+        registry: Registry,
+        leases: LeaseTable,
+        *,
+        agent_base: str,
+        on_notifications: Callable[[dict[str, list[bytes]]], None],
+        memories: Callable[[], Memories],
+        rebind: Callable[[DataPlane], None],
+        prepare_tables: Callable[[EngineRank], Awaitable[None]],
+        unregister: Callable[[EngineRank, str], Awaitable[None]],
+        daemon_serving: Callable[[], bool],
+        stop_serving: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.registry = registry
+        self.leases = leases
+        self._agent_base = agent_base
+        self._on_notifications = on_notifications  # the holder's: READ notifications from readers
+        self._memories = memories
+        self._rebind = rebind  # the daemon's other parts that hold the worker (memories, peers, puller)
+        self._prepare_tables = prepare_tables
+        self._unregister = unregister
+        self._daemon_serving = daemon_serving
+        self._stop_serving = stop_serving
+        self.dataplane: DataPlane | None = None
+        self.launcher: WorkerLauncher | None = None
+        self.backoff = RestartBackoff(
+            config.dataplane_restart_backoff_s,
+            config.dataplane_restart_backoff_max_s,
+            config.dataplane_restart_stable_s,
+        )
+        self.restarting: asyncio.Task[None] | None = None
+        self.restarts = 0
+        self.last_restart = ""  # why the last worker was replaced ("" if never)
+        self.serving = False  # a worker serves (started, every rank mapped): health follows it
+        self.on_serving: Callable[[], None] = lambda: None  # called when ``serving`` changes (kvd.server.app)
+        self.fatal: asyncio.Future[str] | None = None  # set with the reason when the daemon must exit
 
-    def _new_dataplane(self) -> DataPlane:
-        raise NotImplementedError
+    def new_dataplane(self) -> DataPlane:
+        assert self.launcher is not None
+        return DataPlane(
+            on_reads_in_flight=self.metrics.nixl_reads_in_flight.set,
+            launcher=self.launcher,
+            heartbeat_timeout_s=self.config.dataplane_heartbeat_timeout_s,
+            on_lost=self.lost,
+        )
 
-    def _on_notifications(self, notifications: dict[str, list[bytes]]) -> None:
-        raise NotImplementedError
+    async def start(self) -> DataPlane:
+        """Start the launcher and the daemon's first worker (it serves once every part is bound)."""
+        config = self.config
+        self.fatal = asyncio.get_running_loop().create_future()
+        self.launcher = WorkerLauncher(
+            self._agent_base,
+            tuple(config.nixl_backends),
+            config.nixl_progress_thread,
+            config.log_level,
+            config.gil_switch_interval_s,
+            spare=config.dataplane_spare_worker,
+            prefault=config.prefault_host_memory,
+            max_post_bytes=config.dataplane_max_post_bytes,
+            copy_threads=config.copy_threads,
+            parallel_read_min_bytes=config.dataplane_parallel_read_min_bytes,
+            respawn_backoff_s=config.dataplane_restart_backoff_s,
+            respawn_backoff_max_s=config.dataplane_restart_backoff_max_s,
+        )
+        dataplane = self.new_dataplane()
+        try:
+            await dataplane.start(self._on_notifications)
+        except BaseException:
+            await self.launcher.close()
+            raise
+        self.dataplane = dataplane
+        return dataplane
 
-    async def _prepare_tables(self, rank: EngineRank) -> None:
-        raise NotImplementedError
-
-    async def _unregister(self, rank: EngineRank, reason: str) -> None:
-        raise NotImplementedError
+    async def stop(self) -> None:
+        """At shutdown, after every other part: end a restart under way, the worker, the launcher."""
+        if self.restarting is not None:
+            self.restarting.cancel()
+            await asyncio.gather(self.restarting, return_exceptions=True)
+        if self.dataplane is not None:
+            await self.dataplane.stop()
+        if self.launcher is not None:
+            await self.launcher.close()
 
     def require_dataplane(self) -> None:
         """Refuse work that needs the data plane while a lost worker is being replaced."""
         if self.dataplane is None:
             raise Unavailable("the daemon is still starting")
-        if self._restarting is not None or not self.dataplane.alive:
-            why = self.dataplane_last_restart or "gone"
+        if self.restarting is not None or not self.dataplane.alive:
+            why = self.last_restart or "gone"
             raise Unavailable(f"the daemon's data plane is restarting (its worker was lost: {why}): retry in a moment")
 
-    def _dataplane_serves(self, serving: bool) -> None:
+    def serves(self, serving: bool) -> None:
         """Whether a worker serves now: the gauge, the back-off's stable period, health (through
-        ``on_dataplane_serving``)."""
+        ``on_serving``)."""
         if serving:
-            self._backoff.serving(time.monotonic())
-        if serving == self.dataplane_serving:
+            self.backoff.serving(time.monotonic())
+        if serving == self.serving:
             return
-        self.dataplane_serving = serving
+        self.serving = serving
         self.metrics.dataplane_serving.set(int(serving))
-        self.on_dataplane_serving()
+        self.on_serving()
 
-    def _dataplane_lost(self, plane: DataPlane, reason: str) -> None:
+    def lost(self, plane: DataPlane, reason: str) -> None:
         """DataPlane callback: its worker is gone (reaped). Replace it, unless shutting down."""
-        if plane is not self.dataplane or not self.serving or self._restarting is not None:
+        if plane is not self.dataplane or not self._daemon_serving() or self.restarting is not None:
             return
         self.metrics.dataplane_restarts.labels(reason).inc()
-        self.dataplane_restarts += 1
-        self.dataplane_last_restart = reason
-        self._dataplane_serves(False)
-        delay = self._backoff.lost(time.monotonic())
-        self._restarting = asyncio.get_running_loop().create_task(
+        self.restarts += 1
+        self.last_restart = reason
+        self.serves(False)
+        delay = self.backoff.lost(time.monotonic())
+        self.restarting = asyncio.get_running_loop().create_task(
             self._restart(reason, delay), name="kvd-dataplane-restart"
         )
 
     def _give_up(self, why: str) -> None:
         logger.critical("%s: the daemon exits", why)
-        self.serving = False
-        self._dataplane_serves(False)
+        self._stop_serving()
+        self.serves(False)
         if self.fatal is not None and not self.fatal.done():
             self.fatal.set_result(why)
 
@@ -155,7 +210,7 @@ class DataPlaneRestarts:
             if delay_s > 0:
                 logger.warning(
                     "the data-plane worker was lost %d times in a row (last: %s): its replacement starts in %.2fs",
-                    self._backoff.losses_in_a_row,
+                    self.backoff.losses_in_a_row,
                     reason,
                     delay_s,
                 )
@@ -164,12 +219,7 @@ class DataPlaneRestarts:
             if plane is None:
                 return
             self.dataplane = plane
-            self.agent_name = plane.name
-            self._mem.rebind(plane)
-            if self.peers is not None:
-                self.peers.rebind(plane)
-            if self._puller is not None:
-                self._puller.rebind(plane)
+            self._rebind(plane)
             if plane.alive:
                 plane.fast_poll_until = self.leases.latest_admission_deadline()
             for rank in list(self.registry):
@@ -177,23 +227,23 @@ class DataPlaneRestarts:
                     break  # the new worker died too: the restart below maps every rank
                 await self._remap_rank(rank)
         finally:
-            self._restarting = None
+            self.restarting = None
         if plane.alive:
-            self._dataplane_serves(True)
+            self.serves(True)
         logger.warning(
             "data plane restarted in %.0f ms after its worker (agent %s) was lost (%s): agent %s, pid %d, "
             "%d engine ranks mapped again",
             (time.monotonic() - started) * 1000,
             lost.name if lost is not None else "?",
             reason,
-            self.agent_name,
+            plane.name,
             plane.pid,
             len(self.registry),
         )
         if not plane.alive and plane.lost_reason:
             # Lost while it was being set up, when its loss was not acted on: replace it too
             # (else the daemon would keep a dead data plane and refuse every pull for good).
-            self._dataplane_lost(plane, plane.lost_reason)
+            self.lost(plane, plane.lost_reason)
 
     def _end_reads_of_lost_memory(self) -> None:
         """Reads admitted out of host memory the lost worker mapped are over: nothing can be read
@@ -215,7 +265,7 @@ class DataPlaneRestarts:
         """A new worker (the spare, else a fresh one); None once the daemon gave up: a worker
         that cannot start ends the daemon, one killed while it started is one more loss."""
         while True:
-            plane = self._new_dataplane()
+            plane = self.new_dataplane()
             try:
                 await plane.start(self._on_notifications)
                 return plane
@@ -223,7 +273,7 @@ class DataPlaneRestarts:
                 if not exc.killed:
                     self._give_up(f"a new data-plane worker cannot start (the last was lost: {reason}): {exc.message}")
                     return None
-                delay = self._backoff.lost(time.monotonic())
+                delay = self.backoff.lost(time.monotonic())
                 logger.warning(
                     "a new data-plane worker was killed while it started (%s): another starts in %.2fs",
                     exc.message,
@@ -238,7 +288,7 @@ class DataPlaneRestarts:
         """Map a registered rank's memory in the new worker (the engine does nothing)."""
         requests = [region.request for region in rank.memory.regions]
         try:
-            memory = await self._mem.open(requests, next_registration_id())
+            memory = await self._memories().open(requests, next_registration_id())
         except KvdError as exc:
             if self.dataplane is not None and not self.dataplane.alive:
                 return  # its worker died too: the rank stays registered for the next restart to map
@@ -251,7 +301,7 @@ class DataPlaneRestarts:
             await self._unregister(rank, f"memory lost in a data-plane restart: {exc.message}")
             return
         if self.registry.current(rank) is not rank:  # unregistered meanwhile
-            await self._mem.fence(memory)
+            await self._memories().fence(memory)
             return
         rank.memory = memory
         self.metrics.registered_bytes.labels(rank.engine_id, str(rank.tp_rank)).set(rank.registered_bytes)

@@ -6,13 +6,14 @@ import pytest
 from lifetime_fakes import Fabric
 
 import kvd.core.daemon as daemon_module
+import kvd.core.restarts as restarts_module
 
 
 @pytest.fixture
 def fabric(monkeypatch: pytest.MonkeyPatch) -> Fabric:
     """Daemons built by this test get a fake data plane; their sweepers never run on their own."""
     fabric = Fabric()
-    monkeypatch.setattr(daemon_module, "DataPlane", fabric.make_dataplane)
+    monkeypatch.setattr(restarts_module, "DataPlane", fabric.make_dataplane)
     monkeypatch.setattr(daemon_module, "SWEEP_S", 3600.0)
     monkeypatch.setattr(daemon_module, "SWEEP_MIN_S", 3600.0)  # not even on a passed deadline
     monkeypatch.setattr(daemon_module, "SWEEP_IDLE_MAX_S", 3600.0)

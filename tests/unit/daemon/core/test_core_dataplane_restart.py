@@ -47,11 +47,11 @@ LOST, ACTIVE, RELEASED = MemoryState.LOST, MemoryState.ACTIVE, MemoryState.RELEA
 
 async def restarted(node: Node) -> None:
     """Wait for the node's data-plane restart under way, if any, to end (it must not raise)."""
-    task = node.daemon._restarting
+    task = node.daemon.restarts.restarting
     if task is not None:
         async with asyncio.timeout(SAFETY_TIMEOUT_S):
             await task
-    assert node.daemon._restarting is None
+    assert node.daemon.restarts.restarting is None
 
 
 def assert_mapped(memory: LocalMemory, dp: FakeDataPlane) -> None:
@@ -411,7 +411,7 @@ def test_a_crash_loop_backs_off_and_the_engines_keep_their_registrations(fabric:
                 reader.require_dataplane()
             with pytest.raises(Unavailable):
                 await fabric.register(p.reader, "eng-x", small_spec(8))
-            delays.append(reader._backoff.delay_s)
+            delays.append(reader.restarts.backoff.delay_s)
             await start.arrived.reach(1)  # after its back-off, the replacement starts
             assert not reader.dataplane_serving
             start.open()
@@ -472,7 +472,7 @@ def test_a_worker_that_served_its_stable_period_ends_the_back_off(fabric: Fabric
         for pause in (0.0, 0.0, 0.1, 0.0):  # the third loss comes after 100 ms of serving
             await asyncio.sleep(pause)
             node.dataplane.lose("SIGKILL")
-            delays.append(daemon._backoff.delay_s)
+            delays.append(daemon.restarts.backoff.delay_s)
             await restarted(node)
         assert delays == [0.0, 0.01, 0.0, 0.01]
         assert daemon.dataplane_restarts == 4 and daemon.dataplane_serving
@@ -495,13 +495,13 @@ def test_a_shutdown_while_backing_off_starts_no_worker_and_releases_everything(f
         p.reader.dataplane.lose("SIGKILL")  # the second in a row: an hour's back-off
         for _ in range(10):
             await asyncio.sleep(0)
-        assert reader._restarting is not None and len(fabric.dataplanes) == planes
+        assert reader.restarts.restarting is not None and len(fabric.dataplanes) == planes
         assert not reader.dataplane_serving and old_memory.state is LOST
         with pytest.raises(Unavailable, match="restarting"):
             reader.handshake_info()
 
         await shut_down(fabric, p.reader)
-        assert reader._restarting is None and len(fabric.dataplanes) == planes
+        assert reader.restarts.restarting is None and len(fabric.dataplanes) == planes
         assert len(reader.registry) == 0 and old_memory.pins == 0
         assert reader.fatal is not None and not reader.fatal.done()
         assert_settled(p.holder)
@@ -545,7 +545,7 @@ def test_a_replacement_killed_while_it_starts_is_one_more_loss(fabric: Fabric) -
         daemon = node.daemon
         assert daemon.fatal is not None and not daemon.fatal.done()
         assert daemon.dataplane_serving and daemon.dataplane.alive
-        assert daemon._backoff.losses_in_a_row == 3 and daemon._backoff.delay_s == 0.02
+        assert daemon.restarts.backoff.losses_in_a_row == 3 and daemon.restarts.backoff.delay_s == 0.02
         assert daemon.dataplane_restarts == 1  # the serving worker's loss only
         assert_mapped(rank.memory, node.dataplane)
 
@@ -603,7 +603,7 @@ def test_shutdown_during_a_restart_leaves_nothing_pinned_or_mapped(fabric: Fabri
             assert p.reader.daemon.dataplane is replacement and p.rrank.memory is old_memory
 
         await shut_down(fabric, p.reader)
-        assert p.reader.daemon._restarting is None and len(p.reader.daemon.registry) == 0
+        assert p.reader.daemon.restarts.restarting is None and len(p.reader.daemon.registry) == 0
         assert old_memory.state is LOST and old_memory.pins == 0
         if held_at == "remap":
             assert_emptied(replacement)
@@ -632,10 +632,10 @@ def test_a_replacement_lost_while_it_maps_the_engines_is_replaced_too(fabric: Fa
         remap = replacement.register_gate = Gate()
         start.open()
         await remap.arrived.reach(1)
-        assert daemon.dataplane is replacement and daemon._restarting is not None
+        assert daemon.dataplane is replacement and daemon.restarts.restarting is not None
         replacement.lose("SIGSEGV")
         remap.open()
-        task = daemon._restarting
+        task = daemon.restarts.restarting
         assert task is not None
         async with asyncio.timeout(SAFETY_TIMEOUT_S):
             await task  # the first restart ends, and starts the next
