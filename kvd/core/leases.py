@@ -24,133 +24,50 @@ asking for rank r gets FAILED_PRECONDITION; the same reader asking again (a re-h
 it posted anything) replaces its admission. A rank that has read the lease cannot read it again.
 Every reader rank is counted, so a TP-2 reader ends the lease only once both ranks read it.
 
-**Deadlines** are kept in a heap (:class:`LeaseTable`): the daemon's sweeper asks for the next
-one and sweeps on every round, and a pass over every lease and admission each time cost
-milliseconds of the holder's event loop with thousands of leases out.
+**Deadlines** are kept in a heap (kvd.core.lease_deadlines): the daemon's sweeper asks for the
+next one and sweeps on every round, at O(log n) per change instead of a pass over every lease.
+
+The records themselves (:class:`Lease`, :class:`Admission` and how each ends) are
+kvd.core.lease_records; the timed-out reads waiting for a late proof, kvd.core.late_proofs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import heapq
 import itertools
-import logging
 import math
 import secrets
 import time
 from collections.abc import Callable
 
 from kvd.core.early_reads import EarlyParts
+from kvd.core.late_proofs import MAX_UNPROVEN, UnprovenReads
+from kvd.core.lease_deadlines import HEAP_SLACK, DeadlineHeap
+from kvd.core.lease_records import Admission, AdmissionEnd, Lease, LeaseEnd
 from kvd_client.errors import FailedPrecondition, InvalidArgument, LeaseExpired, UnknownLease
 
-logger = logging.getLogger(__name__)
-
-# The deadline heap is rebuilt once it holds more than 3 entries per lease and open admission plus
-# this many: stale entries (renewed, ended, draining) then outnumber the live ones more than 2 to
-# 1. The slack keeps a table of a few leases from rebuilding on every renewal.
-HEAP_SLACK = 64
-# Timed-out admissions kept for a late proof (see "Proven over late"); beyond this many the oldest
-# is forgotten, and the memory it tainted stays retired for the daemon's life.
-MAX_UNPROVEN = 4096
-
-
-class LeaseEnd(enum.Enum):
-    READ = "read"
-    RELEASED = "released"
-    EXPIRED = "expired"
-    ENGINE_GONE = "engine_gone"
-    SHUTDOWN = "shutdown"
-    ABORTED = "aborted"  # the reading side said nobody will read (aborted, rejected, recomputed)
-    EVICTED = "evicted"  # a soft hold's blocks no longer hold its KV (the engine evicted or reused them)
-
-
-class AdmissionEnd(enum.Enum):
-    READ = "read"  # every part arrived: the reader's READs are complete
-    ABANDONED = "abandoned"  # the reader fenced its READs and gave up
-    REPLACED = "replaced"  # the same reader asked again before posting anything
-    TIMED_OUT = "timed_out"  # past its deadline plus the margin: not proven over
-    WORKER_LOST = "worker_lost"  # the holder's data-plane worker died: nothing is read out of it any more
-
-    @property
-    def clean(self) -> bool:
-        """True when no byte of the read can still move (the holder's memory may be unmapped)."""
-        return self is not AdmissionEnd.TIMED_OUT
-
-
-@dataclasses.dataclass(eq=False)
-class Admission:
-    admission_id: str
-    lease_id: str
-    reader: str  # "<reader incarnation>/<reader transfer id>"
-    reader_rank: int
-    # Monotonic. Set only by LeaseTable: its deadline heap holds deadline + margin (see _push).
-    deadline: float
-    parts_seen: set[int] = dataclasses.field(default_factory=set)
-    parts: int = 0  # how many parts the reader posts (learned from its notifications)
-    # Holder memory pinned for this read (kvd.core.local_memory.LocalMemory), owned by the daemon.
-    pinned: list[object] = dataclasses.field(default_factory=list)
-    ended: AdmissionEnd | None = None
-    soft_pinned: bool = False  # a soft lease's blocks are pinned by the engine for this read
-    # Holder memory this read left tainted (it ended not proven over), owned by the daemon: the
-    # taint is lifted when the read is proven over late (LeaseTable.record_read, prove_abandoned).
-    tainted: list[object] = dataclasses.field(default_factory=list)
-
-    @property
-    def reads_seen(self) -> bool:
-        """Every part's notification arrived: none of the reader's READs is still moving."""
-        return self.parts > 0 and len(self.parts_seen) >= self.parts
-
-
-@dataclasses.dataclass(eq=False)
-class Lease:
-    lease_id: str
-    engine_id: str
-    request_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    # Monotonic clock. Set only by LeaseTable: its deadline heap follows every change (see _push).
-    expires_at: float
-    # Block ids of the KV cache groups after group 0 (hybrid models), one tuple per group.
-    group_block_ids: tuple[tuple[int, ...], ...] = ()
-    reader_tp_size: int = 0  # learned from the first reader
-    done_readers: set[int] = dataclasses.field(default_factory=set)
-    admissions: dict[str, Admission] = dataclasses.field(default_factory=dict)  # open ones
-    # (reader, reader rank) that said AbandonPull while no read of theirs was admitted: a late
-    # PreparePull of that reader is refused (the reader's pull is over; nobody would read).
-    abandoned: set[tuple[str, int]] = dataclasses.field(default_factory=set)
-    ending: LeaseEnd | None = None  # set while draining
-    ttl_s: float = 0.0  # what a renewal without a ttl extends it by (the reader's heartbeats)
-    # A soft hold: the engine did not keep the blocks; each read is verified (and the blocks
-    # pinned) by the engine's scheduler, and the reader ends its read with FinishRead.
-    soft: bool = False
-    # The table's count of leases created before this one: sweep() ends due leases in this order
-    # (the order of the table's dict, which a pass over every lease followed).
-    created_seq: int = dataclasses.field(default=0, repr=False)
-
-    @property
-    def draining(self) -> bool:
-        return self.ending is not None
-
+# The records, HEAP_SLACK and MAX_UNPROVEN were defined here before their own modules: still importable from here.
+__all__ = [
+    "HEAP_SLACK",
+    "MAX_UNPROVEN",
+    "Admission",
+    "AdmissionEnd",
+    "AdmissionOver",
+    "Lease",
+    "LeaseEnd",
+    "LeaseOver",
+    "LeaseTable",
+]
 
 AdmissionOver = Callable[[Admission], None]
 LeaseOver = Callable[[Lease, LeaseEnd], None]
-# A deadline heap entry: when, a sequence number (ties are never compared further), and what is
-# due then: a live lease's expiry or an open admission's end (its deadline plus the margin).
-_Entry = tuple[float, int, "Lease | Admission"]
 
 
 class LeaseTable:
     """All leases of one daemon. Event-loop only. Ends are reported through the callbacks, each
     exactly once: ``on_admission_over`` (unpin the holder memory), then ``on_lease_over``.
 
-    Deadlines live in a min-heap of ``(when, seq, lease or admission)`` entries, so that
-    :meth:`next_deadline` and :meth:`sweep` cost O(log n) per change and per thing ended rather
-    than a pass over every lease on each sweeper round. Every change of a deadline pushes a new
-    entry; the old one is not searched for but left *stale*: an entry counts only while what it
-    names is still open (a lease in the table and not draining, an admission in its lease's open
-    ones) and still due exactly then. Stale entries are dropped as they reach the top, and the heap
-    is rebuilt from the table when they outnumber the live ones (see HEAP_SLACK)."""
+    Every change of a deadline is pushed onto the table's :class:`DeadlineHeap`, which
+    :meth:`next_deadline` and :meth:`sweep` read (kvd.core.lease_deadlines)."""
 
     def __init__(
         self,
@@ -164,9 +81,7 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self.on_admission_over = on_admission_over
         self.on_lease_over = on_lease_over
-        self._admission_margin_s = admission_margin_s
-        self._heap: list[_Entry] = []  # the deadlines, with stale entries (see the class docstring)
-        self._heap_seq = itertools.count()  # ties between equal deadlines: first pushed first
+        self._deadlines = DeadlineHeap(self._leases, lambda: self._open_admissions, admission_margin_s)
         self._created = itertools.count()  # Lease.created_seq
         # Kept as admissions open and end, not counted over every lease: the holder asks for them
         # on every admission and every READ notification (O(leases) each was most of its CPU
@@ -174,9 +89,7 @@ class LeaseTable:
         self._open_admissions = 0
         self._draining = 0  # leases in the table with an end requested (Lease.ending set)
         self._admission_deadline_high = 0.0  # the latest deadline since none was open
-        # Admissions that timed out (not proven over), by (lease id, admission id), oldest first: a
-        # late proof may come. (Keyed with the lease: a reader may name its read, kvd.core.early_reads.)
-        self._unproven: dict[tuple[str, str], Admission] = {}
+        self._unproven = UnprovenReads()  # admissions that timed out: a late proof may come
         # Parts of reads whose READ was posted beside their admission and arrived before it.
         self._early = EarlyParts(clock)
         # Called whenever a deadline may have come nearer (a lease granted or renewed, a read
@@ -198,25 +111,16 @@ class LeaseTable:
     @property
     def admission_margin_s(self) -> float:
         """How long past its deadline an open admission is kept before it times out."""
-        return self._admission_margin_s
+        return self._deadlines.margin_s
 
     @admission_margin_s.setter
     def admission_margin_s(self, value: float) -> None:
-        # The heap holds each admission's deadline plus the margin: a new margin moves them all.
-        self._admission_margin_s = value
-        self._rebuild_heap()
+        self._deadlines.margin_s = value  # moves every admission's end
 
     def next_deadline(self) -> float:
         """When :meth:`sweep` next has something to end: the earliest expiry of a live lease or
-        end (deadline + margin) of an open admission; ``inf`` when there is none.
-
-        The top of the deadline heap, once the stale entries above it are dropped: O(1) when
-        nothing changed, O(log n) per stale entry dropped (each is dropped once)."""
-        self._compact_heap_if_sparse()
-        heap = self._heap
-        while heap and self._lease_of_entry(heap[0]) is None:
-            heapq.heappop(heap)
-        return heap[0][0] if heap else float("inf")
+        end (deadline + margin) of an open admission; ``inf`` when there is none."""
+        return self._deadlines.next()
 
     def latest_admission_deadline(self) -> float:
         """At least the deadline of the open admission that ends last; 0.0 when none is open.
@@ -248,7 +152,7 @@ class LeaseTable:
             created_seq=next(self._created),
         )
         self._leases[lease.lease_id] = lease
-        self._push(lease.expires_at, lease)
+        self._deadlines.push(lease.expires_at, lease)
         self.on_new_deadline()
         return lease
 
@@ -268,7 +172,7 @@ class LeaseTable:
         if expires_at != lease.expires_at:
             nearer = expires_at < lease.expires_at
             lease.expires_at = expires_at
-            self._push(expires_at, lease)
+            self._deadlines.push(expires_at, lease)
             if nearer:  # a later deadline only makes the sweeper's next wake-up find nothing due
                 self.on_new_deadline()
         return lease
@@ -285,7 +189,7 @@ class LeaseTable:
             expires_at = now + lease.ttl_s
             if expires_at > lease.expires_at:  # only ever later (an admission may have stretched it)
                 lease.expires_at = expires_at
-                self._push(expires_at, lease)
+                self._deadlines.push(expires_at, lease)
         return unknown
 
     def find(self, lease_id: str) -> Lease | None:
@@ -327,11 +231,11 @@ class LeaseTable:
         lease.admissions[admission.admission_id] = admission
         self._open_admissions += 1
         self._admission_deadline_high = max(self._admission_deadline_high, admission.deadline)
-        self._push(admission.deadline + self._admission_margin_s, admission)
+        self._deadlines.push(admission.deadline + self._deadlines.margin_s, admission)
         lease.reader_tp_size = reader_tp_size
         if admission.deadline > lease.expires_at:  # the lease lives at least as long as its read
             lease.expires_at = admission.deadline
-            self._push(lease.expires_at, lease)
+            self._deadlines.push(lease.expires_at, lease)
         self.on_new_deadline()
         return admission
 
@@ -346,7 +250,7 @@ class LeaseTable:
         admission = lease.admissions.get(admission_id) if lease is not None else None
         if lease is None or admission is None:
             if (lease_id, admission_id) in self._unproven:
-                return self._late_part(lease_id, admission_id, part, parts)
+                return self._unproven.record_part(lease_id, admission_id, part, parts)
             if lease is not None and not lease.draining:  # a READ posted beside its admission, first here
                 self._early.add(lease_id, admission_id, part, parts)
             return None  # forged, stale, or of a read that ended cleanly: counts nothing
@@ -359,19 +263,6 @@ class LeaseTable:
         if lease.lease_id in self._leases and len(lease.done_readers) >= lease.reader_tp_size and not lease.draining:
             self._finish(lease, LeaseEnd.READ)
         return None
-
-    def _late_part(self, lease_id: str, admission_id: str, part: int, parts: int) -> Admission | None:
-        """A notification of a read that is no longer open: if it timed out, count the part; once
-        every part arrived its READs are over, and it is returned (proven over late)."""
-        admission = self._unproven.get((lease_id, admission_id))
-        if admission is None:
-            return None
-        admission.parts_seen.add(part)
-        admission.parts = parts
-        if not admission.reads_seen:
-            return None
-        del self._unproven[(lease_id, admission_id)]
-        return admission
 
     def claim_early_parts(self, admission: Admission) -> None:
         """Count the parts of ``admission``'s read that arrived before it was admitted (its READ
@@ -392,11 +283,7 @@ class LeaseTable:
     def prove_abandoned(self, lease_id: str, reader: str, reader_rank: int) -> Admission | None:
         """The reader's AbandonPull (its READs are final) for a read that already timed out:
         that read, proven over late, or None if none of that reader timed out on the lease."""
-        for key, admission in self._unproven.items():
-            if admission.lease_id == lease_id and admission.reader == reader and admission.reader_rank == reader_rank:
-                del self._unproven[key]
-                return admission
-        return None
+        return self._unproven.prove_abandoned(lease_id, reader, reader_rank)
 
     @property
     def unproven(self) -> int:
@@ -453,9 +340,7 @@ class LeaseTable:
             self._admission_deadline_high = 0.0
         admission.ended = how
         if how is AdmissionEnd.TIMED_OUT:
-            self._unproven[(admission.lease_id, admission.admission_id)] = admission
-            if len(self._unproven) > MAX_UNPROVEN:
-                del self._unproven[next(iter(self._unproven))]
+            self._unproven.add(admission)
         self.on_admission_over(admission)
         if lease.draining and not lease.admissions and lease.ending is not None:
             self._finish(lease, lease.ending)
@@ -497,30 +382,18 @@ class LeaseTable:
         its due admissions in the order they were admitted, then its own expiry. So the ends are
         reported in the same order as before the heap, at O(k log n) for k entries due."""
         now = self._clock()
-        heap = self._heap
-        popped: list[_Entry] = []
-        due: dict[int, Lease] = {}  # Lease.created_seq -> a lease with something due
-        while heap and heap[0][0] <= now:
-            entry = heapq.heappop(heap)
-            lease = self._lease_of_entry(entry)
-            if lease is not None:
-                popped.append(entry)
-                due[lease.created_seq] = lease
+        popped, due = self._deadlines.pop_due(now)
         for seq in sorted(due):
             lease = due[seq]
             for admission in list(lease.admissions.values()):
-                if admission.deadline + self._admission_margin_s <= now:
+                if admission.deadline + self._deadlines.margin_s <= now:
                     # A soft lease's reader that never said FinishRead: if every part arrived,
                     # its READs are over (clean); otherwise not proven over.
                     how = AdmissionEnd.ABANDONED if admission.reads_seen else AdmissionEnd.TIMED_OUT
                     self._end_admission(lease, admission, how)
             if lease.lease_id in self._leases and not lease.draining and lease.expires_at <= now:
                 self._request_end(lease, LeaseEnd.EXPIRED)
-        for entry in popped:
-            # Ended above, unless a callback undid that: then it stays due for the next sweep.
-            if self._lease_of_entry(entry) is not None:
-                heapq.heappush(heap, entry)
-        self._compact_heap_if_sparse()
+        self._deadlines.push_back(popped)  # ended above, unless a callback undid that
 
     def end_all(self, how: LeaseEnd, engine_id: str | None = None) -> None:
         """End every lease (of one engine): they drain while reads are admitted."""
@@ -559,57 +432,6 @@ class LeaseTable:
 
     def remaining_s(self, lease: Lease) -> float:
         return lease.expires_at - self._clock()
-
-    # --- the deadline heap ----------------------------------------------------------------------
-
-    def _push(self, when: float, item: Lease | Admission) -> None:
-        """Schedule ``item`` (a lease's expiry, or an admission's end at deadline + margin) at
-        ``when``, after setting the field it follows: a lease's ``expires_at`` or an admission's
-        ``deadline``. Any entry it had goes stale. A NaN deadline (a NaN ttl or hold passes the
-        checks) is never due, as no comparison with it is true: it gets no entry."""
-        if when != when:
-            return
-        heapq.heappush(self._heap, (when, next(self._heap_seq), item))
-        self._compact_heap_if_sparse()
-
-    def _lease_of_entry(self, entry: _Entry) -> Lease | None:
-        """The lease a heap entry concerns, if the entry is live: its lease (or admission) is still
-        open, not draining (a draining lease does not expire; it ends with its last admission),
-        and due exactly at the entry's time. None if the entry is stale."""
-        when, _, item = entry
-        if isinstance(item, Lease):
-            live = self._leases.get(item.lease_id) is item and item.ending is None and item.expires_at == when
-            return item if live else None
-        lease = self._leases.get(item.lease_id)
-        if lease is None or lease.admissions.get(item.admission_id) is not item:
-            return None
-        return lease if item.deadline + self._admission_margin_s == when else None
-
-    def _compact_heap_if_sparse(self) -> None:
-        """Rebuild the heap when stale entries outnumber live ones more than 2 to 1: each lease
-        and open admission has one live entry (or two equal ones, should a renewal bring a deadline
-        back to the very value it had: harmless, they are popped together), so beyond 3 per such
-        (plus HEAP_SLACK) about twice as many are stale. A rebuild is O(n) and needs as many pushes
-        or ends first, so it costs O(1) per push or end: the heap stays O(leases + admissions)."""
-        if len(self._heap) > 3 * (len(self._leases) + self._open_admissions) + HEAP_SLACK:
-            self._rebuild_heap()
-
-    def _rebuild_heap(self) -> None:
-        """One live entry per live lease's expiry and per open admission's end, in table order."""
-        before = len(self._heap)
-        heap: list[_Entry] = []
-        seq = self._heap_seq
-        margin = self._admission_margin_s
-        for lease in self._leases.values():
-            if lease.ending is None and lease.expires_at == lease.expires_at:
-                heap.append((lease.expires_at, next(seq), lease))
-            for admission in lease.admissions.values():
-                when = admission.deadline + margin
-                if when == when:
-                    heap.append((when, next(seq), admission))
-        heapq.heapify(heap)
-        self._heap = heap
-        logger.debug("lease deadline heap rebuilt: %d entries, %d live", before, len(heap))
 
 
 def _check_seconds(what: str, seconds: float) -> None:

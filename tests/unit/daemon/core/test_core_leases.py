@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lifetime_fakes import FakeClock
 
-from kvd.core import leases as leases_module
+from kvd.core import late_proofs, lease_deadlines
 from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseEnd, LeaseTable
 from kvd_client.errors import FailedPrecondition, InvalidArgument, LeaseExpired, UnknownLease
 
@@ -104,7 +104,7 @@ def test_create_refuses_a_ttl_that_is_not_a_finite_positive_time(
     blocks held for ever); nothing is created, no deadline pushed, the sweeper not woken."""
     with pytest.raises(InvalidArgument, match="lease ttl must be a finite number of seconds > 0"):
         _create(table, ttl=ttl)
-    assert len(table) == 0 and table.every() == [] and table._heap == [] and woken == []
+    assert len(table) == 0 and table.every() == [] and table._deadlines.entries == [] and woken == []
 
 
 def test_get_of_an_unknown_id_is_unknown_lease(table: LeaseTable) -> None:
@@ -175,10 +175,10 @@ def test_renew_sets_a_new_deadline_from_now(table: LeaseTable, clock: FakeClock)
 @pytest.mark.parametrize("ttl", [0.0, -1.0, float("nan"), float("inf"), float("-inf")])
 def test_renew_refuses_a_ttl_that_is_not_a_finite_positive_time(table: LeaseTable, ttl: float) -> None:
     lease = _create(table)
-    before, heap = lease.expires_at, list(table._heap)
+    before, heap = lease.expires_at, list(table._deadlines.entries)
     with pytest.raises(InvalidArgument, match="lease ttl must be a finite number of seconds > 0"):
         table.renew(lease.lease_id, ttl)
-    assert lease.expires_at == before and table._heap == heap
+    assert lease.expires_at == before and table._deadlines.entries == heap
 
 
 @pytest.mark.parametrize("hold", [0.0, -1.0, float("nan"), float("inf"), float("-inf")])
@@ -457,7 +457,7 @@ def test_a_timed_out_read_is_proven_over_late_by_its_readers_abandon(table: Leas
 def test_only_the_latest_timed_out_reads_wait_for_a_late_proof(
     table: LeaseTable, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(leases_module, "MAX_UNPROVEN", 3)
+    monkeypatch.setattr(late_proofs, "MAX_UNPROVEN", 3)
     timed_out = [_timed_out(table, clock, _create(table, request=f"r{i}"), reader=f"inc-1/t{i}") for i in range(5)]
     assert table.unproven == 3
     first, last = timed_out[0], timed_out[-1]
@@ -656,7 +656,7 @@ def _oracle_sweep_ends(table: LeaseTable, now: float) -> list[tuple[str, str, st
 
 def _live_heap_items(table: LeaseTable) -> set[int]:
     """ids of the leases and admissions the heap has a live entry for."""
-    return {id(entry[2]) for entry in table._heap if table._lease_of_entry(entry) is not None}
+    return {id(entry[2]) for entry in table._deadlines.entries if table._deadlines.live_lease(entry) is not None}
 
 
 def _due_items(table: LeaseTable) -> set[int]:
@@ -724,7 +724,7 @@ def test_the_deadline_heap_answers_as_a_pass_over_every_lease(
     """A seeded random run of every operation: after each, next_deadline is what a pass over
     every lease finds, the heap has a live entry for exactly what has a deadline, and a sweep
     ends exactly (and in the same order) what the pass would end. Slack 0 rebuilds the heap often."""
-    monkeypatch.setattr(leases_module, "HEAP_SLACK", slack)
+    monkeypatch.setattr(lease_deadlines, "HEAP_SLACK", slack)
     rng = random.Random(seed)
     clock, events = FakeClock(), Events()
     table = LeaseTable(
@@ -737,7 +737,7 @@ def test_the_deadline_heap_answers_as_a_pass_over_every_lease(
             table.admission_margin_s = rng.choice([0.0, 1.0, 2.0, 3.5])
         where = f"seed {seed}, step {step} ({op})"
         assert table.next_deadline() == _oracle_next_deadline(table), where
-        assert len(table._heap) <= 3 * (len(table.every()) + table.open_admissions) + slack, where
+        assert len(table._deadlines.entries) <= 3 * (len(table.every()) + table.open_admissions) + slack, where
         assert _live_heap_items(table) == _due_items(table), where
         draining = sum(lease.draining for lease in table.every())
         assert (len(table), table.draining) == (len(table.every()) - draining, draining), where
@@ -752,7 +752,7 @@ def test_the_deadline_heap_answers_as_a_pass_over_every_lease(
     assert swept > 100  # the run did end things by their deadlines
     table.end_all(LeaseEnd.SHUTDOWN)
     table.force_end_admissions()
-    assert table.every() == [] and table.next_deadline() == float("inf") and table._heap == []
+    assert table.every() == [] and table.next_deadline() == float("inf") and table._deadlines.entries == []
 
 
 def test_sweep_ends_in_table_order_not_deadline_order(clock: FakeClock) -> None:
@@ -780,7 +780,7 @@ def test_renewing_one_lease_many_times_does_not_grow_the_heap(clock: FakeClock) 
     table = LeaseTable(clock=clock, admission_margin_s=MARGIN)
     lease = _create(table, ttl=10.0)
     others = [_create(table, ttl=100.0, request=f"o{i}") for i in range(9)]
-    bound = 3 * (1 + len(others)) + leases_module.HEAP_SLACK
+    bound = 3 * (1 + len(others)) + lease_deadlines.HEAP_SLACK
     biggest = 0
     for i in range(20_000):
         clock.advance(0.001)
@@ -788,14 +788,14 @@ def test_renewing_one_lease_many_times_does_not_grow_the_heap(clock: FakeClock) 
             table.renew(lease.lease_id, 10.0)
         else:
             table.renew_by_own_ttl([lease.lease_id])
-        biggest = max(biggest, len(table._heap))
+        biggest = max(biggest, len(table._deadlines.entries))
         assert table.next_deadline() == lease.expires_at
     assert biggest <= bound
     admission = _admit(table, lease)
     for _ in range(5_000):  # re-handshakes: each replaces the admission and leaves its entry stale
         admission = _admit(table, lease)
-        biggest = max(biggest, len(table._heap))
-    assert biggest <= 3 * (len(others) + 2) + leases_module.HEAP_SLACK
+        biggest = max(biggest, len(table._deadlines.entries))
+    assert biggest <= 3 * (len(others) + 2) + lease_deadlines.HEAP_SLACK
     assert table.next_deadline() == min(lease.expires_at, admission.deadline + MARGIN)
 
 
@@ -808,5 +808,5 @@ def test_ended_leases_do_not_stay_in_the_heap(clock: FakeClock) -> None:
     for lease in burst:
         table.end(lease.lease_id, LeaseEnd.RELEASED)
     table.sweep()
-    assert len(table._heap) <= 3 + leases_module.HEAP_SLACK
+    assert len(table._deadlines.entries) <= 3 + lease_deadlines.HEAP_SLACK
     assert table.next_deadline() == keep.expires_at
