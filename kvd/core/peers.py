@@ -1,7 +1,7 @@
 """Peer daemons as this daemon knows them: a cached handshake and a NIXL agent per incarnation.
 
-The handshake (over gRPC, through an injected :class:`PeerTransport`) gives a peer's NIXL agent
-metadata and its engines' layouts and region addresses.
+The handshake (over gRPC, through an injected :class:`PeerTransport`, kvd.core.peer_protocol)
+gives a peer's NIXL agent metadata and its engines' layouts and region addresses.
 
 **Sessions** (:class:`PeerSession`) are cached per address. A re-handshake with the same
 incarnation (a new engine registered on the peer, a registration replaced) updates the engine
@@ -11,228 +11,57 @@ reports the peer gone, when its Handshake or PreparePull fails as unreachable, w
 incarnation changes, or when it was idle for ``peer_idle_s``; dropping it closes its gRPC
 channel.
 
-**Agents** (:class:`RemoteAgent`) outlive sessions: pulls pin the agent they read through,
-and the agent (``remove_remote_agent``) and its prepared lists are released only when no live
-session names it *and* no pull pins it. Everything here runs on the event loop.
-
-**What NIXL holds for an agent.** Loading a peer's metadata into a known agent *merges* it:
-regions the peer has since deregistered stay in NIXL's view of the peer. NIXL looks a
-descriptor's region up assuming the regions do not overlap, so a stale region that overlaps one
-the peer registered later makes ``prep_xfer_dlist`` fail (NIXL_ERR_NOT_FOUND) or resolve part of
-a list through the stale region's keys; the same addresses registered again make the load itself
-fail, and NIXL then drops the whole agent under lists still in use. So each agent records the
-exact regions it has loaded (the holder lists them in its handshake, each with its registration
-serial): when fresh metadata names a region that overlaps a region loaded before and no longer
-registered, the agent is *reloaded* instead of merged: no new pin is taken, the pulls reading
-through it finish, then it is removed and loaded afresh. A list is only prepared for an engine
-whose regions the agent's current metadata names.
+**Agents** (:class:`RemoteAgent`, kvd.core.remote_agents) outlive sessions: pulls pin the agent
+they read through, and the agent and its prepared lists are released only when no live session
+names it *and* no pull pins it. Metadata that would leave a stale region overlapping a new one
+is not merged: the agent is reloaded (kvd.core.remote_agents says why). Everything here runs on
+the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import concurrent.futures
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any
 
 from kvd.core.dataplane import DataPlane, NixlRegion
 from kvd.core.metrics import Metrics
+from kvd.core.peer_protocol import (
+    HandshakeInfo,
+    PeerTransport,
+    PrepareRequest,
+    PrepareResult,
+    RemoteEngine,
+    unreachable,
+)
+from kvd.core.remote_agents import MAX_STALE_REGIONS, RemoteAgent
 from kvd.core.tables import TableCache
-from kvd.layout.geometry import DescGeometry
-from kvd.layout.plan import EngineView
-from kvd_client.errors import DeadlineExceeded, KvdError, PeerUnavailable, Unavailable
+from kvd_client.errors import KvdError, PeerUnavailable, Unavailable
+
+# Defined here before kvd.core.peer_protocol and kvd.core.remote_agents: still importable from here.
+__all__ = [
+    "MAX_STALE_REGIONS",
+    "HandshakeInfo",
+    "NixlRegion",
+    "PeerSession",
+    "PeerTransport",
+    "Peers",
+    "PrepareRequest",
+    "PrepareResult",
+    "RemoteAgent",
+    "RemoteEngine",
+    "StaleView",
+    "unreachable",
+]
 
 logger = logging.getLogger(__name__)
-
-# Regions a peer deregistered stay loaded in NIXL's view of it (merges never remove): past this
-# many, the agent is reloaded so that neither NIXL's view nor kvd's record of it grows forever.
-MAX_STALE_REGIONS = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class RemoteEngine:
-    """One engine rank of a peer, with what is needed to build NIXL descriptors for it."""
-
-    engine_id: str
-    view: EngineView
-    region_addresses: tuple[int, ...]
-    region_sizes: tuple[int, ...]
-    vram: bool
-    device_index: int
-    registration_id: int
-    extra_groups: tuple[EngineView, ...] = ()  # KV cache groups after group 0 (``view``)
-    # A reader may post its READ beside the admission (EngineDescriptor.early_reads in peer.proto).
-    early_reads: bool = False
-
-    @property
-    def groups(self) -> tuple[EngineView, ...]:
-        return (self.view, *self.extra_groups)
-
-    @property
-    def mem_type(self) -> str:
-        return "VRAM" if self.vram else "DRAM"
-
-
-@dataclasses.dataclass(frozen=True)
-class HandshakeInfo:
-    incarnation: str
-    agent_name: str
-    agent_metadata: bytes
-    engines: tuple[RemoteEngine, ...]
-    # Exactly the regions agent_metadata names; () from a peer that does not list them.
-    regions: tuple[NixlRegion, ...] = ()
-
-    def engines_by_rank(self) -> dict[tuple[str, int], RemoteEngine]:
-        """The peer's engines keyed as a session keeps them: (engine id, TP rank)."""
-        return {(e.engine_id, e.view.spec.tp_rank): e for e in self.engines}
-
-    def named_regions(self) -> frozenset[NixlRegion]:
-        """The regions the metadata names (a peer that does not list them: its engines' regions)."""
-        if self.regions:
-            return frozenset(self.regions)
-        return frozenset(
-            NixlRegion(address, size, engine.device_index, engine.vram, 0)
-            for engine in self.engines
-            for address, size in zip(engine.region_addresses, engine.region_sizes, strict=True)
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class PrepareRequest:
-    """A reader's PreparePull: the read it asks the holder to admit (peer.proto's
-    PreparePullRequest, less what the transport adds: the reader's incarnation and address)."""
-
-    lease_id: str
-    engine_id: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    reader_tp_rank: int
-    reader_tp_size: int
-    remote_tp_ranks: tuple[int, ...]  # the holder's ranks the reader will read
-    reader_transfer_id: str = ""  # with the reader's incarnation it names the admitted read
-    read_timeout_s: float = 0.0  # how long the reader may still read; 0: the holder's transfer_deadline_s
-    group_block_ids: tuple[tuple[int, ...], ...] = ()  # the lease's groups after group 0 (hybrid models)
-    read_id: str = ""  # the reader's name for the read: its READ is posted beside the admission
-    registration_ids: tuple[int, ...] = ()  # the holder registrations planned against (checked with read_id)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrepareResult:
-    registration_ids: tuple[int, ...]
-    notif_tag: str
-    verify_after_read: bool = False  # a soft hold: FinishRead must succeed before the pull is done
-
-
-class PeerTransport(Protocol):
-    """How the core reaches a peer daemon (implemented over gRPC in ``kvd.server``)."""
-
-    async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo: ...
-
-    async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult: ...
-
-    async def abandon_pull(
-        self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float
-    ) -> None: ...
-
-    async def finish_read(
-        self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, timeout_s: float
-    ) -> None:
-        """A soft hold's read is over: the holder verifies its blocks again (an error fails the pull)."""
-
-    async def renew_leases(self, address: str, lease_ids: list[str], timeout_s: float) -> list[str]:
-        """Reader heartbeats; returns the ids the holder no longer holds."""
-        ...
-
-    async def release_leases(self, address: str, lease_ids: list[str], reason: str, timeout_s: float) -> None:
-        """Nobody will read these leases."""
-
-    async def forget(self, address: str) -> None:
-        """Close the channel to a dropped peer."""
-
-    async def close(self) -> None: ...
 
 
 class StaleView(Exception):
     """The agent a pull planned against is being reloaded: plan again on the fresh session."""
-
-
-@dataclasses.dataclass(eq=False)
-class RemoteAgent:
-    """A peer incarnation's NIXL agent, its prepared lists, and who still uses it."""
-
-    name: str
-    tables: TableCache
-    pins: int = 0
-    live: bool = True  # a current session names it
-    removed: bool = False
-    # Every region loaded into NIXL for this agent since it was added, stale ones included.
-    loaded: frozenset[NixlRegion] = frozenset()
-    # The regions the last loaded metadata names (what the peer has registered now), and their
-    # (address, size, device, vram) for the per-pull check.
-    current: frozenset[NixlRegion] = frozenset()
-    current_keys: frozenset[tuple[int, int, int, bool]] = frozenset()
-    reloading: bool = False  # being drained for a reload: no new pins
-    # The registrations the peer served at a handshake made while pulls pinned the agent: the
-    # lists over any other registration are released when the last of those pins goes
-    # (:meth:`Peers.unpin`), not left until a handshake finds no pull reading.
-    trim_lists_to: frozenset[int] | None = None
-    # First contact: a new agent's metadata loads in the data-plane worker while the first pull
-    # plans and is admitted by the holder (``Peers._load_first``). Every list over the agent, and
-    # so every READ through it, waits for it (:meth:`wait_loaded`); ``None`` once loaded inline.
-    load: asyncio.Future[None] | None = None
-
-    def needs_reload(self, regions: frozenset[NixlRegion]) -> bool:
-        """Would merging metadata naming ``regions`` leave a stale region overlapping a named one,
-        or more stale regions than NIXL should keep for one peer?"""
-        stale = sorted((r.address, r.address + r.size, r.device_index, r.vram) for r in self.loaded - regions)
-        if len(stale) > MAX_STALE_REGIONS:
-            return True
-        starts = [start for start, _, _, _ in stale]
-        longest = max((end - start for start, end, _, _ in stale), default=0)
-        for new in regions - self.loaded:
-            # Stale ranges that start before the new one ends and within the longest stale size of it.
-            first = bisect.bisect_left(starts, new.address - longest)
-            last = bisect.bisect_left(starts, new.address + new.size)
-            for _start, end, device, vram in stale[first:last]:
-                if end > new.address and device == new.device_index and vram == new.vram:
-                    return True
-        return False
-
-    def loaded_metadata(self, regions: frozenset[NixlRegion], fresh: bool) -> None:
-        """Record that metadata naming ``regions`` was loaded (into a fresh agent or merged)."""
-        self.loaded = regions if fresh else self.loaded | regions
-        self.current = regions
-        self.current_keys = frozenset((r.address, r.size, r.device_index, r.vram) for r in regions)
-
-    def names(self, engine: RemoteEngine) -> bool:
-        """Does the loaded metadata name every region of ``engine`` (so a list over it is sound)?
-        Once per pull: a set lookup per region (an engine's regions are registered one by one)."""
-        keys = self.current_keys
-        return all(
-            (address, size, engine.device_index, engine.vram) in keys
-            or any(region.covers(address, size, engine.device_index, engine.vram) for region in self.current)
-            for address, size in zip(engine.region_addresses, engine.region_sizes, strict=True)
-        )
-
-    async def wait_loaded(self) -> None:
-        """Return once the agent's metadata is in NIXL; raise why it is not, if its load failed."""
-        if self.load is not None:
-            await asyncio.shield(self.load)
-
-    async def settled(self) -> None:
-        """Return once no load of the agent's metadata is in flight, whatever its outcome."""
-        if self.load is not None and not self.load.done():
-            await asyncio.wait([self.load])
-
-    async def table(self, engine: RemoteEngine, geometry: DescGeometry, executor: concurrent.futures.Executor) -> Any:
-        await self.wait_loaded()  # NIXL resolves a list against the agent's loaded metadata
-        return await self.tables.get(
-            engine.registration_id, geometry, engine.region_addresses, engine.device_index, engine.mem_type, executor
-        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -598,8 +427,3 @@ def _retrieve(task: asyncio.Future[None]) -> None:
     """Mark a background load's outcome as seen: the pulls waiting on it get its error."""
     if not task.cancelled():
         task.exception()
-
-
-def unreachable(exc: KvdError) -> bool:
-    """Errors that say the peer cannot be reached (as opposed to refusing a request)."""
-    return isinstance(exc, PeerUnavailable) or type(exc) in (Unavailable, DeadlineExceeded)

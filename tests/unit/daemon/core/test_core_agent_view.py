@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.core import peers
+from kvd.core import remote_agents
 from kvd.core.dataplane import NixlRegion
-from kvd.core.peers import RemoteAgent
+from kvd.core.remote_agents import RemoteAgent
 
 
 def _region(address: int, size: int, serial: int, *, device: int = 0, vram: bool = False) -> NixlRegion:
@@ -51,7 +51,7 @@ def test_a_region_released_and_a_new_one_elsewhere_keep_the_stale_one_on_record(
 
 
 def test_too_many_stale_regions_reload(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(peers, "MAX_STALE_REGIONS", 2)
+    monkeypatch.setattr(remote_agents, "MAX_STALE_REGIONS", 2)
     stale = [_region(0x100000 * (i + 1), 0x1000, i + 10) for i in range(3)]
     agent = _agent(A, *stale)
     assert agent.needs_reload(frozenset({A}))
