@@ -34,16 +34,15 @@ from kvd.core.memory import RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
 from kvd.core.peers import HandshakeInfo, Peers, PeerSession, PeerTransport, PrepareRequest, PrepareResult
-from kvd.core.pulls import Puller
+from kvd.core.pulls import Puller, PullOrder
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.restarts import Restarts
-from kvd.core.transfers import RequestKey, Transfer, TransferState, TransferTable
+from kvd.core.transfers import Transfer, TransferTable
 from kvd.core.watches import TransferWatches
 from kvd.layout import groups as kv_groups
 from kvd.layout.plan import EngineView, block_geometry
 from kvd.layout.spec import LayerPlacement, LayoutSpec
 from kvd_client.errors import (
-    AlreadyExists,
     FailedPrecondition,
     Internal,
     InvalidArgument,
@@ -65,22 +64,6 @@ SWEEP_MIN_S = 0.001  # never spin, even on a deadline the sweep could not act on
 LIVENESS_S = 0.25  # how often an engine pid without a pidfd is checked (a kill is noticed within this)
 IDLE_PEER_SWEEP_S = 5.0
 SCRAPE_WAIT_S = 1.0  # how long a scrape waits for the event loop to compute the lease gauges
-MAX_PULLS_PER_CALL = 1024
-"""Most pulls one StartPulls may start: an engine step loads at most a few hundred requests, and a
-bound keeps one call's work (and its answer) small next to the event loop's other callers."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PullOrder:
-    """One pull of a batch (StartPulls): the arguments of :meth:`Daemon.start_pull`."""
-
-    engine_id: str
-    tp_rank: int
-    request_id: str
-    local_block_ids: Sequence[int]
-    remote: TransferParams
-    deadline_s: float = 0.0
-    local_group_block_ids: Sequence[Sequence[int]] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +121,7 @@ class Daemon:
         self._transport = LoopbackTransport(transport, self)
         self.memories: Memories | None = None
         self.peers: Peers | None = None
-        self._puller: Puller | None = None
+        self.puller: Puller | None = None  # the reader's pulls (built at start: it needs the worker)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvd-work")
         self._background: list[asyncio.Task[None]] = []
         self._followups: set[asyncio.Task[None]] = set()  # unpins scheduled by lease callbacks
@@ -226,8 +209,8 @@ class Daemon:
         self._mem.rebind(plane)
         if self.peers is not None:
             self.peers.rebind(plane)
-        if self._puller is not None:
-            self._puller.rebind(plane)
+        if self.puller is not None:
+            self.puller.rebind(plane)
 
     def _stop_serving(self) -> None:
         self.serving = False
@@ -245,10 +228,10 @@ class Daemon:
             lambda: self.incarnation,
             self.config.handshake_timeout_s,
             self.config.peer_idle_s,
-            warm=lambda session: self._puller.warm(session) if self._puller is not None else asyncio.sleep(0),
+            warm=lambda session: self.puller.warm(session) if self.puller is not None else asyncio.sleep(0),
             reload_wait_s=self.config.transfer_deadline_s,
         )
-        self._puller = Puller(
+        self.puller = Puller(
             self.config,
             self.metrics,
             dataplane,
@@ -256,9 +239,12 @@ class Daemon:
             self._transport,
             self.memories,
             self._executor,
-            current_rank=lambda rank: self.registry.current(rank),
+            self.registry,
+            self.transfers,
             next_registration_id=next_registration_id,
             serving=lambda: self.serving,
+            require_serving=self.require_serving,
+            wake_sweeper=self._wake_sweeper,
         )
         self._background = [
             loop.create_task(self._sweeper(), name="kvd-sweeper"),
@@ -301,8 +287,8 @@ class Daemon:
         if self.peers is not None:
             await self.peers.drop_all()
         await self._transport.close()
-        if self._puller is not None:
-            await self._puller.close()
+        if self.puller is not None:
+            await self.puller.close()
         await self.restarts.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
         logger.info("daemon %s stopped", self.incarnation)
@@ -711,7 +697,7 @@ class Daemon:
         """Seconds the sweeper may sleep: SWEEP_S while it polls something that announces no
         end (a stale pull's or a quarantined mapping's reads turning final, a pull in flight that
         may leave one), else until the next lease or admission deadline, at most SWEEP_IDLE_MAX_S."""
-        puller = self._puller
+        puller = self.puller
         if (
             (self.memories is not None and self.memories.quarantine)
             or (puller is not None and puller.stale_pulls)
@@ -748,8 +734,8 @@ class Daemon:
             try:
                 self.leases.sweep()
                 await self._mem.sweep_quarantine()
-                if self._puller is not None:
-                    await self._puller.sweep()
+                if self.puller is not None:
+                    await self.puller.sweep()
                 if self.peers is not None and time.monotonic() - last_idle_sweep > IDLE_PEER_SWEEP_S:
                     last_idle_sweep = time.monotonic()
                     await self.peers.forget_idle()
@@ -833,7 +819,14 @@ class Daemon:
     ) -> None:
         self.holder.abandon_pull(lease_id, reader_tp_rank, reason, reader_incarnation, reader_transfer_id)
 
-    # --- pulls -----------------------------------------------------------------------------------
+    # --- RouterService / EngineService: this daemon's engines pull (kvd.core.pulls) ---------------
+
+    @property
+    def _reader(self) -> Puller:
+        if self.puller is None:
+            self.require_serving()
+            raise Unavailable("the daemon is still starting")
+        return self.puller
 
     def start_pull(
         self,
@@ -845,148 +838,18 @@ class Daemon:
         deadline_s: float = 0.0,
         local_group_block_ids: Sequence[Sequence[int]] = (),
     ) -> Transfer:
-        """Start pulling ``remote`` into the local rank's blocks; returns at once (see watch).
-
-        ``local_group_block_ids``: a hybrid model's local block ids of the groups after group 0.
-        """
-        self.require_serving()
-        rank = self.registry.get(engine_id, tp_rank)
-        if not remote.daemon_address:
-            raise InvalidArgument("kv_transfer_params.daemon_address is empty: which daemon holds the KV?")
-        if not remote.lease_id:
-            raise InvalidArgument("kv_transfer_params.lease_id is empty: the holder must hold the blocks first")
-        if not remote.engine_id:
-            raise InvalidArgument("kv_transfer_params.engine_id is empty")
-        if remote.num_tokens < 1:
-            raise InvalidArgument(f"kv_transfer_params.num_tokens must be >= 1, got {remote.num_tokens}")
-        need = rank.spec.blocks_for(remote.num_tokens)
-        if len(local_block_ids) != need:
-            raise InvalidArgument(
-                f"{remote.num_tokens} tokens need {need} local blocks of {rank.spec.block_size} tokens, "
-                f"got {len(local_block_ids)} local block ids"
-            )
-        rank.spec.validate_block_ids(local_block_ids, "local block ids")
-        tables = kv_groups.num_tables(rank.groups)
-        if len(local_group_block_ids) != tables - 1:
-            raise InvalidArgument(
-                f"engine {engine_id!r} has {len(rank.groups)} KV cache groups over {tables} block tables: a pull "
-                f"needs {tables - 1} local block id lists after local_block_ids, got {len(local_group_block_ids)}"
-            )
-        for index, group in enumerate(rank.groups):
-            table = kv_groups.table_of(index, group)
-            if table == 0:
-                continue
-            ids = local_group_block_ids[table - 1]
-            if not ids:
-                raise InvalidArgument(f"{kv_groups.describe_group(index, group)}: no local block ids")
-            group.spec.validate_block_ids(ids, f"{kv_groups.describe_group(index, group)} local block ids")
-        if deadline_s < 0:
-            raise InvalidArgument(f"deadline must be >= 0, got {deadline_s}")
-        request_id = request_id or remote.request_id
-        blocks = tuple(local_block_ids)
-        group_blocks = tuple(tuple(int(b) for b in ids) for ids in local_group_block_ids)
-        held = dataclasses.replace(remote, lease_expires_unix_ms=0)  # a renewal between retries changes it
-        repeated = self._repeated_pull((engine_id, tp_rank, request_id), blocks, group_blocks, held)
-        if repeated is not None:
-            return repeated
-        self._wake_sweeper()  # sweeps every SWEEP_S while pulls are in flight (they may leave stale reads)
-        transfer = self.transfers.new(
-            request_id=request_id,
-            engine_id=engine_id,
-            tp_rank=tp_rank,
-            peer_address=remote.daemon_address,
-            local_block_ids=blocks,
-            deadline_s=deadline_s or self.config.transfer_deadline_s,
-            local_group_block_ids=group_blocks,
-            remote=held,
-        )
-        self.metrics.in_flight.inc()
-        transfer.task = asyncio.get_running_loop().create_task(self._puller.run(transfer, rank, remote))
-        return transfer
-
-    def _repeated_pull(
-        self,
-        key: RequestKey,
-        local_block_ids: tuple[int, ...],
-        local_group_block_ids: tuple[tuple[int, ...], ...],
-        remote: TransferParams,
-    ) -> Transfer | None:
-        """The pull a StartPull repeats, if it repeats one; AlreadyExists if it collides with one.
-
-        A caller whose StartPull(s) failed without an answer (a deadline, a dropped connection, a
-        cancel while the daemon answered) cannot know whether its pull started, and retries. A
-        second pull of the same request would have the holder refuse it (one reader per lease
-        and rank) or find the lease ended by the first read, and the engine would then hear of
-        one request both that its load failed and that it finished. So a pull asked again, the
-        same (local blocks, remote lease) for the same engine, rank and request, is answered with
-        the transfer already started, running or DONE. A different pull of a request whose pull
-        is still running fails ALREADY_EXISTS and changes nothing; once that pull has ended, or
-        if it FAILED or was ABORTED, a new pull starts (the retry of a failure).
-        """
-        if not key[2]:
-            return None
-        previous = self.transfers.latest_pull(key)
-        if previous is None or previous.state in (TransferState.FAILED, TransferState.ABORTED):
-            return None
-        asked = (local_block_ids, local_group_block_ids, remote)
-        if (previous.local_block_ids, previous.local_group_block_ids, previous.remote) == asked:
-            logger.info(
-                "StartPull of request %r into %r rank %d repeats transfer %s (%s): answered with it",
-                key[2], key[0], key[1], previous.transfer_id, previous.state.value,
-            )  # fmt: skip
-            return previous
-        if previous.state.final:
-            return None
-        raise AlreadyExists(
-            f"a pull of request {key[2]!r} into engine {key[0]!r} rank {key[1]} is already in flight (transfer "
-            f"{previous.transfer_id}) with other local blocks or another lease: wait for it to end, or "
-            "CancelTransfer it, before starting another"
+        return self._reader.start_pull(
+            engine_id, tp_rank, request_id, local_block_ids, remote, deadline_s, local_group_block_ids
         )
 
     def start_order(self, order: PullOrder) -> Transfer:
-        """:meth:`start_pull` with its arguments in one PullOrder (how the server edge reads them)."""
-        return self.start_pull(
-            order.engine_id,
-            order.tp_rank,
-            order.request_id,
-            order.local_block_ids,
-            order.remote,
-            order.deadline_s,
-            order.local_group_block_ids,
-        )
+        return self._reader.start_order(order)
 
     def start_pulls(self, orders: Sequence[PullOrder | KvdError]) -> list[Transfer | KvdError]:
-        """Start each pull of a batch on its own, as :meth:`start_pull` would: one result per order,
-        in order, a Transfer or the error that pull failed with (it then changed nothing).
-
-        An order may already be an error (the edge could not read that item): it is its own result,
-        so results keep the caller's indices. Only a batch over :data:`MAX_PULLS_PER_CALL` or a
-        daemon not serving fails the whole call (nothing starts).
-        """
-        if len(orders) > MAX_PULLS_PER_CALL:
-            raise InvalidArgument(
-                f"StartPulls takes at most {MAX_PULLS_PER_CALL} pulls per call, got {len(orders)}: split the batch"
-            )
-        self.require_serving()
-        results: list[Transfer | KvdError] = []
-        for order in orders:
-            if isinstance(order, KvdError):
-                results.append(order)
-                continue
-            try:
-                results.append(self.start_order(order))
-            except KvdError as exc:
-                results.append(exc)
-            except Exception:  # a bug in one item must not fail its neighbours
-                logger.exception("internal error starting pull %r of a batch", order.request_id)
-                results.append(Internal(f"internal error starting pull {order.request_id!r}; see the daemon's log"))
-        return results
+        return self._reader.start_pulls(orders)
 
     def cancel_transfer(self, transfer_id: str) -> Transfer:
-        transfer = self.transfers.get(transfer_id)
-        if transfer.task is not None and not transfer.state.final:
-            transfer.task.cancel("cancelled by a caller")
-        return transfer
+        return self._reader.cancel_transfer(transfer_id)
 
     # --- selftest ---------------------------------------------------------------------------------
 

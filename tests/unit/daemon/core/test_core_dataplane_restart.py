@@ -83,7 +83,7 @@ async def pull_done(p: Pair, request_id: str, transfer: Transfer | None = None) 
 
 
 def only_pool(node: Node) -> Any:
-    pools = list(node.daemon._puller._staging.values())
+    pools = list(node.daemon.puller.reads._staging.values())
     assert len(pools) == 1, pools
     return pools[0]
 
@@ -238,7 +238,7 @@ def test_worker_lost_while_idle_the_next_converting_pull_gets_a_staging_pool_in_
 
         old_dp.lose("SIGKILL")
         await restarted(p.reader)
-        assert old_pool.lost and p.reader.daemon._puller._staging == {}
+        assert old_pool.lost and p.reader.daemon.puller.reads._staging == {}
         await pull_done(p, "req-2")
 
         new_dp, new_pool = p.reader.dataplane, only_pool(p.reader)

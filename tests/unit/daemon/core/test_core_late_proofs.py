@@ -31,7 +31,7 @@ from test_core_lifetimes import (
     until_state,
 )
 
-from kvd.core import pulls as pulls_module
+from kvd.core import pull_resources
 from kvd.core.local_memory import MemoryState
 from kvd_client.errors import PeerUnavailable
 
@@ -39,7 +39,7 @@ from kvd_client.errors import PeerUnavailable
 @pytest.fixture(autouse=True)
 def quick_abandon_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     """An unanswered AbandonPull is asked again after 10 ms, not 0.5 s (no outcome depends on it)."""
-    monkeypatch.setattr(pulls_module, "ABANDON_RETRY_S", 0.01, raising=False)
+    monkeypatch.setattr(pull_resources, "ABANDON_RETRY_S", 0.01)
 
 
 def time_out_admissions(p: Pair) -> None:

@@ -163,7 +163,7 @@ async def sweep_round(node: Node) -> None:
     daemon.leases.sweep()
     daemon._lease_gauges()
     await daemon.memories.sweep_quarantine()
-    await daemon._puller.sweep()
+    await daemon.puller.sweep()
     await settle(node)
 
 
@@ -182,7 +182,7 @@ def assert_settled(*nodes: Node, memories: tuple[LocalMemory, ...] = ()) -> None
         known = [rank.memory for rank in daemon.registry] + list(daemon.memories.quarantine) + list(memories)
         assert all(m.pins == 0 and m.holder_pins == 0 for m in known), [(m.registration_id, m.pins) for m in known]
         assert all(agent.pins == 0 for agent in daemon.peers.agents())
-        assert daemon._puller.stale_pulls == 0
+        assert daemon.puller.stale_pulls == 0
         assert node.metric("kvd_transfers_in_flight") == len(daemon.transfers.in_flight()) == 0
         assert node.metric("kvd_admitted_reads") == daemon.leases.open_admissions
         assert node.metric("kvd_leases_draining") == daemon.leases.draining
@@ -307,7 +307,7 @@ def test_unregister_reader_rank_with_reads_nixl_never_ends_quarantines_until_the
         assert memory.state is MemoryState.QUARANTINED and memory.retired and memory.pins == 0
         assert not any(p.reader.dataplane.deregistered(r) for r in regs)
         assert p.reader.metric("kvd_quarantined_bytes") == memory.size_bytes
-        assert reader._puller.stale_pulls == 1 and reader.peers.agents()[0].pins == 1
+        assert reader.puller.stale_pulls == 1 and reader.peers.agents()[0].pins == 1
         assert p.reader.transport.abandons == []
 
         await reader.memories.sweep_quarantine()  # still in flight: stays
@@ -315,7 +315,7 @@ def test_unregister_reader_rank_with_reads_nixl_never_ends_quarantines_until_the
         for xfer in xfers:
             p.reader.dataplane.finish(xfer)
         await reader.memories.sweep_quarantine()
-        await reader._puller.sweep()
+        await reader.puller.sweep()
         await settle(p.holder)
 
         assert memory.state is MemoryState.RELEASED and all(p.reader.dataplane.deregistered(r) for r in regs)
@@ -348,7 +348,7 @@ def test_reads_cut_off_past_the_fence_are_abandoned_at_the_holder_once_they_end(
         assert p.holder.metric("kvd_admissions_ended_total", reason="abandoned") == 1
         assert p.holder.metric("kvd_admitted_reads") == 0
         await p.reader.daemon.memories.sweep_quarantine()
-        await p.reader.daemon._puller.sweep()
+        await p.reader.daemon.puller.sweep()
         assert_settled(p.reader, p.holder, memories=(p.rrank.memory,))
 
     run(fabric, scenario)
@@ -1152,7 +1152,7 @@ def test_deadline_with_a_read_that_never_ends_remaps_host_memory_then_fails(fabr
         for xfer in xfers:  # NIXL ends the READs late: their bytes went to the retired pages
             p.reader.dataplane.finish(xfer)
         await reader.memories.sweep_quarantine()
-        await reader._puller.sweep()
+        await reader.puller.sweep()
         await settle(p.holder)
 
         assert old.state is MemoryState.RELEASED and all(p.reader.dataplane.deregistered(r) for r in old_regs)
@@ -1247,7 +1247,7 @@ def test_unregister_during_a_fence_remap_releases_the_fresh_mapping(fabric: Fabr
         for xfer in xfers:
             p.reader.dataplane.finish(xfer)
         await p.reader.daemon.memories.sweep_quarantine()
-        await p.reader.daemon._puller.sweep()
+        await p.reader.daemon.puller.sweep()
 
         assert transfer.state is ABORTED and len(engine_events(p.rrank, LoadFailed)) == 1
         assert old.state is MemoryState.RELEASED
@@ -1279,7 +1279,7 @@ def test_two_pulls_fencing_the_same_rank_leave_no_orphan_mapping(fabric: Fabric)
         for xfer in xfers:
             dp.finish(xfer)
         await p.reader.daemon.memories.sweep_quarantine()
-        await p.reader.daemon._puller.sweep()
+        await p.reader.daemon.puller.sweep()
 
         assert old.state is MemoryState.RELEASED
         current = {id(r) for r in registrations(p.rrank.memory)}

@@ -16,9 +16,9 @@ import pytest
 from kvtest import small_spec
 from lifetime_fakes import SAFETY_TIMEOUT_S, Fabric, Node
 
-import kvd.core.daemon as daemon_module
-from kvd.core.daemon import PullOrder
+import kvd.core.pulls as pulls_module
 from kvd.core.events import FinishedRecving
+from kvd.core.pulls import PullOrder
 from kvd.core.transfers import Transfer, TransferState
 from kvd.server import convert
 from kvd.server.servicers import RouterServicer
@@ -116,7 +116,7 @@ def test_each_pull_of_a_batch_starts_or_fails_on_its_own(fabric: Fabric) -> None
 def test_a_batch_over_the_bound_starts_nothing(fabric: Fabric, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
         holder, reader = await pair(fabric)
-        monkeypatch.setattr(daemon_module, "MAX_PULLS_PER_CALL", 2)
+        monkeypatch.setattr(pulls_module, "MAX_PULLS_PER_CALL", 2)
         _, params = holder.daemon.hold("eng-h", "a", HOLD_BLOCKS, NUM_TOKENS)
         order = PullOrder("eng-r", 0, "a", [3, 4, 5], params)
         with pytest.raises(errors.InvalidArgument, match="at most 2 pulls per call, got 3"):
@@ -173,12 +173,12 @@ def test_the_servicer_answers_each_item_with_its_transfer_or_its_error(fabric: F
 
         context = FakeContext()
         too_many = router_pb2.StartPullsRequest(
-            pulls=[router_pb2.StartPullRequest()] * (daemon_module.MAX_PULLS_PER_CALL + 1)
+            pulls=[router_pb2.StartPullRequest()] * (pulls_module.MAX_PULLS_PER_CALL + 1)
         )
         with pytest.raises(grpc.aio.AbortError):
             await servicer.StartPulls(too_many, context)
         assert context.aborted is not None and context.aborted[0] is grpc.StatusCode.INVALID_ARGUMENT
-        assert f"at most {daemon_module.MAX_PULLS_PER_CALL} pulls" in context.aborted[1]
+        assert f"at most {pulls_module.MAX_PULLS_PER_CALL} pulls" in context.aborted[1]
         assert ("kvd-error-class", "InvalidArgument") in context.trailing
 
     run(fabric, scenario)

@@ -1,0 +1,270 @@
+"""A pull's READs on the reader side (one part of :class:`kvd.core.pulls.Puller`, the reader's
+pipeline): posting them, waiting for them, the soft hold's verification, the conversion out of
+staging, and the way that posts them beside the holder's admission.
+
+:meth:`PullReads.beside_admission` is the default way (``read_beside_admission``): session,
+plan, pin the peer's agent, then the admission (:meth:`PullPlanner.admit`, asked with the READ's
+id) and :meth:`PullReads.post_reads` run side by side, and :meth:`PullReads.reads_done` waits for
+both. Where it does not apply it posts nothing (or forgets what it posted, final) and the
+pipeline goes the sequential way, whose steps are the same methods in order:
+:meth:`~PullReads.begin_reading`, :meth:`~PullReads.stage`, :meth:`~PullReads.post_reads`,
+:meth:`~PullReads.reads_done`, :meth:`~PullReads.convert`. Every READ is recorded in the pull's
+:class:`~kvd.core.pull_resources.PullResources` before it is awaited. Event-loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from typing import Any
+
+import numpy as np
+
+from kvd.config import KvdConfig
+from kvd.core import notif
+from kvd.core.dataplane import DataPlane
+from kvd.core.local_memory import LocalMemory
+from kvd.core.metrics import Metrics
+from kvd.core.params import TransferParams
+from kvd.core.peers import Peers, PeerSession, PeerTransport, PrepareResult, RemoteEngine, StaleView
+from kvd.core.pull_plans import PullPlanner, StaleHandshake, lease_unexpired, names_the_leased_registrations
+from kvd.core.pull_resources import PullResources
+from kvd.core.registry import EngineRank
+from kvd.core.staging import StagingPool
+from kvd.core.transfers import Transfer, TransferState
+from kvd.layout.plan import PullPlan, Target
+from kvd_client.errors import FailedPrecondition, KvdError, PeerUnavailable
+
+
+class PullReads:
+    """The READs of the reader's pulls, and the staging pools they convert through (module docstring)."""
+
+    def __init__(
+        self,
+        config: KvdConfig,
+        metrics: Metrics,
+        dataplane: DataPlane,
+        peers: Peers,
+        transport: PeerTransport,
+        executor: concurrent.futures.Executor,
+        planner: PullPlanner,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.peers = peers
+        self._dataplane = dataplane  # the worker staging pools are opened in (rebind replaces it)
+        self._transport = transport
+        self._executor = executor
+        self._planner = planner
+        self._staging: dict[str, StagingPool] = {}
+        self._staging_lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        for pool in self._staging.values():
+            await pool.close()
+        self._staging.clear()
+
+    async def beside_admission(
+        self, transfer: Transfer, rank: EngineRank, remote: TransferParams, held: PullResources
+    ) -> bool:
+        """The pull with its READs posted beside the holder's admission, not after it: True once
+        its reads are done (and verified); False, having posted nothing or with what it posted
+        final and forgotten, where the pull must go the sequential way (Puller._pull).
+
+        Sound because a lease never comes back once ended: the READ reads blocks the lease named
+        when the pull began, so an admission granted after the READ was posted proves the blocks
+        were the lease's throughout, and any other answer discards the READ's bytes (the pull
+        fails, its blocks recomputed, never reported loaded). Only where every holder rank says
+        its leased blocks are final when leased (no commit to wait for) and it counts early
+        notifications (RemoteEngine.early_reads), and the pull needs no staging. docs/lifetimes.md.
+        """
+        if not lease_unexpired(remote):
+            return False
+        asked_at = time.monotonic()
+        session = await self._planner.session(remote)
+        if not names_the_leased_registrations(session, remote):
+            # The holder's engine registered again since this handshake: a READ planned on it
+            # would read memory the holder may have let go (on RDMA an error that breaks the
+            # connection for every pull from it). Handshake again first.
+            why = "the lease names registrations the cached handshake does not"
+            session = await self.peers.refresh(remote.daemon_address, why, unless_since=asked_at)
+            if not names_the_leased_registrations(session, remote):
+                return False
+        try:
+            plan, remote_ranks = await self._planner.plan_layout(session, transfer, rank, remote)
+        except StaleHandshake:
+            return False  # the sequential way handshakes again
+        if plan.staging_bytes or plan.postprocess is not None:
+            return False
+        if not all(remote_ranks[r].early_reads for r in plan.remote_ranks):
+            return False
+        try:
+            held.agent = self.peers.pin(session)
+        except StaleView:
+            return False
+        held.session = session  # from here a failed pull tells the holder, once its READs are final
+        read_id = transfer.transfer_id
+        admission = asyncio.ensure_future(
+            self._planner.admit(session, transfer, rank, remote, plan, remote_ranks, read_id=read_id)
+        )
+        admission.add_done_callback(_retrieved)  # a pull cancelled while posting never awaits it
+        posting: KvdError | None = None
+        try:
+            self.begin_reading(transfer, plan)
+            await self.post_reads(plan, remote_ranks, held, session, notif.tag(remote.lease_id, read_id))
+        except KvdError as exc:  # the admission's answer decides: a stale view is retried, not failed
+            posting = exc
+        except BaseException:
+            admission.cancel()
+            raise
+        try:
+            prepared = await admission
+        except StaleHandshake as exc:
+            # The holder admitted nothing (its engine registered again, or its ranks changed):
+            # wait out what was posted, forget it, and go the sequential way on a new handshake.
+            await held.reads_over()
+            held.posts.clear()
+            if held.agent is not None:
+                await self.peers.unpin(held.agent)
+                held.agent = None
+            held.session = None
+            await self.peers.refresh(remote.daemon_address, exc.reason)
+            return False
+        if isinstance(posting, PeerUnavailable):
+            await self.peers.drop_if(session, "disconnected")
+        if posting is not None:
+            raise posting
+        await self.reads_done(transfer, rank, remote, held, session, prepared)
+        return True
+
+    def begin_reading(self, transfer: Transfer, plan: PullPlan) -> None:
+        transfer.descriptors = plan.num_descriptors
+        transfer.nbytes = plan.total_bytes
+        transfer.direct = plan.direct
+        self.metrics.descriptors.observe(plan.num_descriptors)
+        if transfer.state is not TransferState.READING:  # a pull that fell back to the sequential way
+            transfer.advance(TransferState.READING)
+
+    async def post_reads(
+        self,
+        plan: PullPlan,
+        remote_ranks: dict[int, RemoteEngine],
+        held: PullResources,
+        session: PeerSession,
+        notif_tag: str,
+    ) -> None:
+        """Post the plan's READs (each notifying the holder under ``notif_tag``), every one
+        recorded in ``held.posts`` before it is awaited."""
+        dataplane = held.plane
+        memory = held.memory
+        label = f"{session.address} (agent {session.agent_name})"
+        parts = len(plan.reads)
+        assert held.agent is not None
+        for index, group in enumerate(plan.reads):
+            holder = remote_ranks[group.remote_rank]
+            remote_table = await held.agent.table(holder, group.remote_geometry, self._executor)
+            if group.local_target is Target.ENGINE:
+                local_table = await memory.table(group.local_geometry, self._executor)
+                local_indices = group.local_indices
+            else:
+                staging = held.staging
+                assert staging is not None
+                rows = group.local_geometry.rows_for(
+                    group.local_indices, [staging.address + group.staging_offset], staging.device_index
+                )
+                one_off = asyncio.get_running_loop().run_in_executor(
+                    self._executor, dataplane.prepare_table, "NIXL_INIT_AGENT", rows, staging.mem_type
+                )
+                held.one_off_tables.append(one_off)  # released with the pull's buffers, even if cancelled now
+                local_table = await asyncio.shield(one_off)
+                local_indices = np.arange(rows.shape[0], dtype=np.int32)
+            message = notif.encode(notif_tag, index, parts, group.nbytes)
+            post = asyncio.ensure_future(
+                dataplane.read(
+                    local_table, local_indices, remote_table, group.remote_indices, message, label, group.nbytes
+                )
+            )
+            held.posts.append(post)  # before awaiting it: a cancel here must not lose the READ
+            xfer = await asyncio.shield(post)
+            if xfer.error is not None:  # NIXL refused part of it: the rest is polled to its end
+                raise xfer.error
+
+    async def reads_done(
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        held: PullResources,
+        session: PeerSession,
+        prepared: PrepareResult,
+    ) -> None:
+        """Wait for the posted READs; a soft hold's holder then verifies its blocks again."""
+        transfer.mark("posted")
+        try:
+            await held.plane.wait(held.xfers)
+            transfer.mark("read")
+            if prepared.verify_after_read:
+                # A soft hold: the holder's engine checks its blocks still hold the request's KV
+                # (they were pinned for the read); until it says so the bytes are not ours.
+                await self._transport.finish_read(
+                    remote.daemon_address,
+                    remote.lease_id,
+                    rank.tp_rank,
+                    transfer.transfer_id,
+                    self.config.hold_check_timeout_s + self.config.handshake_timeout_s,
+                )
+                transfer.mark("verified")
+        except PeerUnavailable:
+            await self.peers.drop_if(session, "disconnected")
+            raise
+
+    async def convert(self, transfer: Transfer, plan: PullPlan, held: PullResources) -> None:
+        """The layout conversion from staging into the engine's blocks, in the data-plane worker."""
+        staging = held.staging
+        assert staging is not None and plan.postprocess is not None
+        transfer.advance(TransferState.POSTPROCESSING)
+        held.conversion = asyncio.ensure_future(
+            held.plane.convert(
+                plan.postprocess,
+                staging.region_id,
+                staging.offset,
+                staging.size,
+                [region.region_id for region in held.memory.regions],
+            )
+        )
+        # A cancel must not stop the wait while the worker still writes the engine's blocks:
+        # Puller._finish waits for it before anything is reported or handed back.
+        await asyncio.shield(held.conversion)
+        transfer.mark("converted")
+
+    async def stage(self, plan: PullPlan, held: PullResources) -> None:
+        """A staging chunk for a plan that converts (its READs land there, not in the engine's blocks)."""
+        if plan.staging_bytes:
+            held.staging = await (await self._staging_pool(held.memory)).acquire(
+                plan.staging_bytes, self.config.staging_wait_s
+            )
+            self.metrics.staging_bytes_in_use.inc(held.staging.size)
+
+    async def _staging_pool(self, memory: LocalMemory) -> StagingPool:
+        device = memory.regions[0].device
+        async with self._staging_lock:
+            pool = self._staging.get(device)
+            if pool is None or pool.lost:
+                if self.config.staging_pool_bytes <= 0:
+                    raise FailedPrecondition("this pull needs a layout conversion but staging_pool_bytes is 0")
+                pool = await StagingPool.open(self._dataplane, self.config.staging_pool_bytes, device)
+                self._staging[device] = pool
+        return pool
+
+    def rebind(self, dataplane: DataPlane) -> None:
+        """A new worker replaced a lost one: its staging buffers are gone with it."""
+        self._dataplane = dataplane
+        for pool in self._staging.values():
+            pool.lost = True
+        self._staging.clear()
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
