@@ -27,10 +27,9 @@ Identities, per listener:
 A caller without the role gets PERMISSION_DENIED, or UNAUTHENTICATED when it presented no
 identity at all; both name the role the RPC needs.
 
-The interceptor also owns request parsing: grpc's default deserializer turns a malformed
-message into UNKNOWN before kvd sees it, so every method parses through :func:`_parser`, which
-never raises; a malformed request becomes INVALID_ARGUMENT here, as does one whose ids or
-repeated fields exceed :data:`MAX_STRING_BYTES` / :data:`MAX_REPEATED`.
+The interceptor also parses every request through kvd (kvd.server.request_bounds): a malformed
+request becomes INVALID_ARGUMENT here, as does one whose ids or repeated fields are too long.
+A loopback caller's uid comes from the kernel (kvd.server.loopback_uid).
 """
 
 from __future__ import annotations
@@ -40,24 +39,62 @@ import enum
 import fnmatch
 import hmac
 import inspect
-import ipaddress
 import logging
 import os
-import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from kvd.config import KvdConfig
-from kvd_client.errors import InvalidArgument, KvdError, PermissionDenied, Unauthenticated
+from kvd.server.loopback_uid import is_loopback_peer, tcp_peer_uid
+from kvd.server.loopback_uid import proc_address as _proc_address
+from kvd.server.loopback_uid import proc_uid as _proc_uid
+from kvd.server.request_bounds import (
+    MAX_ECHO_CHARS,
+    MAX_REPEATED,
+    MAX_STRING_BYTES,
+    Malformed,
+    check_request,
+    clip,
+    parser_of,
+)
+from kvd_client.errors import KvdError, PermissionDenied, Unauthenticated
 from kvd_client.grpc_errors import error_metadata, status_code
 
 logger = logging.getLogger(__name__)
+_parser = parser_of
+
+# Defined here before kvd.server.loopback_uid and kvd.server.request_bounds: still importable from here.
+__all__ = [
+    "ANYONE",
+    "ENGINE",
+    "MAX_ECHO_CHARS",
+    "MAX_REPEATED",
+    "MAX_STRING_BYTES",
+    "OPERATOR",
+    "PEER",
+    "ROUTER",
+    "RPC_ROLES",
+    "TCP",
+    "UNIX",
+    "AuthInterceptor",
+    "Malformed",
+    "Policy",
+    "Principal",
+    "Role",
+    "_parser",
+    "_proc_address",
+    "_proc_uid",
+    "bearer_token",
+    "check_request",
+    "clip",
+    "is_loopback_peer",
+    "read_tokens",
+    "tcp_peer_uid",
+]
 
 
 class Role(enum.Enum):
@@ -112,21 +149,7 @@ RPC_ROLES: dict[str, frozenset[Role]] = {
 is missing is refused to everyone (tests/unit/daemon/server/test_authz.py checks every RPC of
 the proto has an entry)."""
 
-MAX_STRING_BYTES = 4096
-"""Longest string field kvd accepts (ids, names, addresses, reasons): real ids are < 200 bytes."""
-MAX_REPEATED = 1 << 20
-"""Most entries of one repeated field (block ids of the largest caches are < 2^20)."""
-MAX_ECHO_CHARS = 200
-"""Longest piece of caller input quoted back in an error message (the rest is elided)."""
-
 UNIX, TCP = "unix", "tcp"
-
-
-def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was cut: input is never echoed whole."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}...({len(text) - limit} more characters)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,171 +257,6 @@ def bearer_token(metadata: Iterable[Any]) -> bytes | None:
     return None
 
 
-def _peer_endpoint(peer: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
-    """``ipv4:127.0.0.1:5000`` / ``ipv6:[::1]:5000`` -> (address, port); None for anything else."""
-    kind, _, rest = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return None
-    rest = rest.replace("%5B", "[").replace("%5D", "]")
-    host, _, port = rest.rpartition(":")
-    try:
-        address = ipaddress.ip_address(host.strip("[]").split("%")[0])
-        return address, int(port)
-    except ValueError:
-        return None
-
-
-def is_loopback_peer(peer: str) -> bool:
-    endpoint = _peer_endpoint(peer)
-    if endpoint is None:
-        return False
-    address = endpoint[0]
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped.is_loopback
-    return address.is_loopback
-
-
-def _proc_address(text: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    """An address of /proc/net/tcp (``0100007F:1F90``: little-endian 32-bit words, hex port)."""
-    hex_address, _, hex_port = text.partition(":")
-    raw = bytes.fromhex(hex_address)
-    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return ipaddress.ip_address(packed), int(hex_port, 16)
-
-
-def tcp_peer_uid(peer: str, server_port: int, proc_net: str = "/proc/net") -> int | None:
-    """The uid owning the client end of a loopback connection ``peer`` -> our ``server_port``.
-
-    Asks the kernel for exactly that socket over netlink (``sock_diag``: a hash lookup, ~0.1 ms);
-    where netlink is unavailable, scans ``/proc/net/tcp[6]`` (its ``uid`` column), which walks the
-    whole connection table (milliseconds). None when no such socket exists (the caller closed
-    already) or ``peer`` is not an IP endpoint.
-    """
-    endpoint = _peer_endpoint(peer)
-    if endpoint is None:
-        return None
-    address, port = endpoint
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    try:
-        return _diag_uid(address, port, server_port)
-    except OSError:
-        logger.debug("sock_diag unavailable; scanning /proc/net/tcp", exc_info=True)
-    return _proc_uid(address, port, server_port, proc_net)
-
-
-_NETLINK_SOCK_DIAG = 4
-_SOCK_DIAG_BY_FAMILY = 20
-_NLMSG_ERROR = 2
-_INET_DIAG_NOCOOKIE = 0xFFFFFFFF
-_UID_OFFSET = 16 + 64  # nlmsghdr, then inet_diag_msg's family..id, expires, rqueue, wqueue
-
-
-def _diag_uid(address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, server_port: int) -> int | None:
-    """sock_diag lookup of the TCP socket (address:port -> loopback:server_port); its owner's uid."""
-    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
-    destinations = [address, ipaddress.ip_address("127.0.0.1" if address.version == 4 else "::1")]
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
-        nl.settimeout(1.0)
-        for destination in dict.fromkeys(destinations):
-            request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
-            request += struct.pack(">HH", port, server_port)
-            request += address.packed.ljust(16, b"\0") + destination.packed.ljust(16, b"\0")
-            request += struct.pack("=III", 0, _INET_DIAG_NOCOOKIE, _INET_DIAG_NOCOOKIE)
-            header = struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, 1, 1, 0)  # NLM_F_REQUEST
-            nl.sendto(header + request, (0, 0))
-            reply = nl.recv(65536)
-            (kind,) = struct.unpack_from("=H", reply, 4)
-            if kind == _SOCK_DIAG_BY_FAMILY and len(reply) >= _UID_OFFSET + 4:
-                return int(struct.unpack_from("=I", reply, _UID_OFFSET)[0])
-            if kind != _NLMSG_ERROR:
-                raise OSError(f"unexpected sock_diag reply type {kind}")
-    return None
-
-
-def _proc_uid(
-    address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, server_port: int, proc_net: str
-) -> int | None:
-    wanted = {address}
-    if isinstance(address, ipaddress.IPv4Address):
-        wanted.add(ipaddress.IPv6Address(f"::ffff:{address}"))
-    for name in ("tcp", "tcp6"):
-        try:
-            lines = Path(proc_net, name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 8:
-                continue
-            local, remote = _proc_address(fields[1]), _proc_address(fields[2])
-            if local[1] == port and local[0] in wanted and remote[1] == server_port:
-                return int(fields[7])
-    return None
-
-
-# -- request parsing and bounds ------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Malformed:
-    """What :func:`_parser` returns for bytes that are not a valid message of the method's type."""
-
-    type_name: str
-    reason: str
-
-
-def _parser(cls: type[Message]) -> Callable[[bytes], Message | Malformed]:
-    def parse(data: bytes) -> Message | Malformed:
-        message = cls()
-        try:
-            message.ParseFromString(data)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's malformed bytes
-            return Malformed(cls.DESCRIPTOR.full_name, clip(f"{type(exc).__name__}: {exc}"))
-        return message
-
-    return parse
-
-
-def check_request(message: Message | Malformed, where: str = "") -> Message:
-    """The parsed request, or InvalidArgument for malformed bytes, oversized strings or lists."""
-    if isinstance(message, Malformed):
-        raise InvalidArgument(f"malformed {message.type_name}: {message.reason}")
-    _check_bounds(message, where)
-    return message
-
-
-# What a set field's value is when the field is not repeated (anything else is a container).
-# A tuple made once: the union ``str | bytes | Message | int | float`` written in the loop was
-# built again for every field of every request, and with the field's name (formatted whether
-# or not it was needed) it made this check about 50 us per pull of a StartPulls on a loaded machine.
-_SINGLE = (str, bytes, Message, int, float)
-_PLAIN = frozenset((str, bytes, int, float, bool))  # the usual scalars, by type: no isinstance walk
-
-
-def _check_bounds(message: Message, where: str) -> None:
-    for field, value in message.ListFields():
-        repeated = type(value) not in _PLAIN and not isinstance(value, _SINGLE)  # a repeated container
-        if repeated and len(value) > MAX_REPEATED:
-            raise InvalidArgument(f"{where}{field.name} has {len(value)} entries; at most {MAX_REPEATED} are accepted")
-        kind = field.type
-        if kind == _STRING:
-            for text in value if repeated else (value,):
-                if len(text) > MAX_STRING_BYTES:
-                    raise InvalidArgument(
-                        f"{where}{field.name} is {len(text)} characters ({clip(text, 40)!r}); "
-                        f"at most {MAX_STRING_BYTES} are accepted"
-                    )
-        elif kind == _MESSAGE and not (field.message_type.GetOptions().map_entry if field.message_type else False):
-            name = f"{where}{field.name}."
-            for item in value if repeated else (value,):
-                _check_bounds(item, name)
-
-
-_STRING = FieldDescriptor.TYPE_STRING
-_MESSAGE = FieldDescriptor.TYPE_MESSAGE
-
-
 # -- the interceptor -----------------------------------------------------------------------------
 
 
@@ -472,7 +330,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def _wrap(self, handler: Any, method: str) -> Any:
         original = handler.request_deserializer
         cls = getattr(original, "__self__", None)
-        parse = _parser(cls) if isinstance(cls, type) and issubclass(cls, Message) else original
+        parse = parser_of(cls) if isinstance(cls, type) and issubclass(cls, Message) else original
         serialize = handler.response_serializer
         authorize = self._authorize
 
