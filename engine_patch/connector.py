@@ -34,12 +34,12 @@ from kvd_client.v1.schema import KvGroupKind
 
 from .cache_layout import CacheGeometry
 from .config import KvdConnectorConfig
-from .daemon_link import SchedulerLink
 from .engine_api import ScheduledRequest, StepView, TransferResults
 from .groups import RankGroups, clip_group_blocks, resolve_groups
 from .metadata import KvdConnectorMetadata
 from .registration import geometry_from_vllm_views
 from .scheduler import KvdScheduler
+from .scheduler_link import SchedulerLink
 from .vllm_groups import GroupOrder, groups_of_config
 from .worker import KvdWorker
 

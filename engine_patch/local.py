@@ -6,9 +6,11 @@ from collections.abc import Callable
 
 from .cache_layout import CacheGeometry
 from .config import KvdConnectorConfig
-from .daemon_link import ClientFactory, DaemonLink, SchedulerLink
+from .link_client import ClientFactory
 from .scheduler import KvdScheduler
+from .scheduler_link import SchedulerLink
 from .worker import KvdWorker
+from .worker_link import DaemonLink
 
 __all__ = ["kvd_connectors"]
 

@@ -3,7 +3,7 @@
 What it does per step, never waiting on the daemon:
 
 * ``register_kv_caches``: describe the rank's cache (shm or CUDA IPC) and hand it to the
-  :class:`~kvd_engine.daemon_link.DaemonLink`, which registers it now and after every
+  :class:`~kvd_engine.worker_link.DaemonLink`, which registers it now and after every
   daemon restart;
 * ``start_load_kv``: queue the step's pulls;
 * ``wait_for_save`` (after the proposer): queue the step's commits and post-forward signal
@@ -16,7 +16,7 @@ A pull's blocks go back to vLLM only once none of its bytes can still land, else
 would corrupt whatever request vLLM gives them to next. So a pull is reported failed when the
 daemon refused it or reported it ended (``load_failed``, also the answer to a cancel), when the
 link re-registered (the old registration's end fences every pull into it: see
-:class:`~kvd_engine.daemon_link.Connected`) or found the daemon gone (nothing listens on its
+:class:`~kvd_engine.link_events.Connected`) or found the daemon gone (nothing listens on its
 socket), or, as a last resort, ``pull_last_resort_s`` past its deadline. A pull past its
 deadline (sent with it: both sides time it alike) is cancelled, not failed. Likewise a held
 request is reported finished (its blocks freed) on the daemon's ``finished_sending`` (sent for
@@ -40,10 +40,12 @@ from kvd_client import load_error
 
 from .cache_layout import CacheGeometry
 from .config import KvdConnectorConfig
-from .daemon_link import (
+from .engine_api import TransferResults
+from .groups import RankGroups, build_group_registration
+from .hostcopy import AsyncHostCopy
+from .link_events import (
     Connected,
     DaemonGone,
-    DaemonLink,
     DaemonMessage,
     Disconnected,
     LinkEvent,
@@ -52,12 +54,10 @@ from .daemon_link import (
     PullOrder,
     PullStarted,
 )
-from .engine_api import TransferResults
-from .groups import RankGroups, build_group_registration
-from .hostcopy import AsyncHostCopy
 from .metadata import KvdConnectorMetadata
 from .registration import build_registration
 from .signals import StepSignal, StepSignaler
+from .worker_link import DaemonLink
 
 logger = logging.getLogger(__name__)
 

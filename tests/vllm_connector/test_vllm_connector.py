@@ -17,7 +17,7 @@ import torch
 from engine_fakes import FakeDaemon, wait_until
 from vllm_harness import VllmEngine, expected_kv, tiny_model_dir
 
-import kvd_engine.daemon_link as daemon_link
+import kvd_engine.link_client as link_client
 from kvd_engine.cache_layout import KvFormat, KvLayout
 
 pytestmark = pytest.mark.vllm
@@ -35,7 +35,7 @@ EXTRA = {
 @pytest.fixture
 def daemon(monkeypatch: pytest.MonkeyPatch) -> FakeDaemon:
     fake = FakeDaemon(copy_pulls=True)
-    monkeypatch.setattr(daemon_link, "_default_client", fake.client)
+    monkeypatch.setattr(link_client, "default_client", fake.client)
     return fake
 
 

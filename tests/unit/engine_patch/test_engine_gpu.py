@@ -13,12 +13,12 @@ from engine_fakes import FakeDaemon, wait_until
 from kvd.demo.reference_engine import AcceptancePattern, ReferenceEngine
 from kvd_engine.cache_layout import CacheGeometry
 from kvd_engine.config import KvdConnectorConfig
-from kvd_engine.daemon_link import DaemonLink
 from kvd_engine.hostcopy import AsyncHostCopy
 from kvd_engine.metadata import KvdConnectorMetadata
 from kvd_engine.nwor import DeferredWriteManager, acceptance_mask, committed_watermarks, num_valid_tokens
 from kvd_engine.signals import StepSignal, StepSignaler
 from kvd_engine.worker import KvdWorker
+from kvd_engine.worker_link import DaemonLink
 
 pytestmark = [
     pytest.mark.gpu,

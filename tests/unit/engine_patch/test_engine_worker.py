@@ -14,12 +14,13 @@ from engine_fakes import FakeDaemon, wait_until
 from kvd_client import errors
 from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
 from kvd_engine.config import KvdConnectorConfig
-from kvd_engine.daemon_link import DaemonLink, SchedulerLink
 from kvd_engine.metadata import KvdConnectorMetadata, PullSpec
 from kvd_engine.nwor import DeferredWriteManager
 from kvd_engine.registration import build_registration, geometry_from_vllm_views
+from kvd_engine.scheduler_link import SchedulerLink
 from kvd_engine.shm import create_shm_region, move_storage_to_shm
 from kvd_engine.worker import KvdWorker
+from kvd_engine.worker_link import DaemonLink
 
 GEOMETRY = CacheGeometry(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 CONFIG = KvdConnectorConfig(reconnect_initial_s=0.01, reconnect_max_s=0.05, pull_timeout_slack_s=0.5)
@@ -440,12 +441,12 @@ def test_a_start_pulls_never_answered_fails_only_after_the_re_registration_fence
 
 def test_a_whole_call_deadline_is_not_a_refusal(daemon: FakeDaemon, caches: Any) -> None:
     """A refusal (the daemon answered) fails each pull at once; a lost answer is asked again."""
-    from kvd_engine.daemon_link import _answer_lost
+    from kvd_engine.link_client import answer_lost
 
-    assert _answer_lost(errors.DeadlineExceeded("x")) and _answer_lost(errors.Unavailable("x"))
-    assert _answer_lost(errors.Internal("x"))
+    assert answer_lost(errors.DeadlineExceeded("x")) and answer_lost(errors.Unavailable("x"))
+    assert answer_lost(errors.Internal("x"))
     for refusal in (errors.ResourceExhausted("x"), errors.PeerUnavailable("x"), errors.LeaseExpired("x")):
-        assert not _answer_lost(refusal)
+        assert not answer_lost(refusal)
 
 
 def test_a_pull_queued_when_the_stream_drops_goes_out_on_the_new_registration(
@@ -540,14 +541,14 @@ def test_a_daemon_known_gone_ends_its_pulls_and_holds_without_a_reconnect(daemon
 def test_the_socket_check_tells_a_dead_daemon_from_a_live_one(tmp_path: Any) -> None:
     import socket
 
-    from kvd_engine.daemon_link import _socket_gone
+    from kvd_engine.link_client import socket_gone
 
     path = str(tmp_path / "d.sock")
-    assert _socket_gone(f"unix://{path}")  # no socket file
+    assert socket_gone(f"unix://{path}")  # no socket file
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
-    assert not _socket_gone(f"unix://{path}") and not _socket_gone(f"unix:{path}")
+    assert not socket_gone(f"unix://{path}") and not socket_gone(f"unix:{path}")
     listener.close()  # the process died: its socket file stays, refusing connections
-    assert _socket_gone(f"unix://{path}")
-    assert not _socket_gone("dns:///localhost:1")  # never concluded for TCP
+    assert socket_gone(f"unix://{path}")
+    assert not socket_gone("dns:///localhost:1")  # never concluded for TCP
