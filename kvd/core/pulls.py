@@ -113,43 +113,6 @@ class Puller:
         self.planner = PullPlanner(config, peers, transport, executor, self._abandon_later)
         self.reads = PullReads(config, metrics, dataplane, peers, transport, executor, self.planner)
 
-    # --- the part's life: warm peers, sweep, a new worker, shutdown -------------------------------
-
-    async def warm(self, session: PeerSession) -> None:
-        """After a handshake, off any pull's path: prepare the whole-block lists of the peer's
-        engines (what every same-layout pull reads through). Holds no pin: if the agent is removed
-        meanwhile its table cache is closed, and a list finished after that is released at once.
-        (The UCX connection was started when the agent's metadata was loaded: NixlAgent.add_remote.)"""
-        agent = session.agent
-        try:
-            for engine in list(session.engines.values()):
-                if agent.removed:
-                    return
-                await agent.table(engine, block_geometry(engine.view, self.config.max_run_blocks), self._executor)
-        except Exception as exc:  # noqa: BLE001 - an optimisation only: the first pull prepares what it needs
-            logger.debug("warming peer %s: %s", session.address, exc)
-
-    async def close(self) -> None:
-        self.ending.close()  # shutting down: the holders end those admissions at their deadlines
-        await self.reads.close()
-
-    def rebind(self, dataplane: DataPlane) -> None:
-        """A new worker replaced a lost one: new pulls run through it, its staging buffers are new."""
-        self._dataplane = dataplane
-        self.reads.rebind(dataplane)
-
-    async def sweep(self) -> None:
-        """Hand back what stale pulls held once NIXL finished their reads (the daemon's sweeper)."""
-        await self.ending.sweep()
-
-    @property
-    def stale_pulls(self) -> int:
-        return self.ending.stale_pulls
-
-    def _abandon_later(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
-        """AbandonPull in the background (an admission that was asked and never answered)."""
-        self.ending.in_background(self.ending.abandon(remote, reader_rank, transfer_id, reason))
-
     # --- 1. StartPulls: a pull starts ------------------------------------------------------------
 
     def start_pulls(self, orders: Sequence[PullOrder | KvdError]) -> list[Transfer | KvdError]:
@@ -444,3 +407,40 @@ class Puller:
             )
         )
         logger.warning("pull %s of %s failed: %s", transfer.transfer_id, transfer.request_id, error.message)
+
+    # --- the part's life: warm peers, sweep, a new worker, shutdown -------------------------------
+
+    async def warm(self, session: PeerSession) -> None:
+        """After a handshake, off any pull's path: prepare the whole-block lists of the peer's
+        engines (what every same-layout pull reads through). Holds no pin: if the agent is removed
+        meanwhile its table cache is closed, and a list finished after that is released at once.
+        (The UCX connection was started when the agent's metadata was loaded: NixlAgent.add_remote.)"""
+        agent = session.agent
+        try:
+            for engine in list(session.engines.values()):
+                if agent.removed:
+                    return
+                await agent.table(engine, block_geometry(engine.view, self.config.max_run_blocks), self._executor)
+        except Exception as exc:  # noqa: BLE001 - an optimisation only: the first pull prepares what it needs
+            logger.debug("warming peer %s: %s", session.address, exc)
+
+    async def close(self) -> None:
+        self.ending.close()  # shutting down: the holders end those admissions at their deadlines
+        await self.reads.close()
+
+    def rebind(self, dataplane: DataPlane) -> None:
+        """A new worker replaced a lost one: new pulls run through it, its staging buffers are new."""
+        self._dataplane = dataplane
+        self.reads.rebind(dataplane)
+
+    async def sweep(self) -> None:
+        """Hand back what stale pulls held once NIXL finished their reads (the daemon's sweeper)."""
+        await self.ending.sweep()
+
+    @property
+    def stale_pulls(self) -> int:
+        return self.ending.stale_pulls
+
+    def _abandon_later(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
+        """AbandonPull in the background (an admission that was asked and never answered)."""
+        self.ending.in_background(self.ending.abandon(remote, reader_rank, transfer_id, reason))

@@ -161,7 +161,7 @@ async def sweep_round(node: Node) -> None:
     """One round of the daemon's sweeper (which the fixture keeps from running on its own)."""
     daemon = node.daemon
     daemon.leases.sweep()
-    daemon._lease_gauges()
+    daemon.holds.lease_gauges()
     await daemon.memories.sweep_quarantine()
     await daemon.puller.sweep()
     await settle(node)

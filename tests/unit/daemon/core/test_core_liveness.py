@@ -13,7 +13,7 @@ import pytest
 from kvtest import small_spec
 from lifetime_fakes import Fabric, Node
 
-import kvd.core.daemon as daemon_module
+import kvd.core.engines as engines_module
 from kvd.core.memory import MemoryKind, RegionRequest
 from kvd.core.registry import EngineRank
 from kvd.layout.spec import contiguous_placements
@@ -52,9 +52,9 @@ def test_an_engine_process_that_exits_is_unregistered(
     """Killed (and reaped, or left a zombie by its parent): its rank leaves the registry, without
     any other event to wake the daemon. Polled, a zombie would still count as alive (kill(pid, 0)
     succeeds on it), so the polled path is checked with a reaped engine only."""
-    monkeypatch.setattr(daemon_module, "LIVENESS_S", 0.02)
+    monkeypatch.setattr(engines_module, "LIVENESS_S", 0.02)
     if not pidfd:
-        monkeypatch.setattr(daemon_module, "_open_pidfd", lambda _pid: None)
+        monkeypatch.setattr(engines_module, "_open_pidfd", lambda _pid: None)
 
     async def main() -> None:
         engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -1,0 +1,325 @@
+"""This daemon's engines: their registrations, their engine streams, their liveness.
+
+One part of the daemon (:class:`kvd.core.daemon.Daemon` composes it and forwards the
+EngineService calls to it). :class:`Engines` maps an engine rank's memory (through
+:class:`~kvd.core.local_memory.Memories`, in the data-plane worker) and adds it to the
+:class:`~kvd.core.registry.Registry`; :meth:`Engines.unregister` fences a rank at once and lets
+its memory go when nothing can touch it any more (docs/lifetimes.md); the engine stream's
+attach, commits and post-forward signals land here; :meth:`Engines.watch_liveness` unregisters a
+rank whose engine process exited without saying so. It owns the liveness watch; the tables it
+shares with the other parts (registry, leases, commits, transfers) come in explicitly, and what
+a data-plane restart replaces through getters. Event-loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+from kvd.config import KvdConfig
+from kvd.core.commits import CommitTracker
+from kvd.core.dataplane import DataPlane
+from kvd.core.leases import Lease, LeaseEnd, LeaseTable
+from kvd.core.local_memory import Memories
+from kvd.core.memory import RegionRequest
+from kvd.core.metrics import Metrics
+from kvd.core.registry import EngineRank, Registry, next_registration_id
+from kvd.core.transfers import TransferTable
+from kvd.layout import groups as kv_groups
+from kvd.layout.plan import EngineView, block_geometry
+from kvd.layout.spec import LayerPlacement, LayoutSpec
+from kvd_client.errors import Internal, InvalidArgument, KvdError, Unavailable
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_S = 0.25  # how often an engine pid without a pidfd is checked (a kill is noticed within this)
+
+
+class Engines:
+    """The engine ranks registered here (module docstring)."""
+
+    def __init__(
+        self,
+        config: KvdConfig,
+        metrics: Metrics,
+        registry: Registry,
+        leases: LeaseTable,
+        commits: CommitTracker,
+        transfers: TransferTable,
+        executor: concurrent.futures.Executor,
+        *,
+        dataplane: Callable[[], DataPlane | None],
+        memories: Callable[[], Memories],
+        require_serving: Callable[[], None],
+        require_dataplane: Callable[[], None],
+        loop: Callable[[], asyncio.AbstractEventLoop | None],
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.registry = registry
+        self.leases = leases
+        self.commits = commits
+        self.transfers = transfers
+        self._executor = executor
+        self._dataplane = dataplane
+        self._memories = memories
+        self._require_serving = require_serving
+        self._require_dataplane = require_dataplane
+        self._loop = loop
+        self._liveness_now = asyncio.Event()  # an engine registered with a pid, or one exited
+
+    async def register(
+        self,
+        engine_id: str,
+        spec: LayoutSpec,
+        regions: Sequence[RegionRequest],
+        placements: Sequence[LayerPlacement],
+        require_commits: bool = False,
+        engine_pid: int = 0,
+        extra_groups: Sequence[EngineView] = (),
+    ) -> EngineRank:
+        """Map the engine's memory (zero copy) and register it with NIXL. All or nothing.
+
+        ``extra_groups``: a hybrid model's KV cache groups after group 0 (``spec`` and
+        ``placements``), each over the same regions (vLLM overlays groups on one allocation).
+        """
+        self._require_serving()
+        if not regions:
+            raise InvalidArgument("a registration needs at least one memory region")
+        if len({region.kind for region in regions}) != 1:
+            raise InvalidArgument("all regions of one engine rank must be of one memory kind")
+        groups = (EngineView(spec, tuple(placements)), *extra_groups)
+        kv_groups.validate_groups(groups)
+        self.registry.check_can_add(engine_id, spec, tuple(extra_groups))
+        sizes = [region.size_bytes for region in regions]
+        for index, group in enumerate(groups):
+            try:
+                group.spec.validate_placements(group.placements, sizes)
+            except InvalidArgument as exc:
+                raise InvalidArgument(
+                    f"{kv_groups.describe_group(index, group)}: {exc.message}" if index else exc.message
+                ) from None
+        plane = self._dataplane()
+        self._require_dataplane()
+        try:
+            memory = await self._memories().open(regions, next_registration_id())
+        except KvdError:
+            raise
+        except Exception as exc:
+            raise Internal(f"NIXL could not register engine {engine_id!r} memory: {exc}") from exc
+        if self._dataplane() is not plane:  # the worker was replaced meanwhile: that mapping is gone
+            raise Unavailable(f"the data plane restarted while engine {engine_id!r} registered: register again")
+        rank = EngineRank(
+            engine_id=engine_id,
+            spec=spec,
+            placements=tuple(placements),
+            memory=memory,
+            require_commits=require_commits,
+            engine_pid=engine_pid,
+            extra_groups=tuple(extra_groups),
+        )
+        try:
+            self.registry.add(rank)  # a racing registration of the same rank loses here
+        except Exception:
+            await self._memories().fence(memory)
+            raise
+        if engine_pid:
+            self._liveness_now.set()  # watch its pid
+        self.metrics.engines.set(len(self.registry))
+        self.metrics.registered_bytes.labels(engine_id, str(spec.tp_rank)).set(rank.registered_bytes)
+        await self.prepare_tables(rank)
+        logger.info(
+            "registered engine %s rank %d: %s, %d bytes in %d %s regions",
+            engine_id,
+            spec.tp_rank,
+            " + ".join(f"{g.kind.name.lower()} {g.spec.describe()}" for g in rank.groups)
+            if extra_groups
+            else spec.describe(),
+            rank.registered_bytes,
+            len(regions),
+            rank.mem_type,
+        )
+        return rank
+
+    async def prepare_tables(self, rank: EngineRank) -> None:
+        """Prepare the rank's whole-block tables now, so the first pull does not pay for them."""
+        memory = rank.memory
+        if not memory.usable:
+            return
+        self._memories().pin(memory)
+        try:
+            for group in rank.groups:
+                await memory.table(block_geometry(group, self.config.max_run_blocks), self._executor)
+        finally:
+            await self._memories().unpin(memory)
+
+    async def unregister_engine(self, engine_id: str, tp_rank: int) -> None:
+        await self.unregister(self.registry.get(engine_id, tp_rank), "unregistered by the engine")
+
+    async def unregister(self, rank: EngineRank, reason: str) -> None:
+        """Fence the rank at once; its memory is released when nothing can touch it any more.
+
+        Fenced: no new pull, hold or admitted read finds it. In-flight pulls into it are
+        cancelled (each fences its own reads). Its engine's leases end once their admitted reads
+        are over. The mapping and its NIXL registration go when the last pin does.
+        """
+        if self.registry.current(rank) is not rank:
+            return
+        self.registry.remove(rank.engine_id, rank.tp_rank)
+        self._keep_for_early_reads(rank)
+        for transfer in self.transfers.in_flight():
+            if transfer.engine_id == rank.engine_id and transfer.tp_rank == rank.tp_rank and transfer.task:
+                transfer.task.cancel(f"engine {rank.engine_id} rank {rank.tp_rank}: {reason}")
+        if not self.registry.ranks_of(rank.engine_id):
+            self.leases.end_all(LeaseEnd.ENGINE_GONE, rank.engine_id)
+        self.commits.forget_engine(rank.engine_id, rank.tp_rank)
+        if rank.wakeup is not None:
+            rank.wakeup.set()
+        self.metrics.engines.set(len(self.registry))
+        self.metrics.registered_bytes.remove(rank.engine_id, str(rank.tp_rank))
+        for state in ("hard", "soft", "draining"):
+            with contextlib.suppress(KeyError):
+                self.metrics.held_bytes.remove(rank.engine_id, str(rank.tp_rank), state)
+        logger.info("unregistered engine %s rank %d: %s", rank.engine_id, rank.tp_rank, reason)
+        await self._memories().fence(rank.memory)
+
+    def _keep_for_early_reads(self, rank: EngineRank) -> None:
+        """A rank that goes while its engine has leases out may still be read by a READ posted
+        beside its admission (never admitted, so never pinned: docs/lifetimes.md, "A READ beside
+        its admission"). Its mapping is then retired, not freed, until the last lease with a
+        reader rank neither admitted nor done could still be read: its expiry plus
+        ``read_admission_margin_s`` (readers post early only before the expiry their lease
+        names). Unmapped memory read by a peer crashes the worker serving it (UCX over TCP
+        reads it itself)."""
+        if rank.require_commits:
+            return  # readers of a rank that commits after leasing are admitted first
+        leases = [
+            lease for lease in self.leases.every() if lease.engine_id == rank.engine_id and _may_get_a_reader(lease)
+        ]
+        loop = self._loop()
+        if not leases or loop is None:
+            return
+        until = max(lease.expires_at for lease in leases) + self.config.read_admission_margin_s
+        key = f"early-reads/{rank.registration_id}"
+        memory = rank.memory
+        self._memories().taint(memory, key)
+        loop.call_later(max(0.0, until - time.monotonic()), self._memories().prove, memory, key)
+
+    def attach_stream(self, engine_id: str, tp_rank: int) -> tuple[EngineRank, int]:
+        """Make a new stream the rank's current one; returns the rank and the stream's generation.
+
+        A stream that is still open is superseded, not refused: an engine that reconnects after
+        losing its connection must not wait for the daemon to notice the old one is dead.
+        """
+        rank = self.registry.get(engine_id, tp_rank)
+        previous = rank.wakeup
+        rank.stream_generation += 1
+        rank.stream_connected = True
+        rank.wakeup = asyncio.Event()
+        if previous is not None:
+            previous.set()  # the superseded stream wakes, sees it is no longer current, and ends
+            logger.info("engine %s rank %d: a new stream supersedes the open one", engine_id, tp_rank)
+        if rank.pending:
+            rank.wakeup.set()
+        return rank, rank.stream_generation
+
+    def detach_stream(self, rank: EngineRank, generation: int) -> None:
+        if rank.stream_generation == generation:
+            rank.stream_connected = False
+            rank.wakeup = None
+
+    def commit(self, rank: EngineRank, request_id: str, committed_tokens: int) -> None:
+        self.commits.commit(rank.engine_id, rank.tp_rank, request_id, committed_tokens)
+        self.metrics.commits.inc()
+
+    def post_forward(self, rank: EngineRank, step: int, finished_request_ids: Sequence[str]) -> None:
+        """A step's KV is complete (sent after the draft proposer ran): nothing to serve yet."""
+        self.metrics.post_forward.inc()
+        logger.debug(
+            "engine %s rank %d: step %d post-forward, %d finished",
+            rank.engine_id,
+            rank.tp_rank,
+            step,
+            len(finished_request_ids),
+        )
+
+    async def watch_liveness(self) -> None:
+        """An engine process that exited without unregistering is unregistered here.
+
+        Each engine pid is watched through a pidfd, readable once the process exits: the exit is
+        noticed at once, and an idle daemon is not woken every LIVENESS_S to look (issue 19). A
+        pid no pidfd can be opened for (a kernel without pidfd_open) is checked every LIVENESS_S.
+        A registration wakes the loop to watch its pid.
+        """
+        loop = asyncio.get_running_loop()
+        watched: dict[int, int] = {}  # engine pid -> its pidfd (registered with the loop)
+        exited: set[int] = set()  # pids whose pidfd said so, not yet acted on
+
+        def on_exit(pid: int) -> None:
+            fd = watched.pop(pid)
+            loop.remove_reader(fd)
+            os.close(fd)
+            exited.add(pid)
+            self._liveness_now.set()
+
+        try:
+            while True:
+                self._liveness_now.clear()
+                pids = {rank.engine_pid for rank in self.registry if rank.engine_pid}
+                for pid in watched.keys() - pids:  # its ranks are gone
+                    loop.remove_reader(watched[pid])
+                    os.close(watched.pop(pid))
+                gone, polled = set(exited), set()
+                exited.clear()  # an exit seen while this round awaits is left for the next one
+                for pid in pids - watched.keys() - gone:
+                    fd = _open_pidfd(pid)
+                    if fd is None:
+                        polled.add(pid)
+                    elif fd < 0:
+                        gone.add(pid)
+                    else:
+                        watched[pid] = fd
+                        loop.add_reader(fd, on_exit, pid)
+                for rank in list(self.registry):
+                    pid = rank.engine_pid
+                    if pid in gone or (pid in polled and not _process_alive(pid)):
+                        logger.warning("engine %s rank %d (pid %d) exited", rank.engine_id, rank.tp_rank, pid)
+                        await self.unregister(rank, f"engine process {pid} exited")
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(LIVENESS_S if polled else None):
+                        await self._liveness_now.wait()
+        finally:
+            for fd in watched.values():
+                loop.remove_reader(fd)
+                os.close(fd)
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid``; -1 if no such process is left; None if pidfds are not to be had."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -1
+    except (OSError, AttributeError):  # no pidfd_open (kernel < 5.3, not Linux): poll instead
+        return None
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _may_get_a_reader(lease: Lease) -> bool:
+    """Whether a reader rank of the lease is neither done nor admitted: its READ may yet come."""
+    seen = lease.done_readers | {admission.reader_rank for admission in lease.admissions.values()}
+    return not lease.reader_tp_size or len(seen) < lease.reader_tp_size
