@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import itertools
 import logging
 import signal
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvd.core.read_batches import READS_PER_CALL, ReadBatcher, ignore_outcome
 from kvd.core.workers import WorkerLauncher, WorkerProcess, exit_reason
 from kvd.dataplane_protocol import (
     CALL,
@@ -51,13 +51,12 @@ from kvd.dataplane_protocol import (
 )
 from kvd_client.errors import KvdError, Unavailable
 
-__all__ = ["LOCAL", "AgentIdentity", "DataPlane", "NixlRegion", "Xfer", "XferState"]
+__all__ = ["LOCAL", "READS_PER_CALL", "AgentIdentity", "DataPlane", "NixlRegion", "Xfer", "XferState"]
 
 logger = logging.getLogger(__name__)
 
 LOCAL = LOCAL_AGENT
 FAST_POLL_SLACK_S = 1.0  # see DataPlane.fast_poll_until
-READS_PER_CALL = 64  # READs posted in one "reads" call (two index arrays each: MAX_BUFFERS bounds it)
 HEARTBEAT_S = 1.0  # how often the worker's NIXL thread is asked to answer (an idle daemon pays for each)
 # A registration (or deregistration) is one NIXL call on the worker's NIXL thread, which answers
 # no heartbeat meanwhile, and its time grows with the region: over RDMA UCX pins and maps every
@@ -89,9 +88,8 @@ class DataPlane:
         self._call_ids = itertools.count(1)
         self._xfer_ids = itertools.count(1)
         self._xfers: dict[int, Xfer] = {}
-        # READs asked for during this turn of the event loop, posted together in one call
-        # ("reads") at its end: one message and one hop to the NIXL thread for all of them.
-        self._reads_to_post: list[tuple[ReadOrder, asyncio.Future[Any]]] = []
+        # READs asked for during one turn of the event loop, posted together at its end (once started).
+        self._batcher: ReadBatcher | None = None
         self._identity = AgentIdentity(b"", ())
         self._tasks: list[asyncio.Task[None]] = []
         self._fast_poll_until = 0.0
@@ -115,6 +113,7 @@ class DataPlane:
     async def start(self, on_notifications: Callable[[dict[str, list[bytes]]], None]) -> None:
         """Take a worker (its NIXL agent already created) from the launcher and serve through it."""
         self._loop = asyncio.get_running_loop()
+        self._batcher = ReadBatcher(self._loop, lambda op, *args: self._submit(op, *args))  # as it is then
         self._on_notifications = on_notifications
         self._worker = await self._launcher.take()
         self.name = self._worker.agent_name  # the launcher names each incarnation (kvd.core.workers)
@@ -162,7 +161,7 @@ class DataPlane:
     async def _call(self, op: str, *args: Any) -> Any:
         """Run ``op`` in the worker and wait for its answer (a cancel does not retract the call)."""
         future = self._submit(op, *args)
-        future.add_done_callback(_ignore)  # a cancelled waiter's call may still fail: not an unretrieved error
+        future.add_done_callback(ignore_outcome)  # a cancelled waiter's call may still fail: not an unretrieved error
         return await asyncio.shield(future)
 
     async def _read_loop(self) -> None:
@@ -309,7 +308,7 @@ class DataPlane:
             deadline += FAST_POLL_SLACK_S
         self._fast_poll_until = deadline
         if self.alive:
-            self._submit("fast_poll", deadline).add_done_callback(_ignore)
+            self._submit("fast_poll", deadline).add_done_callback(ignore_outcome)
 
     # --- memory -------------------------------------------------------------------------------
 
@@ -412,7 +411,8 @@ class DataPlane:
         xfer_id = next(self._xfer_ids)
         xfer = Xfer(xfer_id, peer, nbytes, 0.0, self._loop.create_future())
         self._xfers[xfer_id] = xfer  # before the call: the worker may settle it right after posting
-        post = self._post_with_others(
+        assert self._batcher is not None
+        post = self._batcher.post(
             ReadOrder(
                 xfer_id=xfer_id,
                 local_table=local_table,
@@ -439,32 +439,6 @@ class DataPlane:
         self._on_reads_in_flight(len(self._xfers))
         return xfer
 
-    def _post_with_others(self, read: ReadOrder) -> asyncio.Future[Any]:
-        """Queue one READ to be posted with the others asked for in this loop turn; its future
-        gets the READ's (state, error), or raises as a lone call would (a cancel of the waiter
-        does not retract it: the READ may be posted all the same)."""
-        assert self._loop is not None
-        future: asyncio.Future[Any] = self._loop.create_future()
-        future.add_done_callback(_ignore)
-        if not self._reads_to_post:
-            self._loop.call_soon(self._post_reads)
-        self._reads_to_post.append((read, future))
-        return future
-
-    def _post_reads(self) -> None:
-        """Send the READs queued this turn: one "reads" call per READS_PER_CALL of them."""
-        queued, self._reads_to_post = self._reads_to_post, []
-        for start in range(0, len(queued), READS_PER_CALL):
-            chunk = queued[start : start + READS_PER_CALL]
-            try:
-                call = self._submit("reads", tuple(read for read, _ in chunk))
-            except Exception as exc:  # noqa: BLE001 - not framed: nothing was sent, each READ fails
-                for _, future in chunk:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            call.add_done_callback(functools.partial(_hand_out, [future for _, future in chunk]))
-
     async def wait(self, xfers: Sequence[Xfer]) -> None:
         """Wait until every read is final; raise the first error. Cancelling the wait leaves the
         reads running: check ``Xfer.final`` before letting anything reuse their destination."""
@@ -482,28 +456,3 @@ class DataPlane:
         started = time.monotonic()
         await self._call("ping")
         return time.monotonic() - started
-
-
-def _hand_out(futures: list[asyncio.Future[Any]], call: asyncio.Future[Any]) -> None:
-    """A "reads" call is answered: each READ's own outcome to its waiter (the whole call's
-    error, the worker lost, to every one of them)."""
-    if call.cancelled():
-        error: BaseException | None = Unavailable("the data plane stopped while READs were posted")
-    else:
-        error = call.exception()
-    for index, future in enumerate(futures):
-        if future.done():
-            continue
-        if error is not None:
-            future.set_exception(error)
-            continue
-        outcome = call.result()[index]
-        if outcome[0] == "posted":
-            future.set_result((outcome[1], outcome[2]))
-        else:
-            future.set_exception(decode_error(outcome[1]))
-
-
-def _ignore(future: asyncio.Future[Any]) -> None:
-    with contextlib.suppress(BaseException):
-        future.exception()
