@@ -23,7 +23,8 @@ blocks still carrying those hashes and pinned them (a reference in vLLM's block 
 read; after the read it checks again and unpins. Evicted or reused blocks answer no. The checks
 run here, between steps, because vLLM's block pool belongs to the scheduler's thread; so that an
 idle engine still answers, :meth:`KvdScheduler.has_pending_work` keeps vLLM stepping while a soft
-hold lives (as vLLM's own connectors do while they hold or move KV).
+hold lives (as vLLM's own connectors do while they hold or move KV). The book of soft holds and
+pins is :class:`kvd_engine.soft_holds.SoftHolds`.
 
 **Nobody will read → released at once.** A request that came with a remote lease and finishes
 (aborted, rejected) or is recomputed without pulling tells its daemon, which tells the holder;
@@ -33,20 +34,22 @@ while it waits to pull, the scheduler renews that lease every ``lease_renew_inte
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvd_client import errors
-from kvd_client.v1.schema import HoldCheckAction
 
 from .config import KvdConnectorConfig
 from .engine_api import ConnectorRequest, StepView, TransferResults
 from .metadata import KvdConnectorMetadata, PullSpec
 from .params import make_params, remote_kv
+from .soft_holds import BlockIdentity, SoftHolds
+
+if TYPE_CHECKING:
+    from kvd_client.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -75,35 +78,15 @@ class HoldClient(Protocol):
 
 
 class SchedulerStreamClient(Protocol):
-    """The scheduler stream (:class:`kvd_engine.daemon_link.SchedulerLink`): never blocks."""
+    """The scheduler stream (:class:`kvd_engine.scheduler_link.SchedulerLink`): never blocks."""
 
-    def poll_commands(self) -> tuple[list[Any], bool]: ...
+    def poll_commands(self) -> tuple[list[engine_pb2.SchedulerCommand], bool]: ...
 
     def send_check_result(self, seq: int, ok: bool, reason: str = "") -> bool: ...
 
     def renew(self, leases: Sequence[tuple[str, str]]) -> bool: ...
 
     def release(self, leases: Sequence[tuple[str, str]], reason: str) -> bool: ...
-
-
-class BlockIdentity(Protocol):
-    """The engine's block pool as soft holds see it (vLLM's ``BlockPool`` through the facade)."""
-
-    def identities(self, block_ids: Sequence[int]) -> list[Hashable | None]:
-        """Each block's identity now (vLLM: its block hash; None when it has none)."""
-        ...
-
-    def pin(self, block_ids: Sequence[int]) -> None:
-        """Take a reference: the engine will not evict or reuse the blocks until unpinned."""
-
-    def unpin(self, block_ids: Sequence[int]) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class _SoftHold:
-    lease_id: str
-    block_ids: tuple[int, ...]
-    identities: tuple[Hashable | None, ...]
 
 
 def _status_name(request: Any) -> str:
@@ -152,9 +135,7 @@ class KvdScheduler:
         self._new_holds: dict[str, int] = {}
         self._stream = stream
         self._clock = clock
-        self._identity: BlockIdentity | None = None
-        self._soft: dict[str, _SoftHold] = {}  # request -> its soft hold (nothing pinned)
-        self._pins: dict[str, tuple[tuple[int, ...], tuple[Hashable | None, ...]]] = {}  # pin id -> blocks
+        self._soft = SoftHolds()
         self._awaiting: dict[str, tuple[str, str]] = {}  # request -> (holder address, lease id) it will read
         self._reading: dict[str, tuple[str, str]] = {}  # the same, for requests whose pull was scheduled
         self._last_renew = 0.0
@@ -162,21 +143,25 @@ class KvdScheduler:
         self.soft_holds = 0
         self.hold_failures = 0
         self.releases = 0
-        self.evicted_checks = 0
 
     def bind_block_identity(self, identity: BlockIdentity | None) -> None:
         """The engine's block pool. Soft holds need it: an engine without one (the reference
         engine; vLLM with prefix caching off) holds hard on decode."""
-        self._identity = identity
+        self._soft.identity = identity
 
     def has_pending_work(self) -> bool:
         """Keep the engine stepping while a soft hold lives: its checks are answered between steps."""
-        return bool(self._soft or self._pins)
+        return self._soft.pending
 
     @property
     def pinned_blocks(self) -> int:
         """Blocks pinned for soft reads in flight (0 when no read is under way)."""
-        return sum(len(blocks) for blocks, _ in self._pins.values())
+        return self._soft.pinned_blocks
+
+    @property
+    def evicted_checks(self) -> int:
+        """Soft-hold checks that found the blocks evicted or reused."""
+        return self._soft.evicted_checks
 
     # -- requests that will read a lease elsewhere ------------------------------------------------
 
@@ -228,58 +213,11 @@ class KvdScheduler:
             return
         commands, lost = self._stream.poll_commands()
         if lost:
-            self._drop_soft_state("the scheduler stream to the daemon was lost")
+            self._soft.drop("the scheduler stream to the daemon was lost")
         for command in commands:
-            kind = command.WhichOneof("kind")
-            if kind == "check":
-                check = command.check
-                ok, why = self._check(check.action, check.request_id, check.lease_id, check.pin_id)
-                if check.action != HoldCheckAction.UNPIN:
-                    self._stream.send_check_result(check.seq, ok, why)
-            elif kind == "hold_ended":
-                ended = command.hold_ended
-                hold = self._soft.get(ended.request_id)
-                if hold is not None and hold.lease_id == ended.lease_id:
-                    del self._soft[ended.request_id]
-
-    def _check(self, action: int, request_id: str, lease_id: str, pin_id: str) -> tuple[bool, str]:
-        identity = self._identity
-        if identity is None:
-            return False, "this engine has no block pool bound"
-        if action == HoldCheckAction.PIN:
-            hold = self._soft.get(request_id)
-            if hold is None or hold.lease_id != lease_id:
-                return False, f"no soft hold of request {request_id!r} under that lease here"
-            if pin_id in self._pins:
-                return True, ""
-            if tuple(identity.identities(hold.block_ids)) != hold.identities:
-                del self._soft[request_id]
-                self.evicted_checks += 1
-                return False, f"request {request_id!r}'s blocks were evicted or reused"
-            identity.pin(hold.block_ids)
-            self._pins[pin_id] = (hold.block_ids, hold.identities)
-            return True, ""
-        pinned = self._pins.pop(pin_id, None)
-        if pinned is None:
-            return False, "that read holds no pin here"
-        blocks, expected = pinned
-        same = tuple(identity.identities(blocks)) == expected
-        identity.unpin(blocks)
-        if action == HoldCheckAction.VERIFY_UNPIN and not same:
-            self.evicted_checks += 1
-            self._soft.pop(request_id, None)
-            return False, f"request {request_id!r}'s blocks changed during the read"
-        return True, ""
-
-    def _drop_soft_state(self, why: str) -> None:
-        """The daemon that knew our soft holds and pins is gone: forget them, give the pins back."""
-        if self._soft or self._pins:
-            logger.info("kvd: dropping %d soft holds and %d pins: %s", len(self._soft), len(self._pins), why)
-        self._soft.clear()
-        pins, self._pins = self._pins, {}
-        if self._identity is not None:
-            for blocks, _ in pins.values():
-                self._identity.unpin(blocks)
+            result = self._soft.on_command(command)
+            if result is not None:
+                self._stream.send_check_result(*result)
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -472,7 +410,7 @@ class KvdScheduler:
         if _status_name(request) not in _FINISHED_OK or num_tokens <= 0 or self._hold is None:
             return False, None
         # A soft hold is verified through one block table's hashes: hybrid models hold hard.
-        soft = self.config.decode_hold_mode == "soft" and self._identity is not None and self.num_groups == 1
+        soft = self.config.decode_hold_mode == "soft" and self._soft.identity is not None and self.num_groups == 1
         if is_decode and not is_prefill and soft:
             return self._hold_soft(request, block_ids, num_tokens)
         blocks = [int(b) for b in block_ids[: math.ceil(num_tokens / self.block_size)]]
@@ -500,11 +438,11 @@ class KvdScheduler:
         """
         rid = request.request_id
         full = num_tokens // self.block_size
-        if self._identity is None or self._hold is None or full <= 0:
+        if self._soft.identity is None or self._hold is None or full <= 0:
             return False, None
         blocks = tuple(int(b) for b in block_ids[:full])
-        identities = tuple(self._identity.identities(blocks))
-        if any(i is None for i in identities):
+        identities = self._soft.identities_of(blocks)
+        if identities is None:
             logger.debug("request %s: its blocks are not in the prefix cache; no soft hold", rid)
             return False, None
         try:
@@ -516,7 +454,7 @@ class KvdScheduler:
             logger.info("request %s: kvd could not hold its KV softly (%s); the next turn recomputes", rid, err)
             return False, None
         self.soft_holds += 1
-        self._soft[rid] = _SoftHold(str(held.get("lease_id", "")), blocks, identities)
+        self._soft.add(rid, str(held.get("lease_id", "")), blocks, identities)
         return False, make_params(held, block_size=self.block_size, receiver_pulls_prefill=False)
 
     def shutdown(self) -> None:
