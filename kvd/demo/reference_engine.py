@@ -20,26 +20,25 @@ It is a stand-in for vLLM's GPU model runner that keeps what matters to kvd:
 * NWOR (:mod:`kvd_engine.nwor`) for the verification windows, deferred strategy (its
   attention reads the window's fresh K/V, never the cache).
 
-The step path never calls ``.item()``/``.cpu()``/``.tolist()``: host values come through
+The deterministic model is :mod:`kvd.demo.model`, the requests and blocks
+:mod:`kvd.demo.engine_requests`, each rank's cache and forward pass :mod:`kvd.demo.runner`; this
+module schedules and keeps the books, in vLLM's order. The step path never calls
+``.item()``/``.cpu()``/``.tolist()``: host values come through
 :class:`~kvd_engine.hostcopy.AsyncHostCopy`, as vLLM's async output copy does.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import logging
 import math
-import random
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from random import Random  # the name `random` is shadowed inside AcceptancePattern
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvd_engine.cache_layout import NULL_BLOCK, CacheGeometry, KvFormat, KvLayout, SlotIO
+from kvd_engine.cache_layout import CacheGeometry, KvFormat, KvLayout
 from kvd_engine.engine_api import (
     NullSchedulerConnector,
     NullWorkerConnector,
@@ -49,9 +48,11 @@ from kvd_engine.engine_api import (
     TransferResults,
     WorkerConnector,
 )
-from kvd_engine.hostcopy import AsyncHostCopy
-from kvd_engine.nwor import DeferredWriteManager, NworMode, acceptance_mask, committed_watermarks, num_valid_tokens
-from kvd_engine.shm import ShmRegion, create_shm_region
+from kvd_engine.nwor import DeferredWriteManager, NworMode
+
+from .engine_requests import BlockAllocator, EngineRequest, KvReadMismatch, OutOfBlocks, RequestStatus, StepResult
+from .model import AcceptancePattern, DraftProposer, expected_kv, kv_values, layer_name, oracle_next_token
+from .runner import Batch, Rank, build_batch, forward, is_decode, make_rank, new_tokens, sample_and_commit
 
 logger = logging.getLogger(__name__)
 
@@ -70,238 +71,6 @@ __all__ = [
     "layer_name",
     "oracle_next_token",
 ]
-
-K, V, Q = 0, 1, 2
-
-
-def layer_name(index: int) -> str:
-    """The name vLLM gives attention layer ``index`` (what ``register_kv_caches`` keys on)."""
-    return f"model.layers.{index}.self_attn.attn"
-
-
-# --- the deterministic "model" -----------------------------------------------------------------
-
-
-def kv_values(
-    tokens: torch.Tensor, positions: torch.Tensor, layer: int, head_ids: torch.Tensor, head_dim: int, which: int
-) -> torch.Tensor:
-    """``[T, H, D]`` float32: K (``which=0``), V (1) or Q (2) of tokens at positions.
-
-    Values are multiples of 1/128 in [-125/128, 125/128]: exact in float16, bfloat16 and
-    float32, so a cast is lossless and bytes can be compared across engines and dtypes.
-    """
-    dims = torch.arange(head_dim, device=tokens.device, dtype=torch.int64)
-    x = (
-        tokens.to(torch.int64)[:, None, None] * 131
-        + positions.to(torch.int64)[:, None, None] * 31
-        + layer * 17
-        + head_ids.to(tokens.device, torch.int64)[None, :, None] * 7
-        + dims[None, None, :] * 3
-        + which * 53
-    )
-    return ((x % 251) - 125).to(torch.float32) / 128.0
-
-
-def expected_kv(
-    token_ids: Sequence[int],
-    *,
-    layer: int,
-    head_ids: Iterable[int],
-    head_dim: int,
-    dtype: torch.dtype = torch.float16,
-    start_position: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K and V ``[T, H, D]`` any engine must hold for ``token_ids`` (at consecutive positions)."""
-    tokens = torch.as_tensor(list(token_ids), dtype=torch.int64)
-    positions = torch.arange(start_position, start_position + tokens.shape[0], dtype=torch.int64)
-    heads = torch.as_tensor(list(head_ids), dtype=torch.int64)
-    return (
-        kv_values(tokens, positions, layer, heads, head_dim, K).to(dtype),
-        kv_values(tokens, positions, layer, heads, head_dim, V).to(dtype),
-    )
-
-
-_MULT = 1103515245
-_INC = 12345
-
-
-def oracle_next_token(token: int, position: int, vocab_size: int) -> int:
-    """The "model": the token at ``position`` that follows ``token``. Deterministic."""
-    return (token * _MULT + position * _INC + 7) % vocab_size
-
-
-def _oracle_next_tokens(tokens: torch.Tensor, next_positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Vectorised :func:`oracle_next_token` (same values)."""
-    return (tokens.to(torch.int64) * _MULT + next_positions.to(torch.int64) * _INC + 7) % vocab_size
-
-
-# --- speculative decoding -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class AcceptancePattern:
-    """How many of each step's drafts the proposer gets right (so how many are accepted)."""
-
-    kind: str  # "all", "none", "partial", "random"
-    accept: int = 0  # partial: drafts right per step
-    seed: int = 0  # random: the draw of each step
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("all", "none", "partial", "random"):
-            raise ValueError(f"unknown acceptance pattern {self.kind!r}")
-        if self.accept < 0:
-            raise ValueError("AcceptancePattern.accept must be >= 0")
-
-    @classmethod
-    def all(cls) -> AcceptancePattern:
-        return cls("all")
-
-    @classmethod
-    def none(cls) -> AcceptancePattern:
-        return cls("none")
-
-    @classmethod
-    def partial(cls, accept: int) -> AcceptancePattern:
-        return cls("partial", accept=accept)
-
-    @classmethod
-    def random(cls, seed: int) -> AcceptancePattern:
-        return cls("random", seed=seed)
-
-    def correct_drafts(self, num_drafts: int, rng: Random) -> int:
-        if self.kind == "all":
-            return num_drafts
-        if self.kind == "none":
-            return 0
-        if self.kind == "partial":
-            return min(self.accept, num_drafts)
-        return rng.randint(0, num_drafts)
-
-
-class DraftProposer:
-    """Proposes ``k`` drafts: the first ``pattern.correct_drafts(k)`` right, the rest wrong."""
-
-    def __init__(self, num_speculative_tokens: int, pattern: AcceptancePattern, vocab_size: int) -> None:
-        self.k = num_speculative_tokens
-        self.pattern = pattern
-        self.vocab_size = vocab_size
-        self._rng = random.Random(pattern.seed)
-
-    def propose(self, last_token: int, next_position: int) -> list[int]:
-        """Drafts for positions ``next_position, next_position + 1, ...`` (k is small: a plain loop)."""
-        if self.k == 0:
-            return []
-        right = self.pattern.correct_drafts(self.k, self._rng)
-        drafts = []
-        token = last_token
-        for j in range(self.k):
-            true = oracle_next_token(token, next_position + j, self.vocab_size)
-            token = true if j < right else (true + 1) % self.vocab_size
-            drafts.append(token)
-        return drafts
-
-
-# --- requests and blocks --------------------------------------------------------------------------
-
-
-class OutOfBlocks(RuntimeError):
-    """The engine's cache has no free block left."""
-
-
-class KvReadMismatch(AssertionError):
-    """Attention read KV bytes from the cache that are not what the tokens say they must be."""
-
-
-class BlockAllocator:
-    """Free list of block ids; block 0 is the null block and is never handed out."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._free: deque[int] = deque(b for b in range(num_blocks) if b != NULL_BLOCK)
-        self.num_blocks = num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free of {self.num_blocks}")
-        return [self._free.popleft() for _ in range(n)]
-
-    def free(self, block_ids: Iterable[int]) -> None:
-        self._free.extend(block_ids)
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "WAITING"
-    WAITING_FOR_REMOTE_KVS = "WAITING_FOR_REMOTE_KVS"
-    RUNNING = "RUNNING"
-    FINISHED_STOPPED = "FINISHED_STOPPED"
-    FINISHED_LENGTH_CAPPED = "FINISHED_LENGTH_CAPPED"
-    FINISHED_ABORTED = "FINISHED_ABORTED"
-
-    @property
-    def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
-
-
-@dataclasses.dataclass(eq=False)
-class EngineRequest:
-    """One request, with the attributes the connector reads (named as vLLM's ``Request``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    kv_transfer_params: dict[str, Any] | None = None
-    output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    block_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
-    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_external_tokens: int = 0
-    load_failed: bool = False
-    output_kv_transfer_params: dict[str, Any] | None = None
-    released_block_ids: list[int] = dataclasses.field(default_factory=list)  # for inspection after finish
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-
-@dataclasses.dataclass
-class StepResult:
-    """What one :meth:`ReferenceEngine.step` did."""
-
-    step: int
-    num_scheduled_tokens: int = 0
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
-    finished: list[str] = dataclasses.field(default_factory=list)
-    attention: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # rank 0, last layer
-
-
-@dataclasses.dataclass
-class _Rank:
-    tp_rank: int
-    geometry: CacheGeometry
-    head_ids: torch.Tensor
-    head_list: list[int]
-    region: ShmRegion | None
-    kv_caches: dict[str, torch.Tensor]
-    io: SlotIO
-    nwor: DeferredWriteManager
-    worker: WorkerConnector
-
-
-# --- the engine -----------------------------------------------------------------------------------
 
 
 class ReferenceEngine:
@@ -346,7 +115,7 @@ class ReferenceEngine:
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler_connector: SchedulerConnector = scheduler_connector or NullSchedulerConnector()
         local_heads = max(1, total_num_kv_heads // tp_size)
-        self.ranks: list[_Rank] = []
+        self.ranks: list[Rank] = []
         for tp_rank in range(tp_size):
             geometry = CacheGeometry(
                 num_layers=num_layers,
@@ -361,31 +130,15 @@ class ReferenceEngine:
                 tp_rank=tp_rank,
                 tp_size=tp_size,
             )
-            if tp_size <= total_num_kv_heads:
-                first = tp_rank * local_heads
-            else:
-                first = tp_rank // (tp_size // total_num_kv_heads)
-            head_ids = torch.arange(first, first + local_heads, dtype=torch.int64)
-            region = None
-            if use_shm and self.device.type == "cpu":
-                region = create_shm_region(geometry.total_bytes, prefix=f"kvd-ref-{engine_id}-r{tp_rank}")
-                flat = region.tensor
-            else:
-                flat = torch.zeros(geometry.total_bytes, dtype=torch.uint8, device=self.device)
-            caches = {layer_name(i): t for i, t in enumerate(geometry.layer_views(flat))}
-            io = geometry.slot_io()
             worker = worker_connector_factory(tp_rank, geometry) if worker_connector_factory else NullWorkerConnector()
             self.ranks.append(
-                _Rank(
-                    tp_rank,
+                make_rank(
                     geometry,
-                    head_ids,
-                    list(range(first, first + local_heads)),
-                    region,
-                    caches,
-                    io,
-                    DeferredWriteManager(nwor_mode),
-                    worker,
+                    engine_id=engine_id,
+                    device=self.device,
+                    use_shm=use_shm,
+                    nwor=DeferredWriteManager(nwor_mode),
+                    worker=worker,
                 )
             )
         for rank in self.ranks:
@@ -446,9 +199,7 @@ class ReferenceEngine:
         scheduled = self._schedule()
         view = StepView(
             scheduled=[
-                ScheduledRequest(
-                    r.request_id, r.num_computed_tokens, n, len(r.draft_token_ids) if self._is_decode(r) else 0
-                )
+                ScheduledRequest(r.request_id, r.num_computed_tokens, n, len(r.draft_token_ids) if is_decode(r) else 0)
                 for r, n in scheduled
             ],
             finished_req_ids=frozenset(self._finished_since_last_step),
@@ -460,24 +211,26 @@ class ReferenceEngine:
             rank.worker.bind_connector_metadata(metadata)
             rank.worker.start_load_kv()
 
-        batch = self._build_batch(scheduled) if scheduled else None
+        batch = build_batch(scheduled, self.block_size, self.device) if scheduled else None
         if batch is not None:
             for rank in self.ranks:
-                self._forward(rank, batch, result)
+                forward(rank, batch, result, check_kv_reads=self.check_kv_reads, engine_id=self.engine_id)
         # Transfer results before sampling (vLLM's runner with deferred finalize).
         results = [rank.worker.get_transfer_results(finished_ids) for rank in self.ranks]
         error_blocks = set().union(*(rank.worker.get_block_ids_with_load_errors() for rank in self.ranks))
         if batch is not None:
-            sampled_copy, valid_copy = self._sample_and_commit(batch)
+            sampled_copy, valid_copy = sample_and_commit(
+                batch, self.ranks, self.vocab_size, self.num_speculative_tokens
+            )
             # The output copy: on a GPU the bookkeeping waits for it (vLLM does this in its
             # async output path); the commit path above never did.
             sampled_copy.wait()
             valid_copy.wait()
             tokens_host = sampled_copy.numpy()
             valid_host = valid_copy.numpy()
-            new_tokens = self._new_tokens(batch, tokens_host, valid_host)
+            step_tokens = new_tokens(batch, tokens_host, valid_host)
             # Propose the next drafts (after sampling, before the post-forward signal).
-            for (request, _), toks in zip(batch.requests, new_tokens, strict=True):
+            for (request, _), toks in zip(batch.requests, step_tokens, strict=True):
                 if self.num_speculative_tokens and toks:
                     pos = request.num_tokens + len(toks)
                     request.draft_token_ids = self.proposer.propose(toks[-1], pos)
@@ -488,15 +241,11 @@ class ReferenceEngine:
             rank.nwor.poll()
 
         if batch is not None:
-            self._update_from_output(batch, new_tokens, valid_host, result)
+            self._update_from_output(batch, step_tokens, valid_host, result)
         self._handle_transfer_results(results, error_blocks)
         return result
 
     # -- scheduling ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _is_decode(request: EngineRequest) -> bool:
-        return request.num_computed_tokens >= request.num_prompt_tokens
 
     def _admit_waiting(self) -> None:
         still: deque[EngineRequest] = deque()
@@ -547,164 +296,14 @@ class ReferenceEngine:
             budget -= n
         return scheduled
 
-    # -- the forward --------------------------------------------------------------------------
-
-    @dataclasses.dataclass
-    class _Batch:
-        requests: list[tuple[EngineRequest, int]]
-        tokens: torch.Tensor  # [T]
-        positions: torch.Tensor  # [T]
-        slots: torch.Tensor  # [T]
-        starts: torch.Tensor  # [R + 1] int32
-        starts_host: list[int]
-        num_scheduled: torch.Tensor  # [R]
-        num_draft: torch.Tensor  # [R]
-        block_tables: list[torch.Tensor]
-        num_lanes: int
-        has_drafts: bool
-
-    def _build_batch(self, scheduled: list[tuple[EngineRequest, int]]) -> ReferenceEngine._Batch:
-        """Lay out the step's token lanes (host bookkeeping, then one transfer to the device)."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[np.ndarray] = []
-        starts = [0]
-        drafts = []
-        tables = []
-        for request, n in scheduled:
-            start = request.num_computed_tokens
-            if self._is_decode(request):
-                lane_tokens = [request.all_token_ids[-1]] + request.draft_token_ids
-                drafts.append(len(request.draft_token_ids))
-            else:
-                lane_tokens = request.all_token_ids[start : start + n]
-                drafts.append(0)
-            pos = np.arange(start, start + n, dtype=np.int64)
-            table = np.asarray(request.block_ids, dtype=np.int64)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            tokens += lane_tokens
-            positions += pos.tolist()
-            starts.append(starts[-1] + n)
-            tables.append(torch.as_tensor(table, device=self.device))
-        dev = self.device
-        return ReferenceEngine._Batch(
-            requests=scheduled,
-            tokens=torch.as_tensor(tokens, dtype=torch.int64, device=dev),
-            positions=torch.as_tensor(positions, dtype=torch.int64, device=dev),
-            slots=torch.as_tensor(np.concatenate(slots), dtype=torch.int64, device=dev),
-            starts=torch.as_tensor(starts, dtype=torch.int32, device=dev),
-            starts_host=starts,
-            num_scheduled=torch.as_tensor([n for _, n in scheduled], dtype=torch.int64, device=dev),
-            num_draft=torch.as_tensor(drafts, dtype=torch.int64, device=dev),
-            block_tables=tables,
-            num_lanes=starts[-1],
-            has_drafts=any(drafts),
-        )
-
-    def _forward(self, rank: _Rank, batch: ReferenceEngine._Batch, result: StepResult) -> None:
-        geometry = rank.geometry
-        if batch.has_drafts:
-            rank.nwor.begin_window(batch.num_lanes)
-        dtype = geometry.dtype
-        scale = 1.0 / math.sqrt(geometry.head_dim)
-        for layer in range(geometry.num_layers):
-            name = layer_name(layer)
-            rank.worker.wait_for_layer_load(name)
-            cache = rank.kv_caches[name]
-            k_new = kv_values(batch.tokens, batch.positions, layer, rank.head_ids, geometry.head_dim, K).to(dtype)
-            v_new = kv_values(batch.tokens, batch.positions, layer, rank.head_ids, geometry.head_dim, V).to(dtype)
-            q = kv_values(batch.tokens, batch.positions, layer, rank.head_ids, geometry.head_dim, Q)
-            rank.nwor.write(name, k_new, v_new, cache, batch.slots, rank.io.write)
-            k_view, v_view = geometry.kv_views(cache)
-            for i, (request, n) in enumerate(batch.requests):
-                lo, hi = batch.starts_host[i], batch.starts_host[i + 1]
-                past = request.num_computed_tokens
-                pos = torch.arange(past, device=self.device)
-                table = batch.block_tables[i]
-                b, o = table[pos // geometry.block_size], pos % geometry.block_size
-                k_past, v_past = k_view[b, o], v_view[b, o]
-                if self.check_kv_reads and past:
-                    self._check_reads(request, rank, layer, k_past, v_past)
-                keys = torch.cat((k_past, k_new[lo:hi])).to(torch.float32)  # [S, H, D]
-                values = torch.cat((v_past, v_new[lo:hi])).to(torch.float32)
-                scores = torch.einsum("thd,shd->hts", q[lo:hi], keys) * scale
-                causal = (
-                    torch.arange(past + n, device=self.device)[None, :]
-                    <= (past + torch.arange(n, device=self.device))[:, None]
-                )
-                scores = scores.masked_fill(~causal[None], float("-inf"))
-                out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), values)
-                if rank.tp_rank == 0 and layer == geometry.num_layers - 1:
-                    result.attention[request.request_id] = out
-            rank.worker.save_kv_layer(name, cache, None)
-
-    def _check_reads(self, request: EngineRequest, rank: _Rank, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Debug mode: the KV attention read must be what the tokens say (torch.equal, no .cpu())."""
-        past = request.num_computed_tokens
-        ek, ev = expected_kv(
-            request.all_token_ids[:past],
-            layer=layer,
-            head_ids=rank.head_list,
-            head_dim=rank.geometry.head_dim,
-            dtype=rank.geometry.dtype,
-        )
-        ek, ev = ek.to(k.device), ev.to(v.device)
-        if not (torch.equal(k, ek) and torch.equal(v, ev)):
-            bad = torch.nonzero(((k != ek) | (v != ev)).flatten(1).any(dim=1)).flatten()
-            raise KvReadMismatch(
-                f"{self.engine_id} rank {rank.tp_rank} layer {layer}: request {request.request_id} read wrong KV at "
-                f"positions {np.asarray(bad[:8].to('cpu'))} of {past}"
-            )
-
-    # -- sampling, NWOR commit ------------------------------------------------------------------
-
-    def _sample_and_commit(self, batch: ReferenceEngine._Batch) -> tuple[AsyncHostCopy, AsyncHostCopy]:
-        """Verify drafts, commit NWOR windows, hand watermarks to the workers. All device ops."""
-        model = _oracle_next_tokens(batch.tokens, batch.positions + 1, self.vocab_size)  # [T]
-        width = 1 + self.num_speculative_tokens
-        # Lane index of column j of request r: the last lane for prefill rows, start + j for decode.
-        cols = torch.arange(width, device=self.device)
-        starts = batch.starts[:-1].to(torch.int64)
-        is_decode = batch.num_draft > 0
-        last = starts + batch.num_scheduled - 1
-        lane = torch.where(is_decode[:, None], starts[:, None] + cols[None, :], last[:, None])
-        in_row = cols[None, :] <= batch.num_draft[:, None]
-        lane = torch.where(in_row, lane, last[:, None])
-        model_tok = model[lane]  # [R, width]
-        # drafts[r, j] = token of lane start + j + 1 (for j < num_draft).
-        draft_lane = torch.clamp(starts[:, None] + cols[None, :] + 1, max=batch.num_lanes - 1)
-        draft_tok = batch.tokens[draft_lane]
-        match = (draft_tok == model_tok) & (cols[None, :] < batch.num_draft[:, None])
-        accepted = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1)  # [R]
-        valid_count = accepted + 1
-        sampled = torch.where(cols[None, :] < valid_count[:, None], model_tok, torch.full_like(model_tok, -1))
-        num_valid = num_valid_tokens(batch.num_scheduled, batch.num_draft, valid_count)
-        mask = acceptance_mask(batch.starts, num_valid, batch.num_lanes)
-        marks = committed_watermarks(batch.positions, batch.starts, num_valid)
-        ids = [r.request_id for r, _ in batch.requests]
-        for rank in self.ranks:
-            rank.nwor.commit(mask)
-            rank.worker.set_step_watermarks(ids, marks)
-        return AsyncHostCopy(sampled), AsyncHostCopy(valid_count)
-
-    def _new_tokens(self, batch: ReferenceEngine._Batch, sampled: np.ndarray, valid: np.ndarray) -> list[list[int]]:
-        """Host bookkeeping (the async output copy has landed): each request's new tokens."""
-        out: list[list[int]] = []
-        for i, (request, n) in enumerate(batch.requests):
-            if not self._is_decode(request) and request.num_computed_tokens + n < request.num_prompt_tokens:
-                out.append([])  # a partial prefill chunk: its sample is discarded
-                continue
-            out.append([int(t) for t in sampled[i, : int(valid[i])]])
-        return out
-
     # -- bookkeeping ------------------------------------------------------------------------------
 
     def _update_from_output(
-        self, batch: ReferenceEngine._Batch, new_tokens: list[list[int]], valid: np.ndarray, result: StepResult
+        self, batch: Batch, new_tokens: list[list[int]], valid: np.ndarray, result: StepResult
     ) -> None:
         result.num_scheduled_tokens = batch.num_lanes
         for (request, n), toks, v in zip(batch.requests, new_tokens, valid, strict=True):
-            drafts = n - 1 if self._is_decode(request) else 0
+            drafts = n - 1 if is_decode(request) else 0
             result.drafts_proposed += drafts
             result.drafts_accepted += min(int(v) - 1, drafts) if drafts else 0
             request.num_computed_tokens += n - drafts + (int(v) - 1 if drafts else 0)
