@@ -22,8 +22,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--chaos-repeat",
         type=int,
-        default=int(os.environ.get("KVD_CHAOS_REPEAT", "5")),
-        help="run every chaos test this many times, the first beside a CPU load (default: $KVD_CHAOS_REPEAT or 5; "
+        default=int(os.environ.get("KVD_CHAOS_REPEAT", "3")),
+        help="run every chaos test this many times, the first beside a CPU load (default: $KVD_CHAOS_REPEAT or 3; "
         "run 10 or more before believing a change to a lifetime)",
     )
 

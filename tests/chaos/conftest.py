@@ -1,7 +1,8 @@
 """Chaos tests run many times: a crash that shows once in four runs must not pass as green.
 
-Every test here runs ``--chaos-repeat`` times (5 by default, which keeps CI's whole run under an
-hour on a loaded 2-core machine; 10 or more before believing a change to a lifetime;
+Every test here runs ``--chaos-repeat`` times (3 by default: CI's whole run took 55 minutes with
+5 on its loaded 2-core machine, and must stay well under an hour; 10 or more, by hand, before
+believing a change to a lifetime;
 ``KVD_CHAOS_REPEAT`` or the flag to change it; ``@pytest.mark.chaos_rounds(N)`` caps a test whose
 one round takes a minute and whose every case is covered within N rounds); round 0 runs beside
 a CPU load generator (a busy process per core), because lifetimes races show most when the

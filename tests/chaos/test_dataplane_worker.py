@@ -456,7 +456,7 @@ def wait_health(daemon: DaemonProcess, engine: ShmEngine, serving: bool, timeout
         time.sleep(0.01)
 
 
-@pytest.mark.chaos_rounds(4)  # 30-80 s a round; 4 rounds cover both transports, both sides and the loaded round
+@pytest.mark.chaos_rounds(4)  # 30-80 s a round; 3 rounds cover both transports, both sides and the loaded round
 def test_worker_and_spare_killed_ten_times_the_daemon_backs_off_and_serves_the_same_engines(
     spawn_daemon, chaos_round: int
 ) -> None:
