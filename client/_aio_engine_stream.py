@@ -1,3 +1,4 @@
+# The source of client/_engine_stream.py too: edit here, then run python tools/gen_sync.py.
 """The engine's long-lived stream to its daemon (asyncio front end).
 
 Same contract as :class:`kvd_client.EngineStream`: sends are plain (non-async) queue puts that
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
@@ -20,7 +20,8 @@ import grpc
 from kvd_client.v1 import engine_pb2, engine_pb2_grpc
 
 from . import errors
-from ._engine_stream import (
+from ._background import AsyncBackground, wait_event_async
+from ._engine_messages import (
     CLOSE,
     COMMIT,
     DEFAULT_CLOSE_TIMEOUT_S,
@@ -57,43 +58,50 @@ class AsyncEngineStream:
         self._error: errors.KvdError | None = None
         self._dropped = 0
         self._call = stub.EngineStream(self._requests(), wait_for_ready=wait_for_ready)
-        self._task = asyncio.get_running_loop().create_task(
-            self._receive(), name=f"kvd-engine-stream-{engine_id}-{tp_rank}"
-        )
+        self._background = AsyncBackground(self._receive, f"kvd-engine-stream-{engine_id}-{tp_rank}")
 
     # -- the engine's side -------------------------------------------------------------------
 
     def send_commit(self, request_id: str, committed_tokens: int) -> bool:
-        """Queue a commit watermark for ``request_id``; False once the stream ended. Never waits."""
+        """Queue the commit watermark of ``request_id``; False once the stream ended. Never waits."""
         if self._ended or self._closing:
             return False
         self._outbox.put_nowait((COMMIT, request_id, committed_tokens))
         return True
 
     def send_post_forward(self, step: int, finished_request_ids: Sequence[str] = ()) -> bool:
-        """Queue the post-forward signal of ``step``; False if the stream has ended. Never waits."""
+        """Queue the post-forward signal of ``step``; False if the stream has ended. Never waits.
+
+        The ids are copied, so the caller may reuse its list.
+        """
         if self._ended or self._closing:
             return False
         self._outbox.put_nowait((POST_FORWARD, step, tuple(finished_request_ids)))
         return True
 
     async def poll(self, timeout_s: float = 0.0) -> list[engine_pb2.DaemonMessage]:
-        """Drain what the daemon sent; with ``timeout_s`` > 0, wait up to that long for a first
-        message, returning early if the stream ends."""
+        """Drain what the daemon sent, without waiting by default; with ``timeout_s`` > 0, wait up to
+        that long for a first message (tests, idle loops), returning early if the stream ends."""
         inbox = self._inbox
-        if not inbox and timeout_s > 0 and not self._ended:
+        if not inbox:
+            if timeout_s <= 0 or self._ended:
+                return []
             self._arrived.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), timeout_s)
+            if not inbox and not self._ended:
+                await wait_event_async(self._arrived, timeout_s)
+            if not inbox:
+                return []
         out: list[engine_pb2.DaemonMessage] = []
-        while inbox:
-            out.append(inbox.popleft())
-        return out
+        try:
+            while True:
+                out.append(inbox.popleft())
+        except IndexError:
+            return out
 
-    def __aiter__(self) -> AsyncIterator[engine_pb2.DaemonMessage]:
+    def __aiter__(self) -> AsyncIterator[engine_pb2.DaemonMessage]:  # asyncio only
         return self._iterate()
 
-    async def _iterate(self) -> AsyncIterator[engine_pb2.DaemonMessage]:
+    async def _iterate(self) -> AsyncIterator[engine_pb2.DaemonMessage]:  # asyncio only
         """Each message the daemon sends, until the stream ends (check :attr:`error` after)."""
         while True:
             while self._inbox:
@@ -120,14 +128,13 @@ class AsyncEngineStream:
         return self._dropped
 
     async def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
-        """End the stream cleanly (half-close, then wait for the daemon); cancel the RPC if the
-        daemon does not end its side within ``timeout_s``. Idempotent."""
+        """End the stream cleanly (half-close, then wait for the daemon to end its side and the
+        background work to finish); cancel the RPC if the daemon does not end its side within
+        ``timeout_s``. Idempotent."""
         if not self._closing:
             self._closing = True
             self._outbox.put_nowait(CLOSE)
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
-        except TimeoutError:
+        if not await self._background.join(timeout_s):
             logger.warning(
                 "daemon did not end the engine stream of %s rank %d within %.1fs; cancelling",
                 self.engine_id,
@@ -135,7 +142,7 @@ class AsyncEngineStream:
                 timeout_s,
             )
             self._call.cancel()
-            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            await self._background.join(timeout_s)
 
     async def __aenter__(self) -> AsyncEngineStream:
         return self
@@ -164,7 +171,7 @@ class AsyncEngineStream:
                 yield message
 
     async def _receive(self) -> None:
-        """Task body: collect the daemon's messages until the RPC ends, then record why."""
+        """Background body: collect the daemon's messages until the RPC ends, then record why."""
         try:
             async for message in self._call:
                 self._inbox.extend(unpacked(message))
@@ -177,19 +184,19 @@ class AsyncEngineStream:
                 err = to_kvd_error(rpc_error)
                 err.__cause__ = rpc_error
                 self._error = err
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # asyncio only
             # grpc.aio raises CancelledError for a locally cancelled call: expected after close().
             if not self._closing:
                 self._error = errors.Cancelled("engine stream cancelled")
                 raise
-        except Exception as exc:  # a background task must record what killed it
+        except Exception as exc:  # background work must record what killed it
             logger.exception("engine stream of %s rank %d failed", self.engine_id, self.tp_rank)
             err = errors.Internal(f"engine stream failed: {exc!r}")
             err.__cause__ = exc
             self._error = err
         finally:
             self._ended = True
-            self._outbox.put_nowait(CLOSE)  # ends the request generator if grpc still reads it
+            self._outbox.put_nowait(CLOSE)  # ends the request generator (grpc's request thread may wait in get())
             self._arrived.set()
             if self._error is not None:
                 logger.warning(

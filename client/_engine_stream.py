@@ -1,3 +1,4 @@
+# Generated from client/_aio_engine_stream.py by tools/gen_sync.py; do not edit.
 """The engine's long-lived stream to its daemon (sync front end).
 
 An inference engine calls :meth:`EngineStream.send_commit` and
@@ -17,68 +18,27 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Final, cast
 
 import grpc
 
 from kvd_client.v1 import engine_pb2, engine_pb2_grpc
 
 from . import errors
+from ._background import Background, wait_event
+from ._engine_messages import (
+    CLOSE,
+    COMMIT,
+    DEFAULT_CLOSE_TIMEOUT_S,
+    POST_FORWARD,
+    Item,
+    ended_by_daemon,
+    hello_message,
+    to_message,
+    unpacked,
+)
 from .grpc_errors import to_kvd_error
 
 logger = logging.getLogger(__name__)
-
-COMMIT: Final = 1
-POST_FORWARD: Final = 2
-CLOSE: Final = object()
-"""Queued to end the request stream (a half-close: the daemon then ends its side)."""
-
-CommitItem = tuple[int, str, int]
-"""(COMMIT, request_id, committed_tokens)"""
-PostForwardItem = tuple[int, int, tuple[str, ...]]
-"""(POST_FORWARD, step, finished_request_ids)"""
-Item = CommitItem | PostForwardItem
-
-DEFAULT_CLOSE_TIMEOUT_S = 5.0
-"""How long close() waits for the daemon to end its side before cancelling the RPC."""
-
-
-def hello_message(engine_id: str, tp_rank: int) -> engine_pb2.EngineMessage:
-    """The first message of every engine stream: who is speaking, and that it reads batches
-    (:func:`unpacked` gives the engine one message per event all the same)."""
-    return engine_pb2.EngineMessage(
-        hello=engine_pb2.EngineHello(engine_id=engine_id, tp_rank=tp_rank, accepts_batches=True)
-    )
-
-
-def unpacked(message: engine_pb2.DaemonMessage) -> Sequence[engine_pb2.DaemonMessage]:
-    """The events one daemon message carries, in order: a batch's messages (the events that were
-    ready together on the daemon), or the message itself. Callers see one message per event."""
-    if message.WhichOneof("kind") == "batch":
-        return message.batch.messages
-    return (message,)
-
-
-def to_message(item: Item) -> engine_pb2.EngineMessage | None:
-    """The EngineMessage for a queued item; None (logged) when the caller passed bad values.
-
-    A bad value is dropped rather than ending the stream: the stream carries every request's
-    commits, and a watermark is caught up by the request's next commit.
-    """
-    try:
-        if item[0] == COMMIT:
-            _, request_id, tokens = cast(CommitItem, item)
-            return engine_pb2.EngineMessage(commit=engine_pb2.Commit(request_id=request_id, committed_tokens=tokens))
-        _, step, finished = cast(PostForwardItem, item)
-        return engine_pb2.EngineMessage(post_forward=engine_pb2.PostForward(step=step, finished_request_ids=finished))
-    except (TypeError, ValueError) as exc:
-        logger.error("dropping engine stream message %r: %s", item, exc)
-        return None
-
-
-def ended_by_daemon(engine_id: str, tp_rank: int) -> errors.KvdError:
-    """The error for a stream the daemon ended without being asked (it is shutting down)."""
-    return errors.Unavailable(f"the daemon ended the engine stream of {engine_id} rank {tp_rank}")
 
 
 class EngineStream:
@@ -106,22 +66,19 @@ class EngineStream:
         self._error: errors.KvdError | None = None
         self._dropped = 0
         self._call = stub.EngineStream(self._requests(), wait_for_ready=wait_for_ready)
-        self._thread = threading.Thread(
-            target=self._receive, name=f"kvd-engine-stream-{engine_id}-{tp_rank}", daemon=True
-        )
-        self._thread.start()
+        self._background = Background(self._receive, f"kvd-engine-stream-{engine_id}-{tp_rank}")
 
     # -- the engine's side -------------------------------------------------------------------
 
     def send_commit(self, request_id: str, committed_tokens: int) -> bool:
-        """Queue the commit watermark of ``request_id``; False once the stream ended. No wait."""
+        """Queue the commit watermark of ``request_id``; False once the stream ended. Never waits."""
         if self._ended or self._closing:
             return False
         self._outbox.put((COMMIT, request_id, committed_tokens))
         return True
 
     def send_post_forward(self, step: int, finished_request_ids: Sequence[str] = ()) -> bool:
-        """Queue the post-forward signal of ``step``; False if the stream has ended. Never blocks.
+        """Queue the post-forward signal of ``step``; False if the stream has ended. Never waits.
 
         The ids are copied, so the caller may reuse its list.
         """
@@ -131,7 +88,7 @@ class EngineStream:
         return True
 
     def poll(self, timeout_s: float = 0.0) -> list[engine_pb2.DaemonMessage]:
-        """Drain what the daemon sent. Non-blocking by default; with ``timeout_s`` > 0, waits up to
+        """Drain what the daemon sent, without waiting by default; with ``timeout_s`` > 0, wait up to
         that long for a first message (tests, idle loops), returning early if the stream ends."""
         inbox = self._inbox
         if not inbox:
@@ -139,7 +96,7 @@ class EngineStream:
                 return []
             self._arrived.clear()
             if not inbox and not self._ended:
-                self._arrived.wait(timeout_s)
+                wait_event(self._arrived, timeout_s)
             if not inbox:
                 return []
         out: list[engine_pb2.DaemonMessage] = []
@@ -165,15 +122,13 @@ class EngineStream:
         return self._dropped
 
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
-        """End the stream cleanly (half-close, then wait for the daemon) and join the thread.
-
-        If the daemon does not end its side within ``timeout_s`` the RPC is cancelled. Idempotent.
-        """
+        """End the stream cleanly (half-close, then wait for the daemon to end its side and the
+        background work to finish); cancel the RPC if the daemon does not end its side within
+        ``timeout_s``. Idempotent."""
         if not self._closing:
             self._closing = True
             self._outbox.put(CLOSE)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        if not self._background.join(timeout_s):
             logger.warning(
                 "daemon did not end the engine stream of %s rank %d within %.1fs; cancelling",
                 self.engine_id,
@@ -181,7 +136,7 @@ class EngineStream:
                 timeout_s,
             )
             self._call.cancel()
-            self._thread.join(timeout_s)
+            self._background.join(timeout_s)
 
     def __enter__(self) -> EngineStream:
         return self
@@ -197,11 +152,10 @@ class EngineStream:
     # -- the background side -----------------------------------------------------------------
 
     def _requests(self) -> Iterator[engine_pb2.EngineMessage]:
-        """What grpc's request thread sends: the hello, then each queued item until CLOSE."""
+        """What grpc sends: the hello, then each queued item until CLOSE."""
         yield hello_message(self.engine_id, self.tp_rank)
-        get = self._outbox.get
         while True:
-            item = get()
+            item = self._outbox.get()
             if item is CLOSE:
                 return
             message = to_message(item)  # type: ignore[arg-type]
@@ -211,7 +165,7 @@ class EngineStream:
                 yield message
 
     def _receive(self) -> None:
-        """Thread body: collect the daemon's messages until the RPC ends, then record why."""
+        """Background body: collect the daemon's messages until the RPC ends, then record why."""
         try:
             for message in self._call:
                 self._inbox.extend(unpacked(message))
@@ -224,14 +178,14 @@ class EngineStream:
                 err = to_kvd_error(rpc_error)
                 err.__cause__ = rpc_error
                 self._error = err
-        except Exception as exc:  # a background thread must record what killed it
+        except Exception as exc:  # background work must record what killed it
             logger.exception("engine stream of %s rank %d failed", self.engine_id, self.tp_rank)
             err = errors.Internal(f"engine stream failed: {exc!r}")
             err.__cause__ = exc
             self._error = err
         finally:
             self._ended = True
-            self._outbox.put(CLOSE)  # frees grpc's request thread if it waits in get()
+            self._outbox.put(CLOSE)  # ends the request generator (grpc's request thread may wait in get())
             self._arrived.set()
             if self._error is not None:
                 logger.warning(
