@@ -26,8 +26,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from kvd.config import KvdConfig
 from kvd.core.commits import CommitTracker
@@ -77,7 +76,6 @@ class Daemon:
         self._loop: asyncio.AbstractEventLoop | None = None  # the one every table belongs to (start())
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvd-work")
         self._background: list[asyncio.Task[None]] = []
-        self._followups: set[asyncio.Task[None]] = set()  # unpins scheduled by lease callbacks
         # Calls to this daemon's own addresses (both engines on this node) stay in the process.
         self._transport = LoopbackTransport(transport, self)
         # Built at start (they need the first worker); replaced or rebound by a restart.
@@ -139,7 +137,6 @@ class Daemon:
             memories=lambda: self._mem,
             require_serving=self.require_serving,
             require_dataplane=self.require_dataplane,
-            follow_up=self._follow_up,
             loop=lambda: self._loop,
         )
         self.restarts = Restarts(
@@ -225,7 +222,7 @@ class Daemon:
         self.leases.force_end_admissions()
         for rank in list(self.registry):
             await self.engines.unregister(rank, "daemon shutting down")
-        await self._settle_followups()
+        await self.holder.settle()
         remote_calls = list(self.holder_calls.tasks)
         for task in [*self._background, *remote_calls]:
             task.cancel()
@@ -262,16 +259,6 @@ class Daemon:
 
     def _stop_serving(self) -> None:
         self.serving = False
-
-    def _follow_up(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run an async consequence of a synchronous callback (an unpin) as its own task."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._followups.add(task)
-        task.add_done_callback(self._followups.discard)
-
-    async def _settle_followups(self) -> None:
-        while self._followups:
-            await asyncio.gather(*list(self._followups), return_exceptions=True)
 
     # --- the data-plane worker (kvd.core.restarts) ---------------------------------------------------
 

@@ -85,7 +85,6 @@ class Holder:
         memories: Callable[[], Memories],
         require_serving: Callable[[], None],
         require_dataplane: Callable[[], None],
-        follow_up: Callable[[Coroutine[Any, Any, None]], None],
         loop: Callable[[], asyncio.AbstractEventLoop | None],
     ) -> None:
         self.config = config
@@ -100,7 +99,7 @@ class Holder:
         self._memories = memories
         self._require_serving = require_serving
         self._require_dataplane = require_dataplane
-        self._follow_up = follow_up  # runs an unpin, from a synchronous callback, as its own task
+        self._followups: set[asyncio.Task[None]] = set()  # unpins scheduled by the lease table's callbacks
         self._loop = loop
         self._reader_labels: dict[str, str] = {}  # admission id -> reader's address (metrics label)
         # admission id -> (engine, request) of a soft read pinned by the engine (to unpin it when
@@ -108,6 +107,17 @@ class Holder:
         self._soft_pins: dict[str, tuple[str, str]] = {}
         self._connecting_until = 0.0  # a reader may be connecting its NIXL agent until then (handshake_info)
         self._connect_poll_end: asyncio.TimerHandle | None = None
+
+    def _follow_up(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run an async consequence of a synchronous callback (an unpin) as its own task."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._followups.add(task)
+        task.add_done_callback(self._followups.discard)
+
+    async def settle(self) -> None:
+        """Wait for the unpins under way (at shutdown, once every rank is unregistered)."""
+        while self._followups:
+            await asyncio.gather(*list(self._followups), return_exceptions=True)
 
     def admission_over(self, admission: Admission) -> None:
         """LeaseTable callback: an admitted read is over; unpin the holder memory it pinned."""

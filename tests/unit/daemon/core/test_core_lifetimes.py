@@ -141,7 +141,7 @@ async def ended(transfer: Transfer) -> None:
 async def settle(*nodes: Node) -> None:
     """Let the unpins scheduled by lease callbacks, and the peers' warm-up after a handshake, run."""
     for node in nodes:
-        await node.daemon._settle_followups()
+        await node.daemon.holder.settle()
         if node.daemon.peers is not None:
             await node.daemon.peers.warmed()
 
