@@ -16,13 +16,10 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import grpc
-
 from kvd_client.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from . import errors
-from ._watch_book import CLOSE, WatchBook, ended_by_daemon, request_messages, unsupported, waited_too_long
-from .grpc_errors import to_kvd_error
+from ._watch_book import CLOSE, WatchBook, ended_by_daemon, outcomes, request_messages, stream_failure, waited_too_long
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +42,11 @@ class TransferWatch:
         self._call: Any = None
         self._thread: threading.Thread | None = None
         self._closing = False
-        self.supported = True  # False once the daemon answered UNIMPLEMENTED (older than 0.2.0)
+
+    @property
+    def supported(self) -> bool:
+        """False once the daemon answered UNIMPLEMENTED (one older than 0.2.0): wait on WatchTransfer."""
+        return self._book.supported
 
     def wait(self, transfer_id: str, timeout: float | None) -> common_pb2.TransferStatus:
         """The transfer's DONE status, or the exact error it failed with; DeadlineExceeded after
@@ -71,17 +72,7 @@ class TransferWatch:
                 self._register(transfer_id, waiters[-1])
             if waiters:
                 concurrent.futures.wait(waiters, timeout=timeout)
-            out: list[common_pb2.TransferStatus | errors.KvdError] = []
-            for transfer_id, waiter in zip(transfer_ids, waiters, strict=True):
-                if not waiter.done():
-                    out.append(waited_too_long(transfer_id, timeout or 0.0))
-                elif isinstance(error := waiter.exception(), errors.KvdError):
-                    out.append(error)
-                elif error is not None:
-                    raise error
-                else:
-                    out.append(waiter.result())
-            return out
+            return outcomes(transfer_ids, waiters, timeout)
         finally:
             for transfer_id, waiter in zip(transfer_ids, waiters, strict=False):
                 self._forget(transfer_id, waiter)
@@ -156,20 +147,13 @@ class TransferWatch:
                 with self._lock:
                     self._book.settle(response)
             error = ended_by_daemon()
-        except grpc.RpcError as rpc_error:
-            error = to_kvd_error(rpc_error)
-            error.__cause__ = rpc_error
-        except Exception as exc:  # a background thread must record what killed it
-            logger.exception("transfer watch stream to %s failed", self._target)
-            error = errors.Internal(f"transfer watch stream failed: {exc!r}")
-            error.__cause__ = exc
+        except Exception as exc:  # noqa: BLE001 - an RpcError, or what killed the thread: stream_failure logs it
+            error = stream_failure(exc, self._target)
         with self._lock:
             outbox.put(CLOSE)  # frees grpc's request thread if it waits in get()
             self._thread = self._call = self._outbox = None
             if self._closing:
                 return
-            if unsupported(error) and not self._book.answered:
-                self.supported = False  # before the waiters hear of it: they fall back on WatchTransfer
             if self._book.stream_ended(error):
                 logger.info("transfer watch stream to %s ended (%s); opening another", self._target, error)
                 self._open()

@@ -6,13 +6,16 @@ client rides one bidirectional stream (:class:`kvd_client._aio_transfer_watch.As
 on asyncio, :class:`kvd_client._transfer_watch.TransferWatch` on a thread): the client sends each
 transfer id once, however many callers wait on it, and the daemon answers each once.
 
-This module is the part both front ends share, with no I/O, so that the rules are tested once:
+This module is the part both front ends share, with no I/O, so that the rules are tested once
+(the twins are not generated from one source: see tools/gen_sync.py):
 
 * :class:`WatchBook`: who waits on which id, what a response settles (each waiter gets the exact
   class the daemon named, ``kvd_client.errors``), and what a stream's end does to the waiters;
 * :func:`request_messages`: the ids to watch and unwatch queued meanwhile, as few messages as
   the daemon's per-message bound allows (an id's last order wins, so a wait given up and taken
-  up again before the message went out leaves it watched).
+  up again before the message went out leaves it watched);
+* :func:`outcomes` (what ``wait_transfers`` returns per id) and :func:`stream_failure` (what a
+  stream's failure means for its waiters), which the twins would otherwise each spell out.
 
 The stream's life (:meth:`WatchBook.stream_ended`): a stream that had been answered (the daemon's
 first message, its incarnation, arrived) and breaks is re-opened at once, every id still waited
@@ -28,13 +31,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+import grpc
 
 from kvd_client.v1 import common_pb2, router_pb2
 
 from . import _base, errors
 from .errors import ErrorCode
+from .grpc_errors import to_kvd_error
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,10 @@ class Waiter(Protocol):
     def set_result(self, result: common_pb2.TransferStatus) -> None: ...
 
     def set_exception(self, exception: BaseException) -> None: ...
+
+    def result(self) -> common_pb2.TransferStatus: ...
+
+    def exception(self) -> BaseException | None: ...
 
 
 @dataclasses.dataclass
@@ -82,6 +92,7 @@ class WatchBook:
         self.generation = 0  # streams opened so far; the current one's number
         self.incarnation = ""  # the daemon's, from the last stream's first message
         self.answered = False  # the current stream's first message arrived
+        self.supported = True  # False once the daemon answered UNIMPLEMENTED (older than 0.2.0)
 
     @property
     def waiting(self) -> int:
@@ -144,7 +155,11 @@ class WatchBook:
 
     def stream_ended(self, error: errors.KvdError) -> bool:
         """The current stream ended with ``error``: True to open another at once (it had been
-        answered, and ids are still waited on); otherwise every waiter fails with ``error``."""
+        answered, and ids are still waited on); otherwise every waiter fails with ``error``. A
+        daemon without WatchTransfers turns :attr:`supported` off before the waiters hear of it (they
+        fall back on WatchTransfer)."""
+        if unsupported(error) and not self.answered:
+            self.supported = False
         if self.answered and self._entries and not unsupported(error):
             return True
         self.fail_all(error)
@@ -208,3 +223,33 @@ def ended_by_daemon() -> errors.KvdError:
 
 def waited_too_long(transfer_id: str, timeout: float) -> errors.DeadlineExceeded:
     return errors.DeadlineExceeded(f"transfer {transfer_id} did not end within {timeout:.3g} s")
+
+
+def outcomes(
+    transfer_ids: Sequence[str], waiters: Sequence[Waiter], timeout: float | None
+) -> list[common_pb2.TransferStatus | errors.KvdError]:
+    """Per id, in order, its waiter's DONE status or KvdError (returned, not raised); an id whose
+    waiter is not done after ``timeout`` seconds gets DeadlineExceeded. Any other error is raised."""
+    out: list[common_pb2.TransferStatus | errors.KvdError] = []
+    for transfer_id, waiter in zip(transfer_ids, waiters, strict=True):
+        if not waiter.done():
+            out.append(waited_too_long(transfer_id, timeout or 0.0))
+        elif isinstance(error := waiter.exception(), errors.KvdError):
+            out.append(error)
+        elif error is not None:
+            raise error
+        else:
+            out.append(waiter.result())
+    return out
+
+
+def stream_failure(exc: Exception, target: str) -> errors.KvdError:
+    """What a stream's failure means for its waiters: the daemon's error for an RpcError, else
+    Internal (logged with its traceback: call it while handling ``exc``); ``exc`` is its cause."""
+    if isinstance(exc, grpc.RpcError):
+        error = to_kvd_error(exc)
+    else:  # the background work must record what killed it
+        logger.exception("transfer watch stream to %s failed", target)
+        error = errors.Internal(f"transfer watch stream failed: {exc!r}")
+    error.__cause__ = exc
+    return error
