@@ -3,7 +3,8 @@
 :class:`~kvd_engine.worker_link.DaemonLink` appends these events from its thread and the worker
 (:mod:`kvd_engine.worker`) polls them between steps. Every pull event names the connection
 ``epoch`` its StartPulls was sent under, so the worker ends exactly the pulls a re-registration
-fenced. Plain frozen dataclasses: importing this module loads neither grpc nor protobuf.
+fenced; :func:`start_pull_request` is a :class:`PullOrder`'s wire form. Plain frozen dataclasses:
+importing this module loads neither grpc nor protobuf (a pull's request loads protobuf).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvd_client.records import from_fields, to_message
+from kvd_client.v1.schema import KvTransferParams
+
 if TYPE_CHECKING:
-    from kvd_client.v1 import engine_pb2
+    from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 
 __all__ = [
     "Connected",
@@ -25,6 +29,7 @@ __all__ = [
     "PullInDoubt",
     "PullOrder",
     "PullStarted",
+    "start_pull_request",
 ]
 
 
@@ -108,3 +113,25 @@ class PullOrder:
     remote: Mapping[str, Any]
     deadline_ms: int = 0
     local_groups: tuple[tuple[int, ...], ...] = ()  # a hybrid model's other groups' local blocks
+
+
+def start_pull_request(engine_id: str, tp_rank: int, order: PullOrder) -> router_pb2.StartPullRequest:
+    """The StartPullRequest of ``order`` for this rank."""
+    from kvd_client.v1 import router_pb2  # noqa: PLC0415 - protobuf loads with the first pull
+
+    return router_pb2.StartPullRequest(
+        engine_id=engine_id,
+        tp_rank=tp_rank,
+        request_id=order.request_id,
+        local_block_ids=order.local_block_ids,
+        remote=_transfer_params(order.remote),
+        deadline_ms=order.deadline_ms,
+        local_group_block_ids=[b for ids in order.local_groups for b in ids],
+        local_group_block_counts=[len(ids) for ids in order.local_groups],
+    )
+
+
+def _transfer_params(fields: Mapping[str, Any]) -> common_pb2.KvTransferParams:
+    from kvd_client.v1 import common_pb2  # noqa: PLC0415 - protobuf loads with the first pull
+
+    return to_message(from_fields(KvTransferParams, fields), common_pb2.KvTransferParams)

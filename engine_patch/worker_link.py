@@ -31,8 +31,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvd_client import errors
-from kvd_client.records import from_fields, to_message
-from kvd_client.v1.schema import KvTransferParams
 
 from . import link_client
 from .link_client import ClientFactory, answer_lost, daemon_gone, socket_gone
@@ -46,11 +44,12 @@ from .link_events import (
     PullInDoubt,
     PullOrder,
     PullStarted,
+    start_pull_request,
 )
 
 if TYPE_CHECKING:
     from kvd_client import KvdClient
-    from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
+    from kvd_client.v1 import engine_pb2, router_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -402,7 +401,7 @@ class DaemonLink:
                 self._events.append(PullFailed(order.request_id, "kvd daemon link lost before the pull was sent"))
             return
         try:
-            requests = [_pull_request(self.engine_id, self.tp_rank, order) for order in orders]
+            requests = [start_pull_request(self.engine_id, self.tp_rank, order) for order in orders]
         except Exception as exc:  # a malformed order: nothing was sent
             logger.exception("kvd link: building %d pulls failed", len(orders))
             for order in orders:
@@ -494,25 +493,3 @@ class _NoAnswer(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def _pull_request(engine_id: str, tp_rank: int, order: PullOrder) -> router_pb2.StartPullRequest:
-    """The StartPullRequest of ``order`` for this rank."""
-    from kvd_client.v1 import router_pb2  # noqa: PLC0415 - protobuf loads with the first pull
-
-    return router_pb2.StartPullRequest(
-        engine_id=engine_id,
-        tp_rank=tp_rank,
-        request_id=order.request_id,
-        local_block_ids=order.local_block_ids,
-        remote=_transfer_params(order.remote),
-        deadline_ms=order.deadline_ms,
-        local_group_block_ids=[b for ids in order.local_groups for b in ids],
-        local_group_block_counts=[len(ids) for ids in order.local_groups],
-    )
-
-
-def _transfer_params(fields: Mapping[str, Any]) -> common_pb2.KvTransferParams:
-    from kvd_client.v1 import common_pb2  # noqa: PLC0415 - protobuf loads with the first pull
-
-    return to_message(from_fields(KvTransferParams, fields), common_pb2.KvTransferParams)
