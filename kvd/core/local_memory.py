@@ -231,7 +231,7 @@ class Memories:
         """A new mapping of the same engine pages at new addresses, registered with NIXL.
 
         The old mapping can then be retired without the engine losing its memory: this is how a
-        pull whose READ NIXL will not finish is failed safely (see Puller._fence).
+        pull whose READ NIXL will not finish is failed safely (see PullEnding.fence in kvd.core.pull_resources).
         """
         plane = memory.plane
         regions: list[OpenedRegion] = []

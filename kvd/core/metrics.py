@@ -223,7 +223,7 @@ class Metrics:
 
 class _BeforeCollect:
     """A collector of no metric of its own, registered before every other: collecting it runs a
-    hook that refreshes the gauges collected after it (kvd.core.daemon: the lease gauges, which
+    hook that refreshes the gauges collected after it (kvd.core.holds: the lease gauges, which
     cost a pass over every lease and were recomputed on every admission and READ notification)."""
 
     def __init__(self) -> None:

@@ -92,7 +92,7 @@ class Transfer:
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     _changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     # The holder's params it reads (without the lease's expiry, which a renewal changes): with the
-    # local block ids, what a StartPull asking for the same pull again repeats (Daemon._repeated_pull).
+    # local block ids, what a StartPull asking for the same pull again repeats (Puller._repeated_pull).
     remote: TransferParams | None = None
     # Called once, when the transfer ends: its table keeps the live ones apart (TransferTable).
     _on_final: Callable[[Transfer], None] | None = dataclasses.field(default=None, repr=False)

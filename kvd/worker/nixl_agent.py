@@ -103,7 +103,7 @@ POLL_DORMANT_S = 0.05
 # Dormant with no reader admitted at all (the control process sets fast_poll_until to 0.0 once the
 # last admission is over; it stays at a past deadline while an overdue admission is still open, in
 # its read_admission_margin_s, and then a late notification is read within POLL_DORMANT_S, and
-# while a read that was never proven over may still be served: HolderReads._poll_fast_while_admitted):
+# while a read that was never proven over may still be served: Holder._poll_fast_while_admitted (kvd.core.holder)):
 # nothing can notify us, so the thread polls once a second only (the control process's heartbeat wakes it
 # about as often anyway). An admission, or any call, wakes it at once. Each poll costs UCX
 # progress, which added up to much of an idle worker's CPU (docs/performance.md).
