@@ -26,7 +26,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvd.config import KvdConfig
 from kvd.core.commits import CommitTracker
@@ -260,7 +260,7 @@ class Daemon:
     def _stop_serving(self) -> None:
         self.serving = False
 
-    # --- the data-plane worker (kvd.core.restarts) ---------------------------------------------------
+    # --- the data-plane worker: kvd.core.restarts (health and `fatal` read daemon.restarts) -------------
 
     @property
     def dataplane(self) -> DataPlane | None:
@@ -271,31 +271,6 @@ class Daemon:
         """The NIXL agent's name: a new data-plane worker gets a new one (…-r<N>)."""
         plane = self.restarts.dataplane
         return plane.name if plane is not None else self._agent_base
-
-    @property
-    def fatal(self) -> asyncio.Future[str] | None:
-        """Set with the reason when the daemon must exit (a new worker cannot start)."""
-        return self.restarts.fatal
-
-    @property
-    def dataplane_serving(self) -> bool:
-        return self.restarts.serving
-
-    @property
-    def on_dataplane_serving(self) -> Callable[[], None]:
-        return self.restarts.on_serving
-
-    @on_dataplane_serving.setter
-    def on_dataplane_serving(self, callback: Callable[[], None]) -> None:
-        self.restarts.on_serving = callback  # kvd.server.app: health follows the worker
-
-    @property
-    def dataplane_restarts(self) -> int:
-        return self.restarts.restarts
-
-    @property
-    def dataplane_last_restart(self) -> str:
-        return self.restarts.last_restart
 
     # --- EngineService: this node's engines (kvd.core.engines) ---------------------------------------
 
@@ -452,6 +427,6 @@ class Daemon:
             held_bytes=self.holds.held_bytes(),
             holds_ended=dict(self.holds.ended),
             dataplane_pid=self.dataplane.pid if self.dataplane is not None else 0,
-            dataplane_restarts=self.dataplane_restarts,
-            dataplane_last_restart=self.dataplane_last_restart,
+            dataplane_restarts=self.restarts.restarts,
+            dataplane_last_restart=self.restarts.last_restart,
         )

@@ -284,13 +284,13 @@ def _follow_dataplane(daemon: Daemon, health: HealthServicer, metrics: Metrics) 
     daemon's state at the time (a quick loss and recovery may show only its end)."""
     changed = asyncio.Event()
     changed.set()  # a loss between the daemon's start and this call
-    daemon.on_dataplane_serving = changed.set
+    daemon.restarts.on_serving = changed.set
 
     async def follow() -> None:
         while True:
             await changed.wait()
             changed.clear()
-            serving = daemon.dataplane_serving
+            serving = daemon.restarts.serving
             status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
             for name in ("", *SERVICE_NAMES):
                 await health.set(name, status)
@@ -424,7 +424,7 @@ async def serve(config: KvdConfig) -> int:
         )
     elif notifier.enabled:
         pinger = loop.create_task(_status_updates(notifier, running), name="kvd-status")
-    fatal = running.daemon.fatal
+    fatal = running.daemon.restarts.fatal
     assert fatal is not None
     stop_wait: asyncio.Future[Any] = loop.create_task(stop_event.wait())
     await asyncio.wait([stop_wait, fatal], return_when=asyncio.FIRST_COMPLETED)

@@ -134,7 +134,7 @@ def test_reader_worker_lost_mid_read_fails_the_pull_once_and_maps_the_engine_aga
         status = reader.status()
         assert status.dataplane_restarts == 1 and status.dataplane_last_restart == "SIGKILL"
         assert status.agent_name == new_dp.name and status.serving and status.remote_agents == 0
-        assert reader.fatal is not None and not reader.fatal.done()
+        assert reader.restarts.fatal is not None and not reader.restarts.fatal.done()
         assert_settled(p.reader, p.holder, memories=(old_memory,))
 
         # The next pull handshakes again (its agents went with the worker) and reads through
@@ -387,7 +387,7 @@ QUICK_BACKOFF = {"dataplane_restart_backoff_s": 0.01, "dataplane_restart_backoff
 def watch_serving(node: Node) -> list[bool]:
     """Every change of whether a worker serves, as health sees it (kvd.server.app follows it)."""
     seen: list[bool] = []
-    node.daemon.on_dataplane_serving = lambda: seen.append(node.daemon.dataplane_serving)
+    node.daemon.restarts.on_serving = lambda: seen.append(node.daemon.restarts.serving)
     return seen
 
 
@@ -401,29 +401,29 @@ def test_a_crash_loop_backs_off_and_the_engines_keep_their_registrations(fabric:
         p = await make_pair(fabric, **QUICK_BACKOFF, dataplane_restart_stable_s=3600.0)
         reader, rank = p.reader.daemon, p.rrank
         seen = watch_serving(p.reader)
-        assert reader.dataplane_serving and p.reader.metric("kvd_dataplane_serving") == 1
+        assert reader.restarts.serving and p.reader.metric("kvd_dataplane_serving") == 1
         delays = []
         for loss in range(1, 11):
             start = fabric.start_gate = Gate()
             p.reader.dataplane.lose("SIGSEGV" if loss % 2 else "SIGKILL")
-            assert not reader.dataplane_serving and p.reader.metric("kvd_dataplane_serving") == 0
+            assert not reader.restarts.serving and p.reader.metric("kvd_dataplane_serving") == 0
             with pytest.raises(Unavailable, match="restarting"):
                 reader.require_dataplane()
             with pytest.raises(Unavailable):
                 await fabric.register(p.reader, "eng-x", small_spec(8))
             delays.append(reader.restarts.backoff.delay_s)
             await start.arrived.reach(1)  # after its back-off, the replacement starts
-            assert not reader.dataplane_serving
+            assert not reader.restarts.serving
             start.open()
             fabric.start_gate = None
             await restarted(p.reader)
-            assert reader.dataplane_serving and p.reader.metric("kvd_dataplane_serving") == 1
-            assert reader.serving and reader.fatal is not None and not reader.fatal.done()
+            assert reader.restarts.serving and p.reader.metric("kvd_dataplane_serving") == 1
+            assert reader.serving and reader.restarts.fatal is not None and not reader.restarts.fatal.done()
             assert [r.engine_id for r in reader.registry] == ["eng-r"] and reader.registry.get("eng-r", 0) is rank
             assert_mapped(rank.memory, p.reader.dataplane)
         assert delays == [0.0, 0.01, 0.02, 0.04, 0.04, 0.04, 0.04, 0.04, 0.04, 0.04]
         assert seen == [False, True] * 10
-        assert reader.dataplane_restarts == 10 and reader.status().dataplane_restarts == 10
+        assert reader.restarts.restarts == 10 and reader.status().dataplane_restarts == 10
         assert p.reader.metric("kvd_dataplane_restarts_total", reason="SIGSEGV") == 5
         assert p.reader.metric("kvd_dataplane_restarts_total", reason="SIGKILL") == 5
         await pull_done(p, "after-ten-losses")
@@ -475,7 +475,7 @@ def test_a_worker_that_served_its_stable_period_ends_the_back_off(fabric: Fabric
             delays.append(daemon.restarts.backoff.delay_s)
             await restarted(node)
         assert delays == [0.0, 0.01, 0.0, 0.01]
-        assert daemon.dataplane_restarts == 4 and daemon.dataplane_serving
+        assert daemon.restarts.restarts == 4 and daemon.restarts.serving
         assert_mapped(rank.memory, node.dataplane)
 
     run(fabric, scenario)
@@ -496,14 +496,14 @@ def test_a_shutdown_while_backing_off_starts_no_worker_and_releases_everything(f
         for _ in range(10):
             await asyncio.sleep(0)
         assert reader.restarts.restarting is not None and len(fabric.dataplanes) == planes
-        assert not reader.dataplane_serving and old_memory.state is LOST
+        assert not reader.restarts.serving and old_memory.state is LOST
         with pytest.raises(Unavailable, match="restarting"):
             reader.handshake_info()
 
         await shut_down(fabric, p.reader)
         assert reader.restarts.restarting is None and len(fabric.dataplanes) == planes
         assert len(reader.registry) == 0 and old_memory.pins == 0
-        assert reader.fatal is not None and not reader.fatal.done()
+        assert reader.restarts.fatal is not None and not reader.restarts.fatal.done()
         assert_settled(p.holder)
 
     run(fabric, scenario)
@@ -521,10 +521,10 @@ def test_a_replacement_that_cannot_start_ends_the_daemon(fabric: Fabric) -> None
         planes = len(fabric.dataplanes)
         node.dataplane.lose("SIGSEGV")
         await restarted(node)
-        assert node.daemon.fatal is not None and node.daemon.fatal.done()
-        why = node.daemon.fatal.result()
+        assert node.daemon.restarts.fatal is not None and node.daemon.restarts.fatal.done()
+        why = node.daemon.restarts.fatal.result()
         assert "cannot start" in why and "exit 1" in why and "SIGSEGV" in why and "\n" not in why
-        assert not node.daemon.serving and not node.daemon.dataplane_serving and seen == [False]
+        assert not node.daemon.serving and not node.daemon.restarts.serving and seen == [False]
         assert len(fabric.dataplanes) == planes + 1  # the one that failed, and no other
         assert not any(dp.started for dp in fabric.dataplanes.values() if dp is not node.dataplane)
 
@@ -543,10 +543,10 @@ def test_a_replacement_killed_while_it_starts_is_one_more_loss(fabric: Fabric) -
         node.dataplane.lose("SIGKILL")
         await restarted(node)
         daemon = node.daemon
-        assert daemon.fatal is not None and not daemon.fatal.done()
-        assert daemon.dataplane_serving and daemon.dataplane.alive
+        assert daemon.restarts.fatal is not None and not daemon.restarts.fatal.done()
+        assert daemon.restarts.serving and daemon.dataplane.alive
         assert daemon.restarts.backoff.losses_in_a_row == 3 and daemon.restarts.backoff.delay_s == 0.02
-        assert daemon.dataplane_restarts == 1  # the serving worker's loss only
+        assert daemon.restarts.restarts == 1  # the serving worker's loss only
         assert_mapped(rank.memory, node.dataplane)
 
     run(fabric, scenario)
@@ -609,7 +609,7 @@ def test_shutdown_during_a_restart_leaves_nothing_pinned_or_mapped(fabric: Fabri
             assert_emptied(replacement)
         else:
             assert not replacement.started and replacement.region_table._regions == {}
-        assert p.reader.daemon.fatal is not None and not p.reader.daemon.fatal.done()
+        assert p.reader.daemon.restarts.fatal is not None and not p.reader.daemon.restarts.fatal.done()
         assert_settled(p.holder)
 
     run(fabric, scenario)
@@ -642,7 +642,7 @@ def test_a_replacement_lost_while_it_maps_the_engines_is_replaced_too(fabric: Fa
         await restarted(p.reader)
         third = daemon.dataplane
         assert third is not replacement and third.alive and len(fabric.dataplanes) == planes + 2
-        assert daemon.dataplane_restarts == 2 and daemon.dataplane_last_restart == "SIGSEGV"
+        assert daemon.restarts.restarts == 2 and daemon.restarts.last_restart == "SIGSEGV"
         assert [r.engine_id for r in daemon.registry] == [rank.engine_id], "the engine lost its registration"
         assert_mapped(rank.memory, third)
         await pull_done(p, "after-two-losses")
