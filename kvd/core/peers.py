@@ -158,7 +158,11 @@ class Peers:
             info = await self.transport.handshake(address, self._timeout_s)
         except KvdError as exc:
             self._metrics.handshakes.labels(address, "failed").inc()
-            if unreachable(exc):
+            if isinstance(exc, PeerUnavailable):
+                # Not reached: a new channel for the next try (this one may wait out a reconnect
+                # back-off). A peer that answered (its data plane restarting, say) keeps its
+                # channel: dropping it made every pull in that window handshake on a new one, and
+                # gRPC kept each one's connection open (the fleet counted 50-120 per peer).
                 await self.drop(address, "handshake failed")
             raise
         known = self._agents.get(info.agent_name)

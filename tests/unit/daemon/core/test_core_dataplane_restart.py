@@ -379,6 +379,43 @@ def test_while_the_holder_restarts_registrations_handshakes_and_prepare_pull_are
     run(fabric, scenario)
 
 
+def test_handshakes_a_restarting_holder_refuses_keep_the_channel_and_an_unreachable_one_drops_it(
+    fabric: Fabric,
+) -> None:
+    """A holder that answers "my data plane is restarting" was reached: the reader keeps its
+    channel. Dropping it made every pull of that window handshake on a new channel, and gRPC kept
+    each one's TCP connection open (the loaded fleet counted 50-120 to one peer). A holder that
+    cannot be reached at all is dropped, so that the next try does not wait out a back-off."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        _, params = p.holder.daemon.hold("eng-h", "req-1", HOLD_BLOCKS, NUM_TOKENS)
+        start = fabric.start_gate = Gate()
+        p.holder.dataplane.lose("SIGKILL")
+        await start.arrived.reach(1)
+        transport = p.reader.transport
+        for attempt in range(5):
+            transfer = p.reader.daemon.start_pull("eng-r", 0, f"req-{attempt}", LOCAL_BLOCKS, params)
+            await ended(transfer)
+            assert transfer.state is FAILED and transfer.error is not None
+            assert transfer.error.code is ErrorCode.UNAVAILABLE
+        assert transport.handshakes.count(p.holder.address) == 5
+        assert transport.forgets == [], "a peer that answered was dropped"
+
+        transport.unreachable.add(p.holder.address)
+        transfer = p.reader.daemon.start_pull("eng-r", 0, "req-cut", LOCAL_BLOCKS, params)
+        await ended(transfer)
+        assert transfer.state is FAILED and transport.forgets == [p.holder.address]
+
+        transport.unreachable.discard(p.holder.address)
+        start.open()
+        await restarted(p.holder)
+        await pull_done(p, "req-1", p.reader.daemon.start_pull("eng-r", 0, "req-1", LOCAL_BLOCKS, params))
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
 # --- 5. a crash loop backs off; only a worker that cannot start ends the daemon ----------------------
 
 QUICK_BACKOFF = {"dataplane_restart_backoff_s": 0.01, "dataplane_restart_backoff_max_s": 0.04}
