@@ -7,7 +7,8 @@ gives a peer's NIXL agent metadata and its engines' layouts and region addresses
 incarnation (a new engine registered on the peer, a registration replaced) updates the engine
 table in place and loads the fresh metadata into the *same* NIXL agent: NIXL merges it, so
 lists prepared from the agent and reads in flight stay valid. A session is dropped when NIXL
-reports the peer gone, when its Handshake or PreparePull fails as unreachable, when its
+reports the peer gone, when its Handshake cannot reach it (a refusal it answers keeps the
+channel), when its PreparePull fails as unreachable, when its
 incarnation changes, or when it was idle for ``peer_idle_s``; dropping it closes its gRPC
 channel.
 
