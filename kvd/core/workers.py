@@ -84,6 +84,9 @@ class WorkerProcess:
     writer: asyncio.StreamWriter
     agent_name: str = ""
     identity: AgentIdentity = AgentIdentity(b"", ())
+    # Seen ending once (see gone()): the kernel dequeues a SIGKILL before it marks the process
+    # exiting, so between the two it looks neither killed nor exiting; being doomed is for good.
+    doomed: bool = False
 
     @property
     def exited(self) -> bool:
@@ -104,8 +107,12 @@ class WorkerProcess:
 
     def gone(self) -> bool:
         """Whether the process has ended or is ending (reaped, a zombie, exiting, a SIGKILL
-        pending): a spare in this state must not be handed out."""
-        return self.exited or not Path(f"/proc/{self.pid}").exists() or self.dying()
+        pending): a spare in this state must not be handed out. Once True, True for good (a
+        spare seen dying was handed out, under load, in the instant after its SIGKILL was
+        dequeued and before the kernel marked it exiting)."""
+        if not self.doomed:
+            self.doomed = self.exited or not Path(f"/proc/{self.pid}").exists() or self.dying()
+        return self.doomed
 
     def _stat(self) -> list[str] | None:
         """The fields of ``/proc/<pid>/stat`` after the command name (state first); None once gone."""
@@ -127,8 +134,11 @@ class WorkerProcess:
         A SIGKILL sent while a thread sits in an uninterruptible kernel call (a page fault on
         shared memory, a CMA copy) is acted on only when the call returns, seconds later under
         load: until then the process is neither exiting nor answering. It was killed, not hung,
-        and the reader reports it with that cause once it is reaped."""
-        return self.exiting() or self.kill_pending()
+        and the reader reports it with that cause once it is reaped. Once True, True for good
+        (``doomed``)."""
+        if not self.doomed:
+            self.doomed = self.exiting() or self.kill_pending()
+        return self.doomed
 
     def kill_pending(self) -> bool:
         """Whether any of its threads has a SIGKILL pending (queued, not yet acted on)."""
