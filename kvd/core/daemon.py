@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from kvd.config import KvdConfig
 from kvd.core.commits import CommitTracker
+from kvd.core.context import CoreContext
 from kvd.core.dataplane import DataPlane
 from kvd.core.engines import Engines
 from kvd.core.holdchecks import HoldChecks, SchedulerChannel
@@ -46,7 +47,7 @@ from kvd.core.pulls import Puller, PullOrder
 from kvd.core.registry import EngineRank, Registry, next_registration_id
 from kvd.core.restarts import Restarts
 from kvd.core.selftest import SelftestScratch
-from kvd.core.status import DaemonStatus
+from kvd.core.status import DaemonStatus, daemon_status
 from kvd.core.sweeper import Sweeper
 from kvd.core.transfers import Transfer, TransferTable
 from kvd.core.watches import TransferWatches
@@ -96,8 +97,23 @@ class Daemon:
         self.transfers = TransferTable()
         self.watches = TransferWatches(self.transfers)  # WatchTransfers streams, by the ids they wait on
 
-        # The parts.
-        shared = (config, metrics, self.registry, self.leases)
+        # The parts, each handed the tables they share (kvd.core.context).
+        ctx = self.context = CoreContext(
+            config,
+            metrics,
+            self.incarnation,
+            self.registry,
+            self.leases,
+            self.commits,
+            self.holdchecks,
+            self.transfers,
+            self._executor,
+            dataplane=lambda: self.dataplane,
+            memories=lambda: self._mem,
+            loop=lambda: self._loop,
+            require_serving=self.require_serving,
+            require_dataplane=self.require_dataplane,
+        )
         self.sweeper = Sweeper(
             self.leases,
             self.transfers,
@@ -105,45 +121,15 @@ class Daemon:
             puller=lambda: self.puller,
             peers=lambda: self.peers,
         )
-        self.engines = Engines(
-            *shared,
-            self.commits,
-            self.transfers,
-            self._executor,
-            dataplane=lambda: self.dataplane,
-            memories=lambda: self._mem,
-            require_serving=self.require_serving,
-            require_dataplane=self.require_dataplane,
-            loop=lambda: self._loop,
-        )
-        self.holds = Holds(
-            *shared,
-            self.commits,
-            self.holdchecks,
-            incarnation=self.incarnation,
-            advertise_address=lambda: self.advertise_address,
-            require_serving=self.require_serving,
-            loop=lambda: self._loop,
-        )
+        self.engines = Engines(ctx)
+        self.holds = Holds(ctx, advertise_address=lambda: self.advertise_address)
         self.holds_ended = self.holds.ended  # LeaseEnd value -> count since start
         self.holder_calls = HolderCalls(config, self._transport, self.holds, lambda: self.advertise_address)
-        self.holder = Holder(
-            *shared,
-            self.commits,
-            self.holdchecks,
-            incarnation=self.incarnation,
-            agent_name=lambda: self.agent_name,
-            dataplane=lambda: self.dataplane,
-            memories=lambda: self._mem,
-            require_serving=self.require_serving,
-            require_dataplane=self.require_dataplane,
-            loop=lambda: self._loop,
-        )
+        self.holder = Holder(ctx, agent_name=lambda: self.agent_name)
         self.restarts = Restarts(
-            *shared,
+            ctx,
             agent_base=self._agent_base,
             on_notifications=self.holder.on_notifications,
-            memories=lambda: self._mem,
             rebind=self._rebind,
             prepare_tables=self.engines.prepare_tables,
             unregister=self.engines.unregister,
@@ -174,18 +160,13 @@ class Daemon:
             reload_wait_s=self.config.transfer_deadline_s,
         )
         self.puller = Puller(
-            self.config,
-            self.metrics,
+            self.context,
             dataplane,
             self.peers,
             self._transport,
             self.memories,
-            self._executor,
-            self.registry,
-            self.transfers,
             next_registration_id=next_registration_id,
             serving=lambda: self.serving,
-            require_serving=self.require_serving,
             wake_sweeper=self.sweeper.wake,
         )
         self._background = [
@@ -410,23 +391,4 @@ class Daemon:
         return await self.selftest.hold(size_bytes, seed)
 
     def status(self) -> DaemonStatus:
-        return DaemonStatus(
-            incarnation=self.incarnation,
-            agent_name=self.agent_name,
-            peer_address=self.advertise_address,
-            engines=tuple(self.registry),
-            peers=tuple(self.peers.sessions()) if self.peers else (),
-            transfers_in_flight=len(self.transfers.in_flight()),
-            leases_held=len(self.leases),
-            leases_draining=self.leases.draining,
-            admitted_reads=self.leases.open_admissions,
-            quarantined_bytes=self.memories.quarantined_bytes if self.memories else 0,
-            remote_agents=len(self.peers.agents()) if self.peers else 0,
-            serving=self.serving,
-            uptime_s=time.monotonic() - self.started_at,
-            held_bytes=self.holds.held_bytes(),
-            holds_ended=dict(self.holds.ended),
-            dataplane_pid=self.dataplane.pid if self.dataplane is not None else 0,
-            dataplane_restarts=self.restarts.restarts,
-            dataplane_last_restart=self.restarts.last_restart,
-        )
+        return daemon_status(self)

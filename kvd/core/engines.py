@@ -14,22 +14,16 @@ a data-plane restart replaces through getters. Event-loop only.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from kvd.config import KvdConfig
-from kvd.core.commits import CommitTracker
-from kvd.core.dataplane import DataPlane
-from kvd.core.leases import Lease, LeaseEnd, LeaseTable
-from kvd.core.local_memory import Memories
+from kvd.core.context import CoreContext
+from kvd.core.leases import Lease, LeaseEnd
 from kvd.core.memory import RegionRequest
-from kvd.core.metrics import Metrics
-from kvd.core.registry import EngineRank, Registry, next_registration_id
-from kvd.core.transfers import TransferTable
+from kvd.core.registry import EngineRank, next_registration_id
 from kvd.layout import groups as kv_groups
 from kvd.layout.plan import EngineView, block_geometry
 from kvd.layout.spec import LayerPlacement, LayoutSpec
@@ -43,34 +37,19 @@ LIVENESS_S = 0.25  # how often an engine pid without a pidfd is checked (a kill 
 class Engines:
     """The engine ranks registered here (module docstring)."""
 
-    def __init__(
-        self,
-        config: KvdConfig,
-        metrics: Metrics,
-        registry: Registry,
-        leases: LeaseTable,
-        commits: CommitTracker,
-        transfers: TransferTable,
-        executor: concurrent.futures.Executor,
-        *,
-        dataplane: Callable[[], DataPlane | None],
-        memories: Callable[[], Memories],
-        require_serving: Callable[[], None],
-        require_dataplane: Callable[[], None],
-        loop: Callable[[], asyncio.AbstractEventLoop | None],
-    ) -> None:
-        self.config = config
-        self.metrics = metrics
-        self.registry = registry
-        self.leases = leases
-        self.commits = commits
-        self.transfers = transfers
-        self._executor = executor
-        self._dataplane = dataplane
-        self._memories = memories
-        self._require_serving = require_serving
-        self._require_dataplane = require_dataplane
-        self._loop = loop
+    def __init__(self, ctx: CoreContext) -> None:
+        self.config = ctx.config
+        self.metrics = ctx.metrics
+        self.registry = ctx.registry
+        self.leases = ctx.leases
+        self.commits = ctx.commits
+        self.transfers = ctx.transfers
+        self._executor = ctx.executor
+        self._dataplane = ctx.dataplane
+        self._memories = ctx.memories
+        self._require_serving = ctx.require_serving
+        self._require_dataplane = ctx.require_dataplane
+        self._loop = ctx.loop
         self._liveness_now = asyncio.Event()  # an engine registered with a pid, or one exited
 
     async def register(

@@ -32,16 +32,12 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from kvd.config import KvdConfig
 from kvd.core import notif
-from kvd.core.commits import CommitTracker
-from kvd.core.dataplane import DataPlane
-from kvd.core.holdchecks import HoldChecks
-from kvd.core.leases import Admission, AdmissionEnd, Lease, LeaseTable
-from kvd.core.local_memory import LocalMemory, Memories
-from kvd.core.metrics import Metrics
+from kvd.core.context import CoreContext
+from kvd.core.leases import Admission, AdmissionEnd, Lease
+from kvd.core.local_memory import LocalMemory
 from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult, RemoteEngine
-from kvd.core.registry import EngineRank, Registry
+from kvd.core.registry import EngineRank
 from kvd.layout import groups as kv_groups
 from kvd_client.errors import (
     FailedPrecondition,
@@ -70,37 +66,21 @@ CONNECT_POLL_S = 0.1
 class Holder:
     """What a holder does for the readers of its leases (module docstring)."""
 
-    def __init__(
-        self,
-        config: KvdConfig,
-        metrics: Metrics,
-        registry: Registry,
-        leases: LeaseTable,
-        commits: CommitTracker,
-        holdchecks: HoldChecks,
-        *,
-        incarnation: str,
-        agent_name: Callable[[], str],
-        dataplane: Callable[[], DataPlane | None],
-        memories: Callable[[], Memories],
-        require_serving: Callable[[], None],
-        require_dataplane: Callable[[], None],
-        loop: Callable[[], asyncio.AbstractEventLoop | None],
-    ) -> None:
-        self.config = config
-        self.metrics = metrics
-        self.registry = registry
-        self.leases = leases
-        self.commits = commits
-        self.holdchecks = holdchecks
-        self.incarnation = incarnation
+    def __init__(self, ctx: CoreContext, *, agent_name: Callable[[], str]) -> None:
+        self.config = ctx.config
+        self.metrics = ctx.metrics
+        self.registry = ctx.registry
+        self.leases = ctx.leases
+        self.commits = ctx.commits
+        self.holdchecks = ctx.holdchecks
+        self.incarnation = ctx.incarnation
         self._agent_name = agent_name  # the worker's: a data-plane restart renames it
-        self._dataplane = dataplane
-        self._memories = memories
-        self._require_serving = require_serving
-        self._require_dataplane = require_dataplane
+        self._dataplane = ctx.dataplane
+        self._memories = ctx.memories
+        self._require_serving = ctx.require_serving
+        self._require_dataplane = ctx.require_dataplane
         self._followups: set[asyncio.Task[None]] = set()  # unpins scheduled by the lease table's callbacks
-        self._loop = loop
+        self._loop = ctx.loop
         self._reader_labels: dict[str, str] = {}  # admission id -> reader's address (metrics label)
         # admission id -> (engine, request) of a soft read pinned by the engine (to unpin it when
         # the admission ends after its lease did)

@@ -26,14 +26,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvd.config import KvdConfig
-from kvd.core.commits import CommitTracker
+from kvd.core.context import CoreContext
 from kvd.core.events import FinishedSending
-from kvd.core.holdchecks import HoldChecks, SchedulerChannel
-from kvd.core.leases import Lease, LeaseEnd, LeaseTable
-from kvd.core.metrics import Metrics
+from kvd.core.holdchecks import SchedulerChannel
+from kvd.core.leases import Lease, LeaseEnd
 from kvd.core.params import TransferParams
 from kvd.core.peers import PeerTransport
-from kvd.core.registry import Registry
 from kvd.layout import groups as kv_groups
 from kvd_client.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd_client.group_blocks import flatten_groups
@@ -46,30 +44,17 @@ SCRAPE_WAIT_S = 1.0  # how long a scrape waits for the event loop to compute the
 class Holds:
     """This daemon's leases, as its callers see them (module docstring)."""
 
-    def __init__(
-        self,
-        config: KvdConfig,
-        metrics: Metrics,
-        registry: Registry,
-        leases: LeaseTable,
-        commits: CommitTracker,
-        holdchecks: HoldChecks,
-        *,
-        incarnation: str,
-        advertise_address: Callable[[], str],
-        require_serving: Callable[[], None],
-        loop: Callable[[], asyncio.AbstractEventLoop | None],
-    ) -> None:
-        self.config = config
-        self.metrics = metrics
-        self.registry = registry
-        self.leases = leases
-        self.commits = commits
-        self.holdchecks = holdchecks
-        self.incarnation = incarnation
+    def __init__(self, ctx: CoreContext, *, advertise_address: Callable[[], str]) -> None:
+        self.config = ctx.config
+        self.metrics = ctx.metrics
+        self.registry = ctx.registry
+        self.leases = ctx.leases
+        self.commits = ctx.commits
+        self.holdchecks = ctx.holdchecks
+        self.incarnation = ctx.incarnation
         self._advertise_address = advertise_address  # the server may set it once it listens
-        self._require_serving = require_serving
-        self._loop = loop
+        self._require_serving = ctx.require_serving
+        self._loop = ctx.loop
         self.ended: dict[str, int] = {}  # LeaseEnd value -> count since start
 
     def hold(

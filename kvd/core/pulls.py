@@ -28,23 +28,21 @@ aborted (:mod:`kvd.core.transfers`). What a pull pins and when it lets go: docs/
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
-from kvd.config import KvdConfig
+from kvd.core.context import CoreContext
 from kvd.core.dataplane import DataPlane
 from kvd.core.events import FinishedRecving, LoadFailed
 from kvd.core.local_memory import Memories, MemoryState
-from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
 from kvd.core.peers import Peers, PeerSession, PeerTransport, StaleView
 from kvd.core.pull_plans import PullPlanner
 from kvd.core.pull_reads import PullReads
 from kvd.core.pull_resources import PullEnding, PullResources
-from kvd.core.registry import EngineRank, Registry
-from kvd.core.transfers import RequestKey, Transfer, TransferState, TransferTable
+from kvd.core.registry import EngineRank
+from kvd.core.transfers import RequestKey, Transfer, TransferState
 from kvd.layout import groups as kv_groups
 from kvd.layout.plan import block_geometry
 from kvd_client.errors import (
@@ -84,30 +82,26 @@ class Puller:
 
     def __init__(
         self,
-        config: KvdConfig,
-        metrics: Metrics,
+        ctx: CoreContext,
         dataplane: DataPlane,
         peers: Peers,
         transport: PeerTransport,
         memories: Memories,
-        executor: concurrent.futures.Executor,
-        registry: Registry,
-        transfers: TransferTable,
+        *,
         next_registration_id: Callable[[], int],
         serving: Callable[[], bool],
-        require_serving: Callable[[], None],
         wake_sweeper: Callable[[], None],
     ) -> None:
-        self.config = config
-        self.metrics = metrics
+        self.config = config = ctx.config
+        self.metrics = metrics = ctx.metrics
         self.peers = peers
-        self.registry = registry
-        self.transfers = transfers
+        self.registry = registry = ctx.registry
+        self.transfers = ctx.transfers
         self._dataplane = dataplane  # the worker new pulls run through (rebind replaces it)
         self._memories = memories
-        self._executor = executor
+        self._executor = executor = ctx.executor
         self._serving = serving
-        self._require_serving = require_serving
+        self._require_serving = ctx.require_serving
         self._wake_sweeper = wake_sweeper  # sweeps every SWEEP_S while pulls are in flight (stale reads)
         self.ending = PullEnding(config, metrics, peers, transport, memories, registry.current, next_registration_id)
         self.planner = PullPlanner(config, peers, transport, executor, self._abandon_later)

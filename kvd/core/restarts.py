@@ -23,12 +23,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from kvd.config import KvdConfig
+from kvd.core.context import CoreContext
 from kvd.core.dataplane import DataPlane
-from kvd.core.leases import Admission, AdmissionEnd, LeaseTable
+from kvd.core.leases import Admission, AdmissionEnd
 from kvd.core.local_memory import LocalMemory, Memories, MemoryState
-from kvd.core.metrics import Metrics
-from kvd.core.registry import EngineRank, Registry, next_registration_id
+from kvd.core.registry import EngineRank, next_registration_id
 from kvd.core.workers import WorkerLauncher, WorkerStartFailed, backoff_delay
 from kvd_client.errors import KvdError, Unavailable
 
@@ -73,27 +72,23 @@ class Restarts:
 
     def __init__(
         self,
-        config: KvdConfig,
-        metrics: Metrics,
-        registry: Registry,
-        leases: LeaseTable,
+        ctx: CoreContext,
         *,
         agent_base: str,
         on_notifications: Callable[[dict[str, list[bytes]]], None],
-        memories: Callable[[], Memories],
         rebind: Callable[[DataPlane], None],
         prepare_tables: Callable[[EngineRank], Awaitable[None]],
         unregister: Callable[[EngineRank, str], Awaitable[None]],
         daemon_serving: Callable[[], bool],
         stop_serving: Callable[[], None],
     ) -> None:
-        self.config = config
-        self.metrics = metrics
-        self.registry = registry
-        self.leases = leases
+        self.config = config = ctx.config
+        self.metrics = ctx.metrics
+        self.registry = ctx.registry
+        self.leases = ctx.leases
         self._agent_base = agent_base
         self._on_notifications = on_notifications  # the holder's: READ notifications from readers
-        self._memories = memories
+        self._memories = ctx.memories
         self._rebind = rebind  # the daemon's other parts that hold the worker (memories, peers, puller)
         self._prepare_tables = prepare_tables
         self._unregister = unregister
