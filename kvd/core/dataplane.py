@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 LOCAL = LOCAL_AGENT
 FAST_POLL_SLACK_S = 1.0  # see DataPlane.fast_poll_until
+DYING_GRACE_S = 0.1  # a worker that missed its heartbeat gets this long to show it is dying, not hung
+DYING_POLL_S = 0.01
 HEARTBEAT_S = 1.0  # how often the worker's NIXL thread is asked to answer (an idle daemon pays for each)
 # A registration (or deregistration) is one NIXL call on the worker's NIXL thread, which answers
 # no heartbeat meanwhile, and its time grows with the region: over RDMA UCX pins and maps every
@@ -219,7 +221,7 @@ class DataPlane:
                 async with asyncio.timeout(self._heartbeat_timeout_s):
                     await self._call("ping")
             except TimeoutError:
-                if self._worker.dying():
+                if await self._dying_after_all(self._worker):
                     # Not hung but dying (a crash; a kill whose exit outlasts the timeout: a big
                     # address space takes a while to tear down; a kill not yet acted on by a
                     # thread in an uninterruptible call): the reader reports it, with its real
@@ -251,6 +253,18 @@ class DataPlane:
                 return
             except KvdError:
                 return  # lost: the reader reports it
+
+    @staticmethod
+    async def _dying_after_all(worker: WorkerProcess) -> bool:
+        """Whether a worker that missed its heartbeat is dying rather than hung, looked at for up to
+        DYING_GRACE_S: the kernel dequeues a SIGKILL before it marks the process exiting, and a
+        process killed in that instant looks neither killed nor exiting (under load, for a while)."""
+        deadline = time.monotonic() + DYING_GRACE_S
+        while not worker.dying():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DYING_POLL_S)
+        return True
 
     def _lose(self, reason: str) -> None:
         """The worker is reaped: fail every call, settle every READ (final: the process is gone)."""

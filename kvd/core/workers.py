@@ -122,10 +122,14 @@ class WorkerProcess:
             return None
 
     def exiting(self) -> bool:
-        """Whether the process is already on its way out (the kernel's PF_EXITING, or gone)."""
+        """Whether the process is already on its way out (the kernel's PF_EXITING, or gone).
+
+        Gone from ``/proc`` is gone: a child's pid is not reused before its parent reaps it, and
+        asyncio's watcher thread reaps it before the event loop hears the exit status (in between,
+        ``exited`` is still False: under load a heartbeat's timeout can run in that instant)."""
         fields = self._stat()
         if not fields:
-            return self.exited
+            return self.exited or not Path(f"/proc/{self.pid}").exists()
         return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 
     def dying(self) -> bool:

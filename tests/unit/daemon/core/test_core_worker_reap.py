@@ -5,12 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import subprocess
 import sys
+import time
+import types
 from asyncio.subprocess import PIPE
 
 import pytest
 
+from kvd.core import dataplane as dataplane_module
 from kvd.core import workers
+from kvd.core.dataplane import DataPlane
 from kvd.core.workers import WorkerProcess
 
 
@@ -107,5 +112,45 @@ def test_a_kill_never_polls_the_process_so_its_exit_status_stays_the_watchers(
         async with asyncio.timeout(10):
             assert await worker.reap() == -signal.SIGKILL
         worker.kill()  # reaped: nothing to signal, no error
+
+    asyncio.run(main())
+
+
+def test_a_worker_reaped_before_the_event_loop_hears_of_it_is_dying() -> None:
+    """asyncio's watcher thread reaps a worker before the event loop learns its exit status: in
+    between, ``/proc/<pid>`` is gone while ``returncode`` is still None. A heartbeat timing out
+    in that instant must see a dead worker, not a hung one (a kill counted as 'hung')."""
+
+    async def main() -> None:
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait()  # reaped: its /proc entry is gone
+        unheard = types.SimpleNamespace(pid=child.pid, returncode=None)
+        worker = WorkerProcess(unheard, asyncio.StreamReader(), None)  # type: ignore[arg-type]
+        assert not worker.exited
+        assert worker.exiting() and worker.dying()
+
+    asyncio.run(main())
+
+
+def test_a_heartbeat_miss_waits_a_moment_for_a_dying_worker_to_show_it_and_no_longer() -> None:
+    """A SIGKILL dequeued but not yet acted on looks neither killed nor exiting: the heartbeat
+    looks again for DYING_GRACE_S before it calls the worker hung, and not longer."""
+
+    class Worker:
+        def __init__(self, dying_after: int | None) -> None:
+            self.looks, self.dying_after = 0, dying_after
+
+        def dying(self) -> bool:
+            self.looks += 1
+            return self.dying_after is not None and self.looks > self.dying_after
+
+    async def main() -> None:
+        killed = Worker(dying_after=3)
+        assert await DataPlane._dying_after_all(killed)  # type: ignore[arg-type]
+        assert killed.looks == 4
+        hung = Worker(dying_after=None)
+        started = time.monotonic()
+        assert not await DataPlane._dying_after_all(hung)  # type: ignore[arg-type]
+        assert dataplane_module.DYING_GRACE_S <= time.monotonic() - started < 5.0
 
     asyncio.run(main())
