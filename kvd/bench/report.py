@@ -90,6 +90,13 @@ def phase_line(result: dict[str, Any]) -> str:
     )
 
 
+def settle_line(waited_s: float, settled: bool) -> list[str]:
+    """How long the bench waited for its daemons to go quiet (their spare workers start after ready)."""
+    if settled:
+        return [f"daemons settled {waited_s:.1f} s after ready (their spare workers started): measuring"]
+    return [f"daemons still busy {waited_s:.0f} s after ready: measuring anyway (figures include their start-up)"]
+
+
 def overhead_table(result: dict[str, Any]) -> list[str]:
     over = result["overhead_s"]
     line = phase_line(result)

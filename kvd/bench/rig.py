@@ -121,6 +121,33 @@ class Daemons:
         }
 
 
+# A daemon is ready before it is settled: its spare data-plane worker starts right after the first
+# worker serves and imports torch and NIXL for seconds of CPU. Measured beside it on two cores, a
+# 2 MiB pull's control overhead doubled (docs/performance.md, "Measure settled daemons"). The bench
+# waits until every daemon's tree spends under SETTLE_BUSY of a core for SETTLE_QUIET_WINDOWS windows.
+SETTLE_WINDOW_S = 0.5
+SETTLE_BUSY = 0.1
+SETTLE_QUIET_WINDOWS = 2
+SETTLE_TIMEOUT_S = 90.0
+
+
+async def wait_settled(daemons: Daemons, timeout_s: float = SETTLE_TIMEOUT_S) -> tuple[float, bool]:
+    """Wait until every daemon's process tree (control process, worker, spare) is quiet: (seconds
+    waited, whether it settled). One still busy after ``timeout_s`` is measured anyway (said so)."""
+    started = time.monotonic()
+    quiet = 0
+    before = daemons.every_cpu()
+    while time.monotonic() - started < timeout_s:
+        await asyncio.sleep(SETTLE_WINDOW_S)
+        after = daemons.every_cpu()
+        busiest = max(after[name] - before.get(name, 0.0) for name in after)
+        before = after
+        quiet = quiet + 1 if busiest < SETTLE_BUSY * SETTLE_WINDOW_S else 0
+        if quiet >= SETTLE_QUIET_WINDOWS:
+            return time.monotonic() - started, True
+    return time.monotonic() - started, False
+
+
 def start_daemons(stack: contextlib.ExitStack, workdir: Path, fresh_peers: int) -> Daemons:
     """Start the reader, the holder and ``fresh_peers`` more holders, side by side."""
     names = ["local", "peer", *(f"fresh{i}" for i in range(fresh_peers))]

@@ -191,7 +191,7 @@ def machine() -> dict[str, Any]:
 
 async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressBar) -> dict[str, Any]:
     from kvd.bench import floor, report, runs  # noqa: PLC0415
-    from kvd.bench.rig import BLOCK_BYTES, Engine, RawReader, cpu_seconds, start_daemons  # noqa: PLC0415
+    from kvd.bench.rig import BLOCK_BYTES, Engine, RawReader, cpu_seconds, start_daemons, wait_settled  # noqa: PLC0415
     from kvd_client.aio import AsyncKvdClient  # noqa: PLC0415
 
     result: dict[str, Any] = {}
@@ -207,6 +207,10 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
     with contextlib.ExitStack() as stack:
         daemons = start_daemons(stack, workdir, config.fresh_peers)
         lap("start daemons")
+        waited_s, settled = await wait_settled(daemons)
+        result["settle"] = {"waited_s": waited_s, "settled": settled}
+        _show(bar, report.settle_line(waited_s, settled))
+        lap("settle")
         largest = max((*config.sizes_mb, 2)) << 20
         router_blocks = ROUTER_IN_FLIGHT if config.router_pulls > 0 else 0
         capacity = max(largest // BLOCK_BYTES, max(config.levels), max(config.batches, default=0), router_blocks, 2)
