@@ -34,10 +34,17 @@ def spawn_daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cal
     started: list[DaemonProcess] = []
     counter = iter(range(1000))
 
+    # A spare data-plane worker imports torch and NIXL for seconds of CPU after the daemon is
+    # ready: tests that never lose a worker start without one (on two cores it competed with every
+    # test's first pulls). Chaos tests and tests marked spare_worker keep the default (a spare).
+    with_spare = any(request.node.get_closest_marker(m) is not None for m in ("chaos", "spare_worker"))
+
     def spawn(
         *flags: str, name: str = "", env: dict[str, str] | None = None, command_prefix: tuple[str, ...] = ()
     ) -> DaemonProcess:
         name = name or f"d{next(counter)}"
+        if not with_spare and not any(flag.startswith("--dataplane-spare-worker") for flag in flags):
+            flags = (*flags, "--dataplane-spare-worker", "false")
         daemon = start_daemon(tmp_path, name, list(flags), env=env, command_prefix=command_prefix)
         started.append(daemon)
         return daemon

@@ -17,7 +17,7 @@ from kvd_client import KvdClient, errors
 from kvd_client.shm import unlink_shm
 from kvd_client.v1 import common_pb2
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.spare_worker]  # the default daemon: a spare worker too
 
 
 def _wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:

@@ -2,7 +2,7 @@
 come and go on two real daemons while readers pull from them, one at a time and three in parallel;
 every pull's bytes are checked against the oracle (tests/randomized_pairs.py says how).
 
-Bounded here (``KVD_RANDOM_S`` seconds per parallelism, 60 by default); a longer run is
+Bounded here (``KVD_RANDOM_S`` seconds per parallelism, 40 by default); a longer run is
 ``python tests/randomized_pairs.py --seconds 600 --parallel 3``. Each run prints its seed; a
 failing case is replayed from the seed alone (``--seed S --parallel P``).
 """
@@ -17,7 +17,7 @@ from randomized_pairs import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SECONDS = float(os.environ.get("KVD_RANDOM_S", "60"))
+SECONDS = float(os.environ.get("KVD_RANDOM_S", "40"))
 
 
 @pytest.mark.parametrize("parallel", [1, 3])

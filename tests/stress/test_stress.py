@@ -47,7 +47,7 @@ from kvd_client.v1 import common_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.slow]
 
-STRESS_S = float(os.environ.get("KVD_STRESS_S", "30"))
+STRESS_S = float(os.environ.get("KVD_STRESS_S", "20"))
 SEED = int(os.environ.get("KVD_STRESS_SEED", "20261123"))
 NUM_BLOCKS = 64
 WORKERS = 8
