@@ -68,6 +68,11 @@ logger = logging.getLogger(__name__)
 # WITHOUT_DATA_MS; an unknown key would be ignored without a word).
 SERVER_CHANNEL_OPTIONS = [*SERVER_OPTIONS, ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
 
+# The health name a liveness probe asks for: SERVING while the control process runs, even while
+# no data-plane worker serves (a restart, a crash loop's back-off), which every other name reports.
+# A kubelet restarting the pod for that would end every engine's registration, stream and holds,
+# which the back-off exists to keep; the daemon exits by itself if a worker cannot start at all.
+LIVENESS_SERVICE = "kvd.liveness"
 SERVICE_NAMES = (
     engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name,
     peer_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name,
@@ -246,7 +251,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         metrics_address = f"{config.metrics_host}:{metrics_server.server_port}"
     router.metrics_address = metrics_address
 
-    for name in ("", *SERVICE_NAMES):
+    for name in ("", *SERVICE_NAMES, LIVENESS_SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.serving.set(1)
     running = Running(

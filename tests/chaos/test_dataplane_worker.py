@@ -37,6 +37,7 @@ import pytest
 import torch
 from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 
+from kvd.server.app import LIVENESS_SERVICE
 from kvd.spawn import DaemonProcess, child_env, launch_daemon, wait_ready
 from kvd_client import KvdClient, errors
 from kvd_client.v1 import common_pb2
@@ -498,6 +499,8 @@ def test_worker_and_spare_killed_ten_times_the_daemon_backs_off_and_serves_the_s
                 os.kill(pid, signal.SIGKILL)
             killed |= {old, *others}
             wait_health(victim_daemon, victim, False, 10)
+            # Readiness follows the worker; liveness (the probe that restarts a pod) does not.
+            assert victim.client.health_check(timeout_s=2, service=LIVENESS_SERVICE), "liveness failed at a kill"
             wait_health(victim_daemon, victim, True, 30)
             new = worker_pid(victim.client)
             assert new not in killed and new in children(victim_daemon.process.pid)

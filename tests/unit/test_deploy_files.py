@@ -184,6 +184,17 @@ def test_probes_use_the_plaintext_health_listener_not_the_mtls_port() -> None:
         assert container[probe]["grpc"]["port"] == ports["health"] != ports["grpc"]
 
 
+def test_liveness_asks_for_the_control_process_and_readiness_for_a_serving_worker() -> None:
+    """A crash loop's back-off keeps the engines' registrations: readiness follows whether a
+    worker serves (the default health name), liveness only whether the control process runs."""
+    from kvd.server.app import LIVENESS_SERVICE
+
+    container = _manifest()["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
+    assert "service" not in container["readinessProbe"]["grpc"]
+    assert "service" not in container["startupProbe"]["grpc"]
+
+
 def test_example_configs_use_mtls_with_named_roles(tmp_path: Path) -> None:
     """Off loopback, plaintext TCP is refused: both examples bind a node address, so both use mTLS
     and say which certificate names hold the peer role (NIXL access to engine memory)."""
