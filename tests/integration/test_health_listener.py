@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtest import make_pki
 
+from kvd.server.app import LIVENESS_SERVICE
 from kvd_client.v1 import router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -25,9 +26,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_pki(tmp_path_factory.mktemp("pki"), ("node", "operator"))
 
 
-def _check(address: str) -> int:
+def _check(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status
 
 
 def test_probes_answer_in_plaintext_while_the_main_port_requires_client_certificates(
@@ -38,6 +40,7 @@ def test_probes_answer_in_plaintext_while_the_main_port_requires_client_certific
     health = json.loads((tmp_path / "node.ready.json").read_text())["health"]
 
     assert _check(health) == health_pb2.HealthCheckResponse.SERVING  # what a kubelet gRPC probe does
+    assert _check(health, LIVENESS_SERVICE) == health_pb2.HealthCheckResponse.SERVING  # the liveness probe's name
     with pytest.raises(grpc.RpcError) as refused:
         _check(daemon.tcp)  # the same probe against the mTLS port fails
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
