@@ -110,9 +110,7 @@ class WorkerProcess:
         pending): a spare in this state must not be handed out. Once True, True for good (a
         spare seen dying was handed out, under load, in the instant after its SIGKILL was
         dequeued and before the kernel marked it exiting)."""
-        if not self.doomed:
-            self.doomed = self.exited or not Path(f"/proc/{self.pid}").exists() or self.dying()
-        return self.doomed
+        return self.dying()  # exiting() counts a process reaped, or gone from /proc, as ending
 
     def _stat(self) -> list[str] | None:
         """The fields of ``/proc/<pid>/stat`` after the command name (state first); None once gone."""
