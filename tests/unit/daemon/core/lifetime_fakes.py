@@ -665,17 +665,16 @@ class Fabric:
         self.nodes[address] = node
         return node
 
-    async def register(self, node: Node, engine_id: str, spec: LayoutSpec) -> EngineRank:
-        """An engine rank over real shared memory (the test plays the engine)."""
+    def shm_regions(self, spec: LayoutSpec) -> list[RegionRequest]:
+        """A new engine rank's memory: real shared memory, removed at :meth:`close`."""
         name = f"kvdlt-{os.getpid()}-{uuid.uuid4().hex[:10]}"
         self.shm_names.append(name)
         create_shm_tensor(name, spec.total_bytes)
-        return await node.daemon.register_engine(
-            engine_id,
-            spec,
-            [RegionRequest(MemoryKind.SHM, spec.total_bytes, shm_name=name)],
-            contiguous_placements(spec),
-        )
+        return [RegionRequest(MemoryKind.SHM, spec.total_bytes, shm_name=name)]
+
+    async def register(self, node: Node, engine_id: str, spec: LayoutSpec) -> EngineRank:
+        """An engine rank over real shared memory (the test plays the engine)."""
+        return await node.daemon.register_engine(engine_id, spec, self.shm_regions(spec), contiguous_placements(spec))
 
     async def close(self) -> None:
         """End every READ still in flight, then shut every daemon down."""

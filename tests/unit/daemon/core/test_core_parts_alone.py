@@ -12,8 +12,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import os
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -30,14 +28,12 @@ from kvd.core.holder import Holder
 from kvd.core.holds import Holds
 from kvd.core.leases import LeaseEnd, LeaseTable
 from kvd.core.local_memory import Memories, MemoryState
-from kvd.core.memory import MemoryKind, RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.peers import PrepareRequest
 from kvd.core.registry import EngineRank, Registry
 from kvd.core.transfers import TransferTable
 from kvd.layout.spec import LayoutSpec, contiguous_placements
 from kvd_client.errors import InvalidArgument, NotFound, Unavailable
-from kvd_client.shm import create_shm_tensor, unlink_shm
 
 
 class _NamedLauncher:
@@ -56,18 +52,10 @@ class Parts:
     holder: Holder
     lease_ends: list[LeaseEnd]
     serving: list[bool]
-    shm_names: list[str]
+    fabric: Fabric  # the fake data plane's, and the shared memory of the ranks registered
 
     async def register(self, engine_id: str, spec: LayoutSpec) -> EngineRank:
-        name = f"kvdparts-{os.getpid()}-{uuid.uuid4().hex[:10]}"
-        self.shm_names.append(name)
-        create_shm_tensor(name, spec.total_bytes)
-        return await self.engines.register(
-            engine_id,
-            spec,
-            [RegionRequest(MemoryKind.SHM, spec.total_bytes, shm_name=name)],
-            contiguous_placements(spec),
-        )
+        return await self.engines.register(engine_id, spec, self.fabric.shm_regions(spec), contiguous_placements(spec))
 
 
 @contextlib.asynccontextmanager
@@ -75,7 +63,8 @@ async def built_parts() -> AsyncIterator[Parts]:
     loop = asyncio.get_running_loop()
     config = KvdConfig(metrics_port=-1, staging_pool_bytes=0, read_admission_margin_s=5.0)
     metrics = Metrics()
-    dataplane = Fabric().make_dataplane(launcher=_NamedLauncher())
+    fabric = Fabric()
+    dataplane = fabric.make_dataplane(launcher=_NamedLauncher())
     await dataplane.start(lambda _notifications: None)
     memories = Memories(dataplane, metrics)  # type: ignore[arg-type]
     lease_ends: list[LeaseEnd] = []
@@ -111,7 +100,7 @@ async def built_parts() -> AsyncIterator[Parts]:
     holds = Holds(ctx, advertise_address=lambda: "parts.test:1")
     holder = Holder(ctx, agent_name=lambda: dataplane.name)
     late["lease_over"], late["admission_over"] = holds.lease_over, holder.admission_over
-    made = Parts(ctx, dataplane, Engines(ctx), holds, holder, lease_ends, serving, [])
+    made = Parts(ctx, dataplane, Engines(ctx), holds, holder, lease_ends, serving, fabric)
     try:
         yield made
     finally:
@@ -119,15 +108,14 @@ async def built_parts() -> AsyncIterator[Parts]:
             await made.engines.unregister(rank, "test over")
         await holder.settle()
         executor.shutdown(wait=True)
-        for name in made.shm_names:
-            unlink_shm(name)
+        await fabric.close()
 
 
 def run(scenario: Callable[[Parts], Awaitable[None]]) -> None:
     async def main() -> None:
         async with built_parts() as parts:
             await scenario(parts)
-            assert parts.dataplane.fabric.violations == []
+            assert parts.fabric.violations == []
 
     asyncio.run(main())
 
