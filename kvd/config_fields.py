@@ -101,6 +101,15 @@ class KvdConfig:
             "both are back, and an admission refused or stale discards the READ's bytes (docs/lifetimes.md)."
         },
     )
+    step_reads: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "Post the READs of an engine step's pulls from one holder engine rank into one local rank as "
+            "one NIXL transfer, blocks adjacent across pulls merged into one descriptor per layer, with one "
+            "notification naming every pull (where the holder decodes it); each pull keeps its own admission, "
+            "fence and report, and shares the transfer's outcome. false: a NIXL transfer per pull."
+        },
+    )
     read_admission_margin_s: float = dataclasses.field(
         default=5.0,
         metadata={

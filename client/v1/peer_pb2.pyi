@@ -84,13 +84,14 @@ class RegionDescriptor(_message.Message):
     def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., vram: _Optional[bool] = ..., device_index: _Optional[int] = ..., registration_serial: _Optional[int] = ...) -> None: ...
 
 class EngineDescriptor(_message.Message):
-    __slots__ = ("engine_id", "layout", "regions", "layers", "registration_id", "early_reads", "groups")
+    __slots__ = ("engine_id", "layout", "regions", "layers", "registration_id", "early_reads", "step_notifications", "groups")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     EARLY_READS_FIELD_NUMBER: _ClassVar[int]
+    STEP_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: _common_pb2.KvLayoutSpec
@@ -98,8 +99,9 @@ class EngineDescriptor(_message.Message):
     layers: _containers.RepeatedCompositeFieldContainer[_common_pb2.LayerPlacement]
     registration_id: int
     early_reads: bool
+    step_notifications: bool
     groups: _containers.RepeatedCompositeFieldContainer[_common_pb2.KvCacheGroup]
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., registration_id: _Optional[int] = ..., early_reads: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., registration_id: _Optional[int] = ..., early_reads: _Optional[bool] = ..., step_notifications: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("incarnation", "agent_name", "agent_metadata", "engines", "agent_regions")

@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from kvd.core.read_batches import READS_PER_CALL, ReadBatcher, ignore_outcome
+from kvd.core.read_batches import READS_PER_CALL, ReadBatcher, StepReadBook, ignore_outcome
+from kvd.core.step_reads import StepPart
 from kvd.core.workers import WorkerLauncher, WorkerProcess, exit_reason
 from kvd.dataplane_protocol import (
     CALL,
@@ -92,6 +93,8 @@ class DataPlane:
         self._xfers: dict[int, Xfer] = {}
         # READs asked for during one turn of the event loop, posted together at its end (once started).
         self._batcher: ReadBatcher | None = None
+        # The step READs in flight: each is settled by its own id, and settles the READs it carries.
+        self._step_reads = StepReadBook(lambda: next(self._xfer_ids))
         self._identity = AgentIdentity(b"", ())
         self._tasks: list[asyncio.Task[None]] = []
         self._fast_poll_until = 0.0
@@ -115,7 +118,7 @@ class DataPlane:
     async def start(self, on_notifications: Callable[[dict[str, list[bytes]]], None]) -> None:
         """Take a worker (its NIXL agent already created) from the launcher and serve through it."""
         self._loop = asyncio.get_running_loop()
-        self._batcher = ReadBatcher(self._loop, lambda op, *args: self._submit(op, *args))  # as it is then
+        self._batcher = ReadBatcher(self._loop, lambda op, *args: self._submit(op, *args), self._step_reads)
         self._on_notifications = on_notifications
         self._worker = await self._launcher.take()
         self.name = self._worker.agent_name  # the launcher names each incarnation (kvd.core.workers)
@@ -201,6 +204,11 @@ class DataPlane:
             future.set_result(value)
 
     def _settle(self, xfer_id: int, state: XferState, error: WireError | None) -> None:
+        carried = self._step_reads.settled(xfer_id)
+        if carried:  # a step READ: every READ it carried is final with it
+            for carried_id in carried:
+                self._settle(carried_id, state, error)
+            return
         xfer = self._xfers.pop(xfer_id, None)
         if xfer is None:
             return
@@ -282,6 +290,7 @@ class DataPlane:
             if not xfer.settled.done():
                 xfer.settled.set_result(None)
         self._xfers.clear()
+        self._step_reads.clear()
         self._on_reads_in_flight(0)
         if self._worker is not None:
             self._worker.close_channel()  # reaped: its end of the channel is of no more use (an fd per loss)
@@ -415,11 +424,15 @@ class DataPlane:
         notif: bytes,
         peer: str,
         nbytes: int,
+        step: StepPart | None = None,
     ) -> Xfer:
         """Post a READ. Raises if NIXL refused to build it (then nothing was posted).
 
         A READ that NIXL built but failed to post (wholly or in part) is returned with ``error``
         set: part of it may be on its way, so it is polled to a final state like any other.
+        With ``step``, the READ may go out within a step READ with others of this loop turn
+        (:mod:`kvd.core.step_reads`; ``notif`` is then ``step.notification`` encoded alone): it
+        gets that READ's outcome, and is final when it is.
         """
         assert self._loop is not None
         xfer_id = next(self._xfer_ids)
@@ -436,7 +449,8 @@ class DataPlane:
                 notif=notif,
                 peer=peer,
                 nbytes=nbytes,
-            )
+            ),
+            step,
         )
         try:
             state, error = await asyncio.shield(post)

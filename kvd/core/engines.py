@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Sequence
 
 from kvd.core.context import CoreContext
@@ -187,7 +186,7 @@ class Engines:
         key = f"early-reads/{rank.registration_id}"
         memory = rank.memory
         self._memories().taint(memory, key)
-        loop.call_later(max(0.0, until - time.monotonic()), self._memories().prove, memory, key)
+        loop.call_later(max(0.0, until - self.leases.now()), self._memories().prove, memory, key)
 
     def attach_stream(self, engine_id: str, tp_rank: int) -> tuple[EngineRank, int]:
         """Make a new stream the rank's current one; returns the rank and the stream's generation.

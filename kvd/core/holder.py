@@ -177,15 +177,15 @@ class Holder:
         """READ notifications from readers (delivered by the data plane's thread, on the loop)."""
         for agent, messages in notifications.items():
             for message in messages:
-                read = notif.decode(message)
-                if read is None:
+                reads = notif.decode_all(message)  # a step's READ names several reads (kvd.core.step_reads)
+                if not reads:
                     logger.debug("ignoring NIXL notification from %s: %r", agent, message[:64])
-                    continue
-                label = self._reader_labels.get(read.admission_id, agent)
-                self.metrics.transfer_bytes.labels(label, "serve").inc(read.nbytes)
-                late = self.leases.record_read(read.lease_id, read.admission_id, read.part, read.parts)
-                if late is not None:  # the READs of a read that timed out did end: every part arrived
-                    self._admission_proven(late, "every part's notification arrived")
+                for read in reads:
+                    label = self._reader_labels.get(read.admission_id, agent)
+                    self.metrics.transfer_bytes.labels(label, "serve").inc(read.nbytes)
+                    late = self.leases.record_read(read.lease_id, read.admission_id, read.part, read.parts)
+                    if late is not None:  # the READs of a read that timed out did end: every part arrived
+                        self._admission_proven(late, "every part's notification arrived")
 
     def handshake_info(self) -> HandshakeInfo:
         engines = tuple(
@@ -199,6 +199,7 @@ class Holder:
                 device_index=rank.device_index,
                 registration_id=rank.registration_id,
                 early_reads=not rank.require_commits,
+                step_notifications=True,
             )
             for rank in self.registry
         )

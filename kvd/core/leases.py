@@ -96,6 +96,10 @@ class LeaseTable:
         # admitted): the daemon's sweeper sleeps until the next deadline and must be woken.
         self.on_new_deadline = on_new_deadline
 
+    def now(self) -> float:
+        """The clock lease and admission deadlines are on (``expires_at`` and the like)."""
+        return self._clock()
+
     def __len__(self) -> int:
         """Leases held and not draining (O(1): scrapes and GetStatus ask)."""
         return len(self._leases) - self._draining

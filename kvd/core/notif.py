@@ -6,15 +6,29 @@ admitted under (:func:`valid_read_id`). The reader appends which part of how man
 is and its bytes. The holder's notification
 handler decodes it to count the admitted read's parts. Anything else (another program's
 notification, a malformed or truncated one) decodes to None and is ignored.
+
+A **step's READ** (:mod:`kvd.core.step_reads`: the READs of several pulls from one holder engine,
+asked in one turn of the reader's event loop, posted as one NIXL transfer) carries one
+notification naming every read it holds: ``kvd3|<count>`` then, per read, ``<lease>|<admission>|
+<part>|<parts>|<bytes>`` (:func:`encode_many`). Only a holder that says it decodes them
+(``EngineDescriptor.step_notifications``) is sent one; :func:`decode_all` reads both forms, and
+bounds the second (at most :data:`MAX_READS_PER_NOTIFICATION` reads, every field checked as a
+lone notification's) so a hostile or stale notification cannot make the holder do more work than
+a step's worth.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 
 PREFIX = "kvd2"
+STEP_PREFIX = "kvd3"
 _MAX_LEN = 512
+MAX_READS_PER_NOTIFICATION = 64
+"""Reads one step notification may name: the most READs the reader posts in one worker call."""
+_MAX_STEP_LEN = MAX_READS_PER_NOTIFICATION * _MAX_LEN
 READ_ID_MAX = 64
 _READ_ID = re.compile(rf"[A-Za-z0-9._-]{{1,{READ_ID_MAX}}}")
 
@@ -61,3 +75,51 @@ def decode(message: bytes) -> ReadNotification | None:
     if not 0 <= part < parts or nbytes < 0:
         return None
     return ReadNotification(fields[1], fields[2], part, parts, nbytes)
+
+
+def encode_many(reads: Sequence[ReadNotification]) -> bytes:
+    """The notification of a step's READ: every read it holds, each with its own part and bytes
+    (the reader's side; one read is encoded as a lone notification, as :func:`encode` would)."""
+    if not 1 <= len(reads) <= MAX_READS_PER_NOTIFICATION:
+        raise ValueError(f"a step notification names 1-{MAX_READS_PER_NOTIFICATION} reads, not {len(reads)}")
+    if len(reads) == 1:
+        read = reads[0]
+        return encode(tag(read.lease_id, read.admission_id), read.part, read.parts, read.nbytes)
+    fields = [STEP_PREFIX, str(len(reads))]
+    for read in reads:
+        tag(read.lease_id, read.admission_id)  # the same checks as a lone notification's
+        if not 0 <= read.part < read.parts:
+            raise ValueError(f"part {read.part} of {read.parts} is not a part")
+        fields += [read.lease_id, read.admission_id, str(read.part), str(read.parts), str(read.nbytes)]
+    return "|".join(fields).encode()
+
+
+def decode_all(message: bytes) -> list[ReadNotification]:
+    """Every read a notification names: one for a lone READ's (:func:`decode`), each read of a
+    step's READ's (:func:`encode_many`), none for anything else (the whole message is then
+    ignored: a step notification with one bad read proves nothing of the others)."""
+    if not message.startswith(STEP_PREFIX.encode()):
+        read = decode(message)
+        return [] if read is None else [read]
+    if len(message) > _MAX_STEP_LEN:
+        return []
+    fields = message.decode(errors="replace").split("|")
+    try:
+        count = int(fields[1]) if len(fields) > 1 else 0
+    except ValueError:
+        return []
+    if not 2 <= count <= MAX_READS_PER_NOTIFICATION or len(fields) != 2 + 5 * count or fields[0] != STEP_PREFIX:
+        return []
+    reads = []
+    for start in range(2, len(fields), 5):
+        lease_id, admission_id, part_s, parts_s, nbytes_s = fields[start : start + 5]
+        if not lease_id or not admission_id:
+            return []
+        try:
+            part, parts, nbytes = int(part_s), int(parts_s), int(nbytes_s)
+        except ValueError:
+            return []
+        if not 0 <= part < parts or nbytes < 0:
+            return []
+        reads.append(ReadNotification(lease_id, admission_id, part, parts, nbytes))
+    return reads

@@ -32,6 +32,8 @@ class RemoteEngine:
     extra_groups: tuple[EngineView, ...] = ()  # KV cache groups after group 0 (``view``)
     # A reader may post its READ beside the admission (EngineDescriptor.early_reads in peer.proto).
     early_reads: bool = False
+    # This holder decodes a step's READ notification (EngineDescriptor.step_notifications in peer.proto).
+    step_notifications: bool = False
 
     @property
     def groups(self) -> tuple[EngineView, ...]:

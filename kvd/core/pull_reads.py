@@ -32,6 +32,7 @@ from kvd.core.pull_plans import PullPlanner, StaleHandshake, lease_unexpired, na
 from kvd.core.pull_resources import PullResources
 from kvd.core.registry import EngineRank
 from kvd.core.staging import StagingPool
+from kvd.core.step_reads import StepPart
 from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.plan import PullPlan, Target
 from kvd_client.errors import FailedPrecondition, KvdError, PeerUnavailable
@@ -180,9 +181,16 @@ class PullReads:
                 local_table = await asyncio.shield(one_off)
                 local_indices = np.arange(rows.shape[0], dtype=np.int32)
             message = notif.encode(notif_tag, index, parts, group.nbytes)
+            step = None
+            if group.local_target is Target.ENGINE and holder.step_notifications and self.config.step_reads:
+                # May share one NIXL transfer with the READs of this step's other pulls from the
+                # same lists (kvd.core.step_reads); the holder decodes the step's notification.
+                notification = notif.decode(message)
+                assert notification is not None
+                step = StepPart(group.local_geometry, group.remote_geometry, notification)
             post = asyncio.ensure_future(
                 dataplane.read(
-                    local_table, local_indices, remote_table, group.remote_indices, message, label, group.nbytes
+                    local_table, local_indices, remote_table, group.remote_indices, message, label, group.nbytes, step
                 )
             )
             held.posts.append(post)  # before awaiting it: a cancel here must not lose the READ

@@ -88,7 +88,7 @@ class DescGeometry:
         offset = log2 * self.num_units + first[(np.int64(1) << log2) - 1 + residue] + (units >> log2)
         return (base[:, None] + offset[None, :]).reshape(-1).astype(np.int32)
 
-    def _runs_at(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def runs_at(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(plane, first unit, log2 of length) of table indices: the inverse of :meth:`index`."""
         idx = np.asarray(indices, dtype=np.int64)
         position = idx % self.num_units
@@ -140,7 +140,7 @@ class DescGeometry:
 
     def rows_for(self, indices: np.ndarray, region_addresses: Sequence[int], device_id: int = 0) -> np.ndarray:
         """The (address, length, device) rows of just these table indices (for one-off lists)."""
-        plane, start, log2_len = self._runs_at(indices)
+        plane, start, log2_len = self.runs_at(indices)
         region_of_plane = np.array([region for region, _ in self.planes], dtype=np.int64)
         plane_offset = np.array([offset for _, offset in self.planes], dtype=np.int64)
         base = np.asarray(region_addresses, dtype=np.int64)[region_of_plane[plane]] + plane_offset[plane]

@@ -165,6 +165,7 @@ def handshake_to_pb(info: HandshakeInfo) -> peer_pb2.HandshakeResponse:
                 layers=[placement_to_pb(p) for p in e.view.placements],
                 registration_id=e.registration_id,
                 early_reads=e.early_reads,
+                step_notifications=e.step_notifications,
                 groups=[group_to_pb(g) for g in e.extra_groups],
             )
             for e in info.engines
@@ -197,6 +198,7 @@ def handshake_from_pb(msg: peer_pb2.HandshakeResponse) -> HandshakeInfo:
                 registration_id=e.registration_id,
                 extra_groups=tuple(group_from_pb(g, i) for i, g in enumerate(e.groups, start=1)),
                 early_reads=e.early_reads,
+                step_notifications=e.step_notifications,
             )
         )
     regions = tuple(

@@ -430,6 +430,7 @@ class FakeDataPlane:
         notif_message: bytes,
         peer: str,
         nbytes: int,
+        step: Any = None,  # a fake posts every READ alone (step READs: test_core_step_reads.py)
     ) -> Xfer:
         self._require_started()
         assert self._loop is not None
