@@ -114,21 +114,32 @@ class ShmEngine:
 
     def untouched_mask_ok(self, written_blocks: list[int], fill_value: int, num_tokens: int) -> bool:
         """True if every byte outside the pulled tokens still holds ``fill_value``."""
+        return self.untouched_outside([(written_blocks, num_tokens)], fill_value)
+
+    def untouched_outside(self, pulls: Sequence[tuple[list[int], int]], fill_value: int) -> bool:
+        """True if every byte outside the tokens of every pull (its blocks, its token count)
+        still holds ``fill_value``."""
         probe = self.buffer.clone()
         spec = self.spec
         for placement in self.placements:
             for plane in spec.plane_offsets(placement):
-                for i, block in enumerate(written_blocks):
-                    tokens = min(spec.block_size, num_tokens - i * spec.block_size)
-                    start = plane + block * spec.block_stride
-                    if spec.layout is KvLayout.NHD or spec.kv_format is KvFormat.MLA:
-                        probe[start : start + tokens * spec.token_bytes] = fill_value
-                    else:
-                        head = spec.block_size * spec.head_bytes_per_token
-                        for h in range(spec.num_kv_heads):
-                            lo = start + h * head
-                            probe[lo : lo + tokens * spec.head_bytes_per_token] = fill_value
+                for written_blocks, num_tokens in pulls:
+                    self._mark(probe, plane, written_blocks, num_tokens, fill_value)
         return bool((probe == fill_value).all())
+
+    def _mark(self, probe: torch.Tensor, plane: int, written_blocks: list[int], num_tokens: int, fill: int) -> None:
+        """Set the pull's tokens of one plane in ``probe`` to ``fill``."""
+        spec = self.spec
+        for i, block in enumerate(written_blocks):
+            tokens = min(spec.block_size, num_tokens - i * spec.block_size)
+            start = plane + block * spec.block_stride
+            if spec.layout is KvLayout.NHD or spec.kv_format is KvFormat.MLA:
+                probe[start : start + tokens * spec.token_bytes] = fill
+            else:
+                head = spec.block_size * spec.head_bytes_per_token
+                for h in range(spec.num_kv_heads):
+                    lo = start + h * head
+                    probe[lo : lo + tokens * spec.head_bytes_per_token] = fill
 
     def close(self) -> None:
         if self.registered:

@@ -78,6 +78,7 @@ class DataPlane:
         on_reads_in_flight: Callable[[int], None] = lambda _: None,
         heartbeat_timeout_s: float = 5.0,
         on_lost: Callable[[DataPlane, str], None] = lambda _plane, _reason: None,
+        on_step_read: Callable[[int], None] = lambda _: None,
     ) -> None:
         self.name = ""  # the worker's NIXL agent, once started
         self._on_reads_in_flight = on_reads_in_flight
@@ -94,7 +95,7 @@ class DataPlane:
         # READs asked for during one turn of the event loop, posted together at its end (once started).
         self._batcher: ReadBatcher | None = None
         # The step READs in flight: each is settled by its own id, and settles the READs it carries.
-        self._step_reads = StepReadBook(lambda: next(self._xfer_ids))
+        self._step_reads = StepReadBook(lambda: next(self._xfer_ids), on_step_read)
         self._identity = AgentIdentity(b"", ())
         self._tasks: list[asyncio.Task[None]] = []
         self._fast_poll_until = 0.0

@@ -12,6 +12,7 @@ from prometheus_client import Gauge as _Gauge
 from prometheus_client import Histogram as _Histogram
 from prometheus_client.metrics_core import Metric
 
+STEP_READ_BUCKETS = (2, 4, 8, 16, 32, 64)
 DESCRIPTOR_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -135,6 +136,12 @@ class Metrics:
         )
         self.descriptors = Histogram(
             "kvd_transfer_descriptors", "NIXL descriptors posted per transfer", buckets=DESCRIPTOR_BUCKETS, registry=r
+        )
+        self.step_read_reads = Histogram(
+            "kvd_step_read_reads",
+            "READs of several pulls posted as one NIXL transfer (a step READ), per step READ",
+            buckets=STEP_READ_BUCKETS,
+            registry=r,
         )
         self.in_flight = Gauge("kvd_transfers_in_flight", "Pulls not yet finished", registry=r)
         self.leases_held = Gauge("kvd_leases_held", "Leases currently held for remote readers", registry=r)

@@ -30,12 +30,14 @@ class StepReadBook:
     """Which READs each step READ carries, from its post until it is final (the DataPlane's):
     the worker settles a step READ by its own id, and every READ it carries is settled with it."""
 
-    def __init__(self, next_xfer_id: Callable[[], int]) -> None:
+    def __init__(self, next_xfer_id: Callable[[], int], on_open: Callable[[int], None] = lambda _: None) -> None:
         self.next_xfer_id = next_xfer_id  # the DataPlane's READ ids: a step READ is one more READ there
+        self._on_open = on_open  # the READs each step READ carries (kvd_step_read_reads)
         self._carried: dict[int, tuple[int, ...]] = {}
 
     def open(self, posting: Posting) -> None:
         self._carried[posting.order.xfer_id] = posting.merged
+        self._on_open(len(posting.merged))
 
     def answered(self, xfer_id: int, settles_later: bool) -> None:
         """The post was answered: a READ refused, or final within its post, gets no SETTLED."""

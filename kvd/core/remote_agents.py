@@ -34,6 +34,7 @@ from kvd.layout.geometry import DescGeometry
 # Regions a peer deregistered stay loaded in NIXL's view of it (merges never remove): past this
 # many, the agent is reloaded so that neither NIXL's view nor kvd's record of it grows forever.
 MAX_STALE_REGIONS = 4096
+NAMED_CACHE = 256  # engines whose names() answer is kept (a peer serves a few; a bound all the same)
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,6 +61,8 @@ class RemoteAgent:
     # plans and is admitted by the holder (``Peers._load_first``). Every list over the agent, and
     # so every READ through it, waits for it (:meth:`wait_loaded`); ``None`` once loaded inline.
     load: asyncio.Future[None] | None = None
+    # names()'s answers since the last load: id(engine) -> (engine, named).
+    _named: dict[int, tuple[RemoteEngine, bool]] = dataclasses.field(default_factory=dict, repr=False)
 
     def needs_reload(self, regions: frozenset[NixlRegion]) -> bool:
         """Would merging metadata naming ``regions`` leave a stale region overlapping a named one,
@@ -83,10 +86,22 @@ class RemoteAgent:
         self.loaded = regions if fresh else self.loaded | regions
         self.current = regions
         self.current_keys = frozenset((r.address, r.size, r.device_index, r.vram) for r in regions)
+        self._named.clear()
 
     def names(self, engine: RemoteEngine) -> bool:
         """Does the loaded metadata name every region of ``engine`` (so a list over it is sound)?
-        Once per pull: a set lookup per region (an engine's regions are registered one by one)."""
+        Asked once per pull: answered once per engine (a set lookup per region: an engine's
+        regions are registered one by one, 64 for a 32-layer model) until metadata is loaded again."""
+        known = self._named.get(id(engine))
+        if known is not None and known[0] is engine:
+            return known[1]
+        if len(self._named) >= NAMED_CACHE:
+            self._named.clear()
+        named = self._names(engine)
+        self._named[id(engine)] = (engine, named)
+        return named
+
+    def _names(self, engine: RemoteEngine) -> bool:
         keys = self.current_keys
         return all(
             (address, size, engine.device_index, engine.vram) in keys

@@ -112,6 +112,7 @@ class Restarts:
         assert self.launcher is not None
         return DataPlane(
             on_reads_in_flight=self.metrics.nixl_reads_in_flight.set,
+            on_step_read=self.metrics.step_read_reads.observe,
             launcher=self.launcher,
             heartbeat_timeout_s=self.config.dataplane_heartbeat_timeout_s,
             on_lost=self.lost,

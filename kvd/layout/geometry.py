@@ -33,6 +33,15 @@ class DescGeometry:
     unit_bytes: int
     max_run_log2: int = 0
 
+    def __hash__(self) -> int:
+        """Computed once: a geometry keys the table caches and a step's READs on every pull,
+        and hashing its planes (64 for a 32-layer model) each time showed in the profile."""
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.planes, self.num_units, self.unit_stride, self.unit_bytes, self.max_run_log2))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def __post_init__(self) -> None:
         if self.max_run_log2 and self.unit_stride != self.unit_bytes:
             raise ValueError("runs of units need adjacent units (unit_stride == unit_bytes)")

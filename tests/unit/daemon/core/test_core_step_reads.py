@@ -23,7 +23,7 @@ from kvd.layout.geometry import DescGeometry, split_runs
 UNIT = 4096
 
 
-def geometry(planes: int, units: int, max_run_log2: int, region_size: int | None = None) -> DescGeometry:
+def geometry(planes: int, units: int, max_run_log2: int) -> DescGeometry:
     plane_bytes = units * UNIT
     return DescGeometry(
         planes=tuple((0, p * plane_bytes) for p in range(planes)),
@@ -103,7 +103,9 @@ def test_units_of_other_sizes_are_concatenated_not_merged() -> None:
 
 
 def order(xfer_id: int, *, table: int = 1, peer: str = "p", nbytes: int = 10) -> ReadOrder:
-    return ReadOrder(xfer_id, table, np.array([xfer_id], np.int32), 2, np.array([xfer_id], np.int32), b"n", peer, nbytes)
+    return ReadOrder(
+        xfer_id, table, np.array([xfer_id], np.int32), 2, np.array([xfer_id], np.int32), b"n", peer, nbytes
+    )
 
 
 def part(read_id: str, geo: DescGeometry) -> StepPart:
