@@ -377,14 +377,15 @@ class Puller:
             self.metrics.transfers.labels(remote.daemon_address, direction, "done").inc()
             self.metrics.transfer_bytes.labels(remote.daemon_address, direction).inc(transfer.nbytes)
             self.metrics.transfer_seconds.labels(direction).observe(transfer.elapsed_s)
-            logger.debug(
-                "pull %s done: %d bytes, %d descriptors, %.2f ms, phases %s",
-                transfer.transfer_id,
-                transfer.nbytes,
-                transfer.descriptors,
-                transfer.elapsed_s * 1e3,
-                {k: round(v * 1e3, 3) for k, v in transfer.phases.items()},
-            )
+            if logger.isEnabledFor(logging.DEBUG):  # the phases' dict is built only for a reader of it
+                logger.debug(
+                    "pull %s done: %d bytes, %d descriptors, %.2f ms, phases %s",
+                    transfer.transfer_id,
+                    transfer.nbytes,
+                    transfer.descriptors,
+                    transfer.elapsed_s * 1e3,
+                    {k: round(v * 1e3, 3) for k, v in transfer.phases.items()},
+                )
             return
         state = TransferState.ABORTED if isinstance(error, Aborted) else TransferState.FAILED
         transfer.advance(state, error)

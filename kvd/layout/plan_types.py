@@ -111,8 +111,9 @@ class PullPlan:
     def direct(self) -> bool:
         return all(group.local_target is Target.ENGINE for group in self.reads)
 
-    @property
+    @functools.cached_property
     def remote_ranks(self) -> tuple[int, ...]:
+        """The holder ranks read from, in order (asked several times per pull: computed once)."""
         return tuple(sorted({group.remote_rank for group in self.reads}))
 
 

@@ -40,7 +40,7 @@ from kvtest import ShmEngine, llama_spec, metric_value, scrape, small_spec
 from kvd.server.app import LIVENESS_SERVICE
 from kvd.spawn import DaemonProcess, child_env, launch_daemon, wait_ready
 from kvd_client import KvdClient, errors
-from kvd_client.v1 import common_pb2
+from kvd_client.v1 import common_pb2, router_pb2
 
 pytestmark = [pytest.mark.chaos, pytest.mark.integration]
 
@@ -328,8 +328,39 @@ MID_READ = [
 ]
 
 
+def start_step(reader: ShmEngine, holder: ShmEngine, request_ids: list[str], chunks: list[list[int]]) -> list:
+    """Hold each request's blocks, then start every pull with one StartPulls, as an engine step
+    does (the READs from one holder engine go out as one step READ: kvd.core.step_reads)."""
+    held = [
+        holder.client.hold_blocks(
+            engine_id=holder.engine_id, request_id=rid, block_ids=blocks, num_tokens=len(blocks) * 16
+        )
+        for rid, blocks in zip(request_ids, chunks, strict=True)
+    ]
+    results = reader.client.start_pulls(
+        [
+            router_pb2.StartPullRequest(
+                engine_id=reader.engine_id,
+                request_id=rid,
+                local_block_ids=blocks,
+                remote=params.kv_transfer_params,
+                deadline_ms=DEADLINE_MS,
+            )
+            for rid, blocks, params in zip(request_ids, chunks, held, strict=True)
+        ],
+        timeout_s=30,
+    )
+    assert all(isinstance(r, str) for r in results), results
+    return [
+        (params, router_pb2.StartPullResponse(transfer_id=r), rid)
+        for params, r, rid in zip(held, results, request_ids, strict=True)
+    ]
+
+
 def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
-    """A worker dies with CONCURRENT pulls reading (the side and signal rotate with the round)."""
+    """A worker dies with CONCURRENT pulls reading (the side and signal rotate with the round).
+    Even rounds start them as one engine step (one StartPulls: one step READ carries them all),
+    odd rounds as CONCURRENT StartPull calls."""
     side, sig = MID_READ[chaos_round % len(MID_READ)]
     holder, reader = pair.holder, pair.reader
     victim_daemon, victim = pair.side(side)
@@ -343,8 +374,10 @@ def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
     chunk = NUM_BLOCKS // CONCURRENT
     pulls = []
     started_at = time.monotonic()
-    for i in range(CONCURRENT):
-        blocks = list(range(i * chunk, (i + 1) * chunk))
+    chunks = [list(range(i * chunk, (i + 1) * chunk)) for i in range(CONCURRENT)]
+    if chaos_round % 2 == 0:
+        pulls = start_step(reader, holder, [f"mid-{tag}-{i}" for i in range(CONCURRENT)], chunks)
+    for i, blocks in enumerate(chunks if chaos_round % 2 else []):
         params, started = pull(reader, holder, f"mid-{tag}-{i}", blocks, deadline_ms=DEADLINE_MS)
         pulls.append((params, started, f"mid-{tag}-{i}"))
     wait_reading(reader.client, [started.transfer_id for _, started, _ in pulls])
