@@ -127,8 +127,8 @@ def merge_indices(
     cut again with :func:`kvd.layout.geometry.split_runs`, planes kept apart. Where the two sides'
     units differ in size, or a pair's run lengths differ, the parts are concatenated as they are
     (one transfer still, no merging)."""
-    local = np.concatenate([np.asarray(p, dtype=np.int64) for p in local_parts])
-    remote = np.concatenate([np.asarray(p, dtype=np.int64) for p in remote_parts])
+    local = np.concatenate(local_parts).astype(np.int64, copy=False)
+    remote = np.concatenate(remote_parts).astype(np.int64, copy=False)
     max_log2 = min(local_geo.max_run_log2, remote_geo.max_run_log2)
     if local_geo.unit_bytes != remote_geo.unit_bytes or max_log2 == 0:
         return local.astype(np.int32), remote.astype(np.int32)

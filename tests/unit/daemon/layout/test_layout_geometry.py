@@ -251,3 +251,30 @@ def test_run_tables_give_up_long_runs_before_outgrowing_the_budget() -> None:
     k = max_run_log2_for(50_000, 64, planes=64)
     assert k < 6 and 64 * (k + 1) * 50_000 <= TABLE_DESCRIPTOR_BUDGET
     assert max_run_log2_for(10**7, 64, planes=64) == 0  # nothing smaller than one row per block
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_short_sequences_are_cut_in_python_exactly_as_numpy_cuts_them(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """split_runs cuts sequences of up to SMALL_SPLIT units in plain Python (a small pull's
+    planning): the same pieces, in the same order and dtype, as the vectorised path."""
+    from kvd.layout import geometry
+
+    rng = np.random.default_rng(seed)
+    cases = []
+    for trial in range(500):
+        n = int(rng.integers(1, geometry.SMALL_SPLIT + 1))
+        if trial % 2:
+            local = np.sort(rng.choice(100, n, replace=False))
+            remote = np.sort(rng.choice(100, n, replace=False))
+        else:  # mostly adjacent, with breaks on either side
+            local = int(rng.integers(0, 50)) + np.cumsum(1 + (rng.random(n) < 0.2) * rng.integers(1, 4, n))
+            remote = int(rng.integers(0, 50)) + np.cumsum(1 + (rng.random(n) < 0.1))
+        cases.append((local, remote, int(rng.integers(0, 7))))
+    small = [geometry.split_runs(local, remote, k) for local, remote, k in cases]
+    monkeypatch.setattr(geometry, "SMALL_SPLIT", 0)
+    for (local, remote, k), got in zip(cases, small, strict=True):
+        want = geometry.split_runs(local, remote, k)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b), (local, remote, k)
