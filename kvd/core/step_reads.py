@@ -66,24 +66,34 @@ class Posting(NamedTuple):
     merged: tuple[int, ...] = ()
 
 
-def combine(queued: Sequence[Queued], next_xfer_id: Callable[[], int], most: int) -> list[Posting]:
+STEP_READ_MAX_BYTES = 64 << 20
+"""Most bytes one step READ carries: a READ that would take it past this starts the next one (a
+READ this large alone goes alone). Every READ a step READ carries is final only when all of it
+is, so a small pull beside a large one would otherwise wait for the large one's bytes; and past
+a few MiB per READ the per-transfer and per-descriptor costs that merging saves are small."""
+
+
+def combine(
+    queued: Sequence[Queued], next_xfer_id: Callable[[], int], most: int, most_bytes: int = STEP_READ_MAX_BYTES
+) -> list[Posting]:
     """The READs of one loop turn as postings: orders that can share a NIXL transfer (the same
-    two lists, peer and geometries, each with a StepPart) in groups of at most ``most``, every
-    other order alone. Order of first appearance is kept."""
+    two lists, peer and geometries, each with a StepPart) in groups of at most ``most`` READs
+    and ``most_bytes`` bytes, every other order alone. Order of first appearance is kept."""
     postings: list[Posting | list[Queued]] = []
-    groups: dict[tuple[Any, ...], list[Queued]] = {}
+    groups: dict[tuple[Any, ...], tuple[list[Queued], int]] = {}
     for item in queued:
         part = item.part
-        if part is None:
-            postings.append(Posting(item.order, (item.future,)))
-            continue
         order = item.order
+        if part is None or order.nbytes >= most_bytes:
+            postings.append(Posting(order, (item.future,)))
+            continue
         key = (order.local_table, order.remote_table, order.peer, part.local_geometry, part.remote_geometry)
-        group = groups.get(key)
-        if group is None or len(group) >= most:
-            group = groups[key] = []
+        group, nbytes = groups.get(key, (None, 0))
+        if group is None or len(group) >= most or nbytes + order.nbytes > most_bytes:
+            group, nbytes = [], 0
             postings.append(group)
         group.append(item)
+        groups[key] = (group, nbytes + order.nbytes)
     out: list[Posting] = []
     for posting in postings:
         if isinstance(posting, Posting):

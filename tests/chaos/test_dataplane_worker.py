@@ -48,6 +48,7 @@ RESTART_TIMEOUT_S = 20.0
 SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGSTOP)
 NUM_BLOCKS = 256  # llama-shaped: 2 MiB a block, 512 MiB an engine
 CONCURRENT = 4  # pulls in flight when the worker dies, 64 blocks (128 MiB) each
+STEP_PULLS = 32  # or as one engine step: 8 blocks (16 MiB) each, four to a step READ (64 MiB)
 DEADLINE_MS = 6000  # a hung worker is found within 2 s (heartbeat every 1 s, 1 s to answer)
 HEARTBEAT_TIMEOUT_S = 1.0  # a SIGSTOPped worker is found hung within ~1.5 s
 FD_SLACK = 4
@@ -359,8 +360,8 @@ def start_step(reader: ShmEngine, holder: ShmEngine, request_ids: list[str], chu
 
 def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
     """A worker dies with CONCURRENT pulls reading (the side and signal rotate with the round).
-    Even rounds start them as one engine step (one StartPulls: one step READ carries them all),
-    odd rounds as CONCURRENT StartPull calls."""
+    Even rounds start STEP_PULLS of them as one engine step (one StartPulls: each step READ
+    carries four, kvd.core.step_reads), odd rounds CONCURRENT as StartPull calls."""
     side, sig = MID_READ[chaos_round % len(MID_READ)]
     holder, reader = pair.holder, pair.reader
     victim_daemon, victim = pair.side(side)
@@ -371,13 +372,15 @@ def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
     # Each side's restarts so far, from the daemons themselves: a round that failed earlier
     # cannot shift this round's count.
     restarts_before = {name: pair.side(name)[1].client.get_status().dataplane_restarts for name in ("holder", "reader")}
-    chunk = NUM_BLOCKS // CONCURRENT
+    step = chaos_round % 2 == 0
+    count = STEP_PULLS if step else CONCURRENT
+    chunk = NUM_BLOCKS // count
     pulls = []
     started_at = time.monotonic()
-    chunks = [list(range(i * chunk, (i + 1) * chunk)) for i in range(CONCURRENT)]
-    if chaos_round % 2 == 0:
-        pulls = start_step(reader, holder, [f"mid-{tag}-{i}" for i in range(CONCURRENT)], chunks)
-    for i, blocks in enumerate(chunks if chaos_round % 2 else []):
+    chunks = [list(range(i * chunk, (i + 1) * chunk)) for i in range(count)]
+    if step:
+        pulls = start_step(reader, holder, [f"mid-{tag}-{i}" for i in range(count)], chunks)
+    for i, blocks in enumerate([] if step else chunks):
         params, started = pull(reader, holder, f"mid-{tag}-{i}", blocks, deadline_ms=DEADLINE_MS)
         pulls.append((params, started, f"mid-{tag}-{i}"))
     wait_reading(reader.client, [started.transfer_id for _, started, _ in pulls])
@@ -396,7 +399,7 @@ def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
     ended_s = time.monotonic() - started_at
     assert ended_s < DEADLINE_MS / 1000 + 1, f"the pulls ended after {ended_s:.1f}s, past their deadline"
     if tcp:  # 512 MiB over TCP takes long enough that the kill cuts some read short, even under load
-        assert failed, "over TCP the kill should have cut at least one of the four reads short"
+        assert failed, f"over TCP the kill should have cut at least one of the {count} reads short"
     took = wait_restarted(victim.client, old, restarts_before[side] + 1)
     # No byte lands late: the destination gets a pattern and, well past when the stale reads
     # would have ended (a whole 512 MiB pull takes under a second here), is intact.

@@ -223,3 +223,16 @@ def test_step_notifications_round_trip_and_refuse_what_is_not_one() -> None:
         notif.encode_many([])
     with pytest.raises(ValueError):
         notif.encode_many([notif.ReadNotification("l|x", "a", 0, 1, 1)] * 2)
+
+
+def test_a_step_read_carries_at_most_its_bytes_and_a_large_read_goes_alone() -> None:
+    geo = geometry(1, 64, 0)
+    loop = asyncio.new_event_loop()
+    try:
+        sizes = [30, 30, 30, 100, 10, 10]  # most_bytes 64: [30, 30], [30, 10, 10]; 100 alone
+        queued = [Queued(order(i + 1, nbytes=n), loop.create_future(), part(f"r{i}", geo)) for i, n in enumerate(sizes)]
+        ids = iter(range(100, 200))
+        postings = combine(queued, lambda: next(ids), most=64, most_bytes=64)
+    finally:
+        loop.close()
+    assert [(p.merged, p.order.nbytes) for p in postings] == [((1, 2), 60), ((3, 5, 6), 50), ((), 100)]
