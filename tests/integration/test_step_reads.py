@@ -26,6 +26,16 @@ def _env(transports: str, **extra: str) -> dict[str, str] | None:
     return env
 
 
+def _hold(holder, held: dict[str, list[int]], tokens: dict[str, int]) -> dict:  # type: ignore[no-untyped-def]
+    """Each request's blocks held on the holder engine: its transfer params, by request id."""
+    return {
+        rid: holder.client.hold_blocks(
+            engine_id="holder", request_id=rid, block_ids=held[rid], num_tokens=tokens[rid]
+        ).kv_transfer_params
+        for rid in held
+    }
+
+
 def _requests(held: dict[str, list[int]], local: dict[str, list[int]], params: dict) -> list:
     return [
         router_pb2.StartPullRequest(engine_id="reader", request_id=rid, local_block_ids=local[rid], remote=params[rid])
@@ -49,12 +59,7 @@ def test_a_step_of_pulls_is_one_transfer_and_every_pull_arrives_exact(spawn_daem
         local = {f"one-{i}": [70 + i] for i in range(STEP)}
         local |= {"three-0": [150, 151, 152], "three-1": [153, 154, 155]}
         tokens = {rid: spec.block_size for rid in held} | {"three-0": 2 * 16 + 5, "three-1": 2 * 16 + 9}
-        params = {
-            rid: holder.client.hold_blocks(
-                engine_id="holder", request_id=rid, block_ids=held[rid], num_tokens=tokens[rid]
-            ).kv_transfer_params
-            for rid in held
-        }
+        params = _hold(holder, held, tokens)
         results = reader.client.start_pulls(_requests(held, local, params), timeout_s=30)
         assert all(isinstance(r, str) and r for r in results), results
         for rid, transfer_id in zip(held, results, strict=True):
@@ -83,12 +88,7 @@ def test_a_pull_whose_lease_ended_fails_alone_in_its_step(spawn_daemon, transpor
         held = {f"r{i}": [8 + i] for i in range(8)}
         local = {f"r{i}": [30 + i] for i in range(8)}
         tokens = dict.fromkeys(held, spec.block_size)
-        params = {
-            rid: holder.client.hold_blocks(
-                engine_id="holder", request_id=rid, block_ids=held[rid], num_tokens=tokens[rid]
-            ).kv_transfer_params
-            for rid in held
-        }
+        params = _hold(holder, held, tokens)
         gone = "r3"
         holder.client.release_lease(params[gone].lease_id)
         results = reader.client.start_pulls(_requests(held, local, params), timeout_s=30)
@@ -115,12 +115,7 @@ def test_step_reads_off_posts_a_transfer_per_pull(spawn_daemon) -> None:
         held = {f"r{i}": [i] for i in range(8)}
         local = {f"r{i}": [16 + i] for i in range(8)}
         tokens = dict.fromkeys(held, spec.block_size)
-        params = {
-            rid: holder.client.hold_blocks(
-                engine_id="holder", request_id=rid, block_ids=held[rid], num_tokens=tokens[rid]
-            ).kv_transfer_params
-            for rid in held
-        }
+        params = _hold(holder, held, tokens)
         results = reader.client.start_pulls(_requests(held, local, params), timeout_s=30)
         for rid, transfer_id in zip(held, results, strict=True):
             status = reader.client.wait_transfer(transfer_id, timeout_s=30)
