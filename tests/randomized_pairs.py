@@ -5,7 +5,9 @@ Two real daemons. Workers (1 or several in parallel) each loop over *cases*: a r
 registered on one daemon *now* (after the other daemon first handshook it), a reader engine of
 its own layout / block size / TP on the other daemon (a quarter of the cases: on the same daemon,
 both engines on one node), then one to a few pulls of random blocks
-and token counts; the holder engine is unregistered (or left to a later case) afterwards, so the
+and token counts, or (half the cases) 2-6 pulls as one engine step, one StartPulls per reader
+rank, into disjoint blocks that are adjacent across pulls in half of those steps (their READs
+share NIXL transfers: kvd.core.step_reads); the holder engine is unregistered (or left to a later case) afterwards, so the
 holder's registered memory changes under the reader's cached handshake all the time.
 
 Each pull's result is compared, head by head, with the holder's logical KV computed by
@@ -31,6 +33,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -42,7 +45,7 @@ from kvd.server import convert
 from kvd.spawn import DaemonProcess, launch_daemon, wait_ready
 from kvd_client import KvdClient, errors
 from kvd_client.shm import create_shm_tensor, new_shm_name, unlink_shm
-from kvd_client.v1 import common_pb2
+from kvd_client.v1 import common_pb2, router_pb2
 
 FILL = 0x5A
 
@@ -163,10 +166,15 @@ class Engine:
             buffer.fill_(value)
 
     def outside_untouched(self, block_ids: Sequence[int], num_tokens: int, value: int) -> bool:
-        masks = oracle.token_mask([b.numel() for b in self.buffers], self.view, block_ids, num_tokens)
+        return self.outside_all_untouched([(block_ids, num_tokens)], value)
+
+    def outside_all_untouched(self, pulls: Sequence[tuple[Sequence[int], int]], value: int) -> bool:
+        """Every byte outside the tokens of every pull (its blocks, its token count) holds ``value``."""
+        sizes = [b.numel() for b in self.buffers]
+        masks = [oracle.token_mask(sizes, self.view, block_ids, num_tokens) for block_ids, num_tokens in pulls]
         return all(
-            bool((buffer[~torch.from_numpy(mask)] == value).all())
-            for buffer, mask in zip(self.buffers, masks, strict=True)
+            bool((buffer[~torch.from_numpy(np.logical_or.reduce([m[i] for m in masks]))] == value).all())
+            for i, buffer in enumerate(self.buffers)
         )
 
     def close(self) -> None:
@@ -189,6 +197,7 @@ def logical_heads(engines: Sequence[Engine], block_ids: Sequence[int], num_token
 
 
 SAME_DAEMON_SHARE = 0.25  # cases whose reader engine is on the holder's daemon (one node)
+STEP_SHARE = 0.5  # cases whose pulls are one engine step (one StartPulls per reader rank)
 
 
 class Worker:
@@ -265,8 +274,11 @@ class Worker:
                     engine.copy_from(holders[0])
             for engine in readers:
                 engine.register()
-            for pull in range(rng.randint(1, 4)):
-                self.one_pull(rng, holders, readers, f"{describe}, pull {pull}")
+            if rng.random() < STEP_SHARE:  # the case's pulls as one engine step: one StartPulls per reader rank
+                self.step_pulls(rng, holders, readers, f"{describe}, one step")
+            else:
+                for pull in range(rng.randint(1, 4)):
+                    self.one_pull(rng, holders, readers, f"{describe}, pull {pull}")
         finally:
             keep = rng.random() < 0.5
             for engine in readers if keep else holders + readers:
@@ -323,6 +335,95 @@ class Worker:
                 return
         with self.lock:
             self.outcome.exact += 1
+
+    def step_pulls(self, rng: random.Random, holders: list[Engine], readers: list[Engine], describe: str) -> None:
+        """2-6 pulls of one engine step (one StartPulls per reader rank: their READs from one holder
+        rank may share a NIXL transfer, kvd.core.step_reads), into disjoint local blocks; in half
+        the steps both sides' blocks are handed out in order (adjacent across pulls), else at random."""
+        h_spec, r_spec = holders[0].spec, readers[0].spec
+        count = min(rng.randint(2, 6), h_spec.num_blocks, r_spec.num_blocks)
+        if count < 2:  # engines of one or two large blocks: a step of one
+            self.one_pull(rng, holders, readers, describe)
+            return
+        most = min(
+            300, (h_spec.num_blocks // count) * h_spec.block_size, (r_spec.num_blocks // count) * r_spec.block_size
+        )
+        tokens = [rng.randint(1, most) for _ in range(count)]
+        local_need = [r_spec.blocks_for(n) for n in tokens]
+        remote_need = [h_spec.blocks_for(n) for n in tokens]
+        adjacent = rng.random() < 0.5
+        if adjacent:
+            local_start = rng.randrange(r_spec.num_blocks - sum(local_need) + 1)
+            remote_start = rng.randrange(h_spec.num_blocks - sum(remote_need) + 1)
+            local_pool = list(range(local_start, local_start + sum(local_need)))
+            remote_pool = list(range(remote_start, remote_start + sum(remote_need)))
+        else:
+            local_pool = rng.sample(range(r_spec.num_blocks), sum(local_need))
+            remote_pool = rng.sample(range(h_spec.num_blocks), sum(remote_need))
+        cuts_l = [sum(local_need[:i]) for i in range(count + 1)]
+        cuts_r = [sum(remote_need[:i]) for i in range(count + 1)]
+        pulls = [
+            (
+                f"req-{rng.randrange(1 << 40):x}",
+                remote_pool[cuts_r[i] : cuts_r[i + 1]],
+                local_pool[cuts_l[i] : cuts_l[i + 1]],
+                tokens[i],
+            )
+            for i in range(count)
+        ]
+        describe = f"{describe} of {count} pulls ({'adjacent' if adjacent else 'random'} blocks)"
+        for engine in readers:
+            engine.fill(FILL)
+        with self.lock:
+            self.outcome.pulls += count
+        try:
+            params = [
+                holders[0]
+                .client.hold_blocks(
+                    engine_id=holders[0].engine_id, request_id=request, block_ids=remote, num_tokens=num_tokens
+                )
+                .kv_transfer_params
+                for request, remote, _, num_tokens in pulls
+            ]
+            started = []
+            for reader in readers:
+                results = reader.client.start_pulls(
+                    [
+                        router_pb2.StartPullRequest(
+                            engine_id=reader.engine_id,
+                            tp_rank=reader.spec.tp_rank,
+                            request_id=request,
+                            local_block_ids=local,
+                            remote=held,
+                        )
+                        for (request, _, local, _), held in zip(pulls, params, strict=True)
+                    ]
+                )
+                for result in results:
+                    if isinstance(result, errors.KvdError):
+                        raise result
+                started.append(results)
+            for reader, transfer_ids in zip(readers, started, strict=True):
+                for transfer_id in transfer_ids:
+                    status = reader.client.wait_transfer(transfer_id, timeout_s=60)
+                    if status.state != common_pb2.TRANSFER_STATE_DONE:
+                        raise AssertionError(f"transfer ended {status.state}: {status.error_message}")
+        except (errors.KvdError, AssertionError) as exc:
+            self.fail(f"{describe}: {type(exc).__name__}: {exc}")
+            return
+        for index, (_, remote, local, num_tokens) in enumerate(pulls):
+            expected = logical_heads(holders, remote, num_tokens)
+            got = logical_heads(readers, local, num_tokens)
+            for head, tensor in got.items():
+                if not torch.equal(tensor, expected[head]):
+                    self.fail(f"{describe}: pull {index}, head {head} differs from the holder's ({num_tokens} tokens)")
+                    return
+        for reader in readers:
+            if not reader.outside_all_untouched([(local, n) for _, _, local, n in pulls], FILL):
+                self.fail(f"{describe}: bytes outside the pulled tokens were written on rank {reader.spec.tp_rank}")
+                return
+        with self.lock:
+            self.outcome.exact += count
 
     def fail(self, message: str) -> None:
         with self.lock:
