@@ -7,8 +7,9 @@ its own layout / block size / TP on the other daemon (a quarter of the cases: on
 both engines on one node), then one to a few pulls of random blocks
 and token counts, or (half the cases) 2-6 pulls as one engine step, one StartPulls per reader
 rank, into disjoint blocks that are adjacent across pulls in half of those steps (their READs
-share NIXL transfers: kvd.core.step_reads); the holder engine is unregistered (or left to a later case) afterwards, so the
-holder's registered memory changes under the reader's cached handshake all the time.
+share NIXL transfers: kvd.core.step_reads); the holder engine is unregistered (or left to a later
+case) afterwards, so the holder's registered memory changes under the reader's cached handshake
+all the time.
 
 Each pull's result is compared, head by head, with the holder's logical KV computed by
 :mod:`kvd.layout.oracle` straight from the layouts' definition (no descriptor, plan or run), and
