@@ -53,6 +53,8 @@ def problems(config: KvdConfig) -> list[str]:
     ):
         if not math.isfinite(getattr(config, name)) or getattr(config, name) <= 0:
             found.append(f"{name} must be > 0 (and finite), got {getattr(config, name)}")
+    if not math.isfinite(config.early_read_window_s) or not 0 <= config.early_read_window_s <= 86_400:
+        found.append(f"early_read_window_s must be in 0..86400, got {config.early_read_window_s}")
     if not math.isfinite(config.read_admission_margin_s) or config.read_admission_margin_s < 0:
         found.append(f"read_admission_margin_s must be >= 0, got {config.read_admission_margin_s}")
     if not math.isfinite(config.shutdown_grace_s) or config.shutdown_grace_s < 0:

@@ -110,6 +110,15 @@ class KvdConfig:
             "fence and report, and shares the transfer's outcome. false: a NIXL transfer per pull."
         },
     )
+    early_read_window_s: float = dataclasses.field(
+        default=120.0,
+        metadata={
+            "help": "How long after asking for this daemon's handshake a peer may post READs beside their admission "
+            "against the memory it names; memory this daemon lets go stays mapped (throw-away pages: a late READ reads "
+            "zeros, never unmapped memory) that long plus read_admission_margin_s, and a peer whose handshake is older "
+            "handshakes again first. 0: peers read only after their admission."
+        },
+    )
     read_admission_margin_s: float = dataclasses.field(
         default=5.0,
         metadata={

@@ -166,9 +166,6 @@ class Engine:
         for buffer in self.buffers:
             buffer.fill_(value)
 
-    def outside_untouched(self, block_ids: Sequence[int], num_tokens: int, value: int) -> bool:
-        return self.outside_all_untouched([(block_ids, num_tokens)], value)
-
     def outside_all_untouched(self, pulls: Sequence[tuple[Sequence[int], int]], value: int) -> bool:
         """Every byte outside the tokens of every pull (its blocks, its token count) holds ``value``."""
         sizes = [b.numel() for b in self.buffers]
@@ -185,6 +182,14 @@ class Engine:
         self.client.close()
         for name in self.names:
             unlink_shm(name)
+
+
+def _wait_done(reader: Engine, transfer_ids: Sequence[str]) -> None:
+    """Wait for each transfer on ``reader``; AssertionError for one that did not end DONE."""
+    for transfer_id in transfer_ids:
+        status = reader.client.wait_transfer(transfer_id, timeout_s=60)
+        if status.state != common_pb2.TRANSFER_STATE_DONE:
+            raise AssertionError(f"transfer ended {status.state}: {status.error_message}")
 
 
 def logical_heads(engines: Sequence[Engine], block_ids: Sequence[int], num_tokens: int) -> dict[int, torch.Tensor]:
@@ -318,24 +323,11 @@ class Worker:
                 for reader in readers
             ]
             for reader, transfer in zip(readers, started, strict=True):
-                status = reader.client.wait_transfer(transfer.transfer_id, timeout_s=60)
-                if status.state != common_pb2.TRANSFER_STATE_DONE:
-                    raise AssertionError(f"transfer ended {status.state}: {status.error_message}")
+                _wait_done(reader, [transfer.transfer_id])
         except (errors.KvdError, AssertionError) as exc:
             self.fail(f"{describe}: {type(exc).__name__}: {exc}")
             return
-        expected = logical_heads(holders, remote_blocks, num_tokens)
-        got = logical_heads(readers, local_blocks, num_tokens)
-        for head, tensor in got.items():
-            if not torch.equal(tensor, expected[head]):
-                self.fail(f"{describe}: head {head} differs from the holder's ({num_tokens} tokens)")
-                return
-        for reader in readers:
-            if not reader.outside_untouched(local_blocks, num_tokens, FILL):
-                self.fail(f"{describe}: bytes outside the pulled tokens were written on rank {reader.spec.tp_rank}")
-                return
-        with self.lock:
-            self.outcome.exact += 1
+        self._check_exact(holders, readers, [(remote_blocks, local_blocks, num_tokens)], describe)
 
     def step_pulls(self, rng: random.Random, holders: list[Engine], readers: list[Engine], describe: str) -> None:
         """2-6 pulls of one engine step (one StartPulls per reader rank: their READs from one holder
@@ -405,26 +397,35 @@ class Worker:
                         raise result
                 started.append(results)
             for reader, transfer_ids in zip(readers, started, strict=True):
-                for transfer_id in transfer_ids:
-                    status = reader.client.wait_transfer(transfer_id, timeout_s=60)
-                    if status.state != common_pb2.TRANSFER_STATE_DONE:
-                        raise AssertionError(f"transfer ended {status.state}: {status.error_message}")
+                _wait_done(reader, transfer_ids)
         except (errors.KvdError, AssertionError) as exc:
             self.fail(f"{describe}: {type(exc).__name__}: {exc}")
             return
-        for index, (_, remote, local, num_tokens) in enumerate(pulls):
+        self._check_exact(holders, readers, [(remote, local, n) for _, remote, local, n in pulls], describe)
+
+    def _check_exact(
+        self,
+        holders: list[Engine],
+        readers: list[Engine],
+        pulls: Sequence[tuple[Sequence[int], Sequence[int], int]],
+        describe: str,
+    ) -> None:
+        """Every pull's (remote blocks, local blocks, tokens) against the oracle, and every byte
+        outside all of them kept: counted exact, or one failure named after the first difference."""
+        for index, (remote, local, num_tokens) in enumerate(pulls):
             expected = logical_heads(holders, remote, num_tokens)
             got = logical_heads(readers, local, num_tokens)
             for head, tensor in got.items():
                 if not torch.equal(tensor, expected[head]):
-                    self.fail(f"{describe}: pull {index}, head {head} differs from the holder's ({num_tokens} tokens)")
+                    which = f"pull {index}, " if len(pulls) > 1 else ""
+                    self.fail(f"{describe}: {which}head {head} differs from the holder's ({num_tokens} tokens)")
                     return
         for reader in readers:
-            if not reader.outside_all_untouched([(local, n) for _, _, local, n in pulls], FILL):
+            if not reader.outside_all_untouched([(local, n) for _, local, n in pulls], FILL):
                 self.fail(f"{describe}: bytes outside the pulled tokens were written on rank {reader.spec.tp_rank}")
                 return
         with self.lock:
-            self.outcome.exact += count
+            self.outcome.exact += len(pulls)
 
     def fail(self, message: str) -> None:
         with self.lock:

@@ -186,7 +186,7 @@ class PeerSummary(_message.Message):
     def __init__(self, address: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., last_contact_s_ago: _Optional[float] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "metrics_address", "admitted_reads", "quarantined_bytes", "remote_agents", "version", "holds_ended", "dataplane_pid", "dataplane_restarts", "dataplane_last_restart")
+    __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "metrics_address", "admitted_reads", "quarantined_bytes", "remote_agents", "version", "holds_ended", "dataplane_pid", "dataplane_restarts", "dataplane_last_restart", "finishing_calls")
     class HoldsEndedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class GetStatusResponse(_message.Message):
     DATAPLANE_PID_FIELD_NUMBER: _ClassVar[int]
     DATAPLANE_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     DATAPLANE_LAST_RESTART_FIELD_NUMBER: _ClassVar[int]
+    FINISHING_CALLS_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_name: str
     peer_address: str
@@ -232,4 +233,5 @@ class GetStatusResponse(_message.Message):
     dataplane_pid: int
     dataplane_restarts: int
     dataplane_last_restart: str
-    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., metrics_address: _Optional[str] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ..., version: _Optional[str] = ..., holds_ended: _Optional[_Mapping[str, int]] = ..., dataplane_pid: _Optional[int] = ..., dataplane_restarts: _Optional[int] = ..., dataplane_last_restart: _Optional[str] = ...) -> None: ...
+    finishing_calls: int
+    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineSummary, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerSummary, _Mapping]]] = ..., transfers_in_flight: _Optional[int] = ..., leases_held: _Optional[int] = ..., serving: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., leases_draining: _Optional[int] = ..., metrics_address: _Optional[str] = ..., admitted_reads: _Optional[int] = ..., quarantined_bytes: _Optional[int] = ..., remote_agents: _Optional[int] = ..., version: _Optional[str] = ..., holds_ended: _Optional[_Mapping[str, int]] = ..., dataplane_pid: _Optional[int] = ..., dataplane_restarts: _Optional[int] = ..., dataplane_last_restart: _Optional[str] = ..., finishing_calls: _Optional[int] = ...) -> None: ...

@@ -106,6 +106,18 @@ def overhead_table(result: dict[str, Any]) -> list[str]:
         f"{len(over)} pairs): p50 {_ms(median(over))} ms, p90 {_ms(percentile(over, 90))} ms, "
         f"p99 {_ms(percentile(over, 99))} ms; pull p50 {_ms(median(result['kvd_s']))} ms, "
         f"raw p50 {_ms(median(result['raw_s']))} ms",
+        *_paused_line(result.get("paused")),
+    ]
+
+
+def _paused_line(paused: dict[str, Any] | None) -> list[str]:
+    """The same pairs, each pull after a pause (as an engine's pulls come: one per request)."""
+    if not paused or not paused["overhead_s"]:
+        return []
+    over = paused["overhead_s"]
+    return [
+        f"  each after {paused['pause_s'] * 1e3:.0f} ms with nothing moving ({len(over)} pairs): overhead p50 "
+        f"{_ms(median(over))} ms, p90 {_ms(percentile(over, 90))} ms; pull p50 {_ms(median(paused['kvd_s']))} ms"
     ]
 
 
@@ -145,9 +157,11 @@ def batched_table(rows: list[dict[str, Any]]) -> list[str]:
         "  each step followed by a raw step: the same B READs of 2 MiB posted together from one bare NIXL agent "
         "and waited for together (raw/s; ratio: kvd's pulls/s over raw's; raw-cpu: the raw READs' CPU ms per READ, "
         "this process and the holder over the raw steps); ctrl: control CPU ms per pull, kvd's all less raw-cpu",
+        "  then the same raw step with each READ as a pull's descriptors (64 of 32 KiB, one per plane, as the "
+        "layout makes anyone read a block): lay/s, and kvd's pulls/s over it (of-lay)",
         f"{'B':>4} {'mode':>8} {'pulls':>6} {'pulls/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'reader':>7} {'r-wkr':>7} {'holder':>7} {'h-wkr':>7} {'client':>7} {'all':>7} "
-        f"{'raw/s':>7} {'ratio':>6} {'raw-cpu':>7} {'ctrl':>7}",
+        f"{'raw/s':>7} {'ratio':>6} {'raw-cpu':>7} {'ctrl':>7} {'lay/s':>7} {'of-lay':>6}",
     ]
     for row in rows:
         pulls, wall = row["pulls"], row["wall_s"]
@@ -158,7 +172,18 @@ def batched_table(rows: list[dict[str, Any]]) -> list[str]:
                 f" {raw['pulls'] / raw['wall_s']:7.0f} {row['vs_raw']:6.2f} "
                 f"{raw['cpu_s']['all'] / raw['pulls'] * 1e3:7.2f} {row['control_cpu_s'] * 1e3:7.2f}"
             )
+        laid = row.get("raw_layout")
+        if laid:
+            line += f" {laid['pulls'] / laid['wall_s']:7.0f} {row['vs_raw_layout']:6.2f}"
         out.append(line)
+    for row in rows:
+        if row["mode"] == "batched" and row.get("raw_layout") and row.get("raw"):
+            laid, raw = row["raw_layout"], row["raw"]
+            ceiling = (raw["wall_s"] / raw["pulls"]) / (laid["wall_s"] / laid["pulls"])
+            out.append(
+                f"  steps of {row['batch']}: the bytes alone, read with the pulls' descriptors, reach {ceiling:.2f}x "
+                "raw's one-descriptor READs: the ceiling here of any path that reads these blocks (they do not adjoin)"
+            )
     return out
 
 

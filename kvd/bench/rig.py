@@ -30,6 +30,7 @@ from kvd_client.aio import AsyncKvdClient
 from kvd_client.v1 import common_pb2, engine_pb2, peer_pb2, peer_pb2_grpc, router_pb2
 
 BLOCK_BYTES = 32 * 2 * 16 * 8 * 128 * 2  # one block of the scratch layout: 2 MiB (kvd.core.scratch)
+BLOCK_PLANES = 32 * 2  # a scratch block lies in one piece per layer and K/V: 64 of 32 KiB
 
 
 def cpu_seconds(pid: int) -> float:
@@ -322,6 +323,8 @@ class RawReader:
         self._registration = self.agent.register_memory(self.buffer)
         self._local: Any = None
         self._remote: Any = None
+        self._local_planes: Any = None  # the buffer as an engine's planes (read_step(layout=True))
+        self._remote_planes: Any = None
         self._remote_name: Any = None
         self.nbytes = 0
         self.slots = 0
@@ -348,6 +351,20 @@ class RawReader:
             "DRAM",
         )
         self.slots = slots
+        if self.nbytes == BLOCK_BYTES:  # a scratch of one block: its planes, as a pull reads them
+            piece = BLOCK_BYTES // BLOCK_PLANES
+            self._remote_planes = self.agent.prep_xfer_dlist(
+                self._remote_name,
+                np.array([[region.address + p * piece, piece, 0] for p in range(BLOCK_PLANES)], dtype=np.int64),
+                "DRAM",
+            )
+            # Plane p of slot s at (p * slots + s) pieces: each plane holds every slot's piece in
+            # turn, as an engine's cache holds every block's (the bench engine's layout).
+            self._local_planes = self.agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT",
+                np.array([[base + i * piece, piece, 0] for i in range(BLOCK_PLANES * slots)], dtype=np.int64),
+                "DRAM",
+            )
 
     def read(self) -> float:
         """One READ of the whole scratch, polled to DONE; seconds."""
@@ -363,20 +380,35 @@ class RawReader:
             raise errors.PeerUnavailable(f"raw NIXL read failed ({state})")
         return elapsed
 
-    def read_step(self, count: int, timeout_s: float = 60.0) -> list[float]:
+    def read_step(self, count: int, timeout_s: float = 60.0, layout: bool = False) -> list[float]:
         """An engine step's worth of raw READs: ``count`` READs of the whole scratch, each into a
         slot of its own, all posted before any is polled, then polled together until every one
         is DONE; seconds from the first post to each READ's DONE (the raw side of a batched step:
         what one bare agent does for ``count`` pulls with no control path at all). A step not
-        done within ``timeout_s`` fails the bench rather than hanging it."""
+        done within ``timeout_s`` fails the bench rather than hanging it.
+
+        ``layout``: each READ with the descriptors a pull of a block has (one per plane, 64 of
+        32 KiB, into the slot's piece of every plane, as into an engine's cache) instead of one
+        of 2 MiB: the same bytes as the layout makes anyone read them (a scratch of one block)."""
         if count > self.slots:
             raise ValueError(f"a raw step of {count} READs needs {count} slots of {self.nbytes} bytes")
+        if layout and self._local_planes is None:
+            raise ValueError(f"a raw step with a block's descriptors needs a scratch of one block, not {self.nbytes}")
         zero = np.array([0], np.int32)
+        planes = np.arange(BLOCK_PLANES, dtype=np.int32)
         t0 = time.perf_counter()
-        handles = [
-            self.agent.make_prepped_xfer("READ", self._local, np.array([i], np.int32), self._remote, zero)
-            for i in range(count)
-        ]
+        if layout:
+            handles = [
+                self.agent.make_prepped_xfer(
+                    "READ", self._local_planes, planes * self.slots + i, self._remote_planes, planes
+                )
+                for i in range(count)
+            ]
+        else:
+            handles = [
+                self.agent.make_prepped_xfer("READ", self._local, np.array([i], np.int32), self._remote, zero)
+                for i in range(count)
+            ]
         pending = {i: self.agent.transfer(handle) for i, handle in enumerate(handles)}
         elapsed = [0.0] * count
         failed = ""
@@ -404,10 +436,10 @@ class RawReader:
         return elapsed
 
     def _drop_remote(self) -> None:
-        for table in (self._remote, self._local):
+        for table in (self._remote, self._local, self._remote_planes, self._local_planes):
             if table is not None:
                 table.release()
-        self._remote = self._local = None
+        self._remote = self._local = self._remote_planes = self._local_planes = None
         if self._remote_name is not None:
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(self._remote_name)

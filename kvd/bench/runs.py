@@ -106,28 +106,55 @@ async def sizes(session: Session, sizes_mb: list[int], samples: int, progress: P
 
 
 async def overhead(session: Session, samples: int, progress: Progress) -> dict[str, Any]:
-    """2 MiB pulls and raw reads interleaved: pull - raw, pair by pair (the control path's cost)."""
-    size = BLOCK_BYTES
-    held = await session.hold(size, samples + 2)
-    kvd: list[float] = []
-    raw: list[float] = []
-    transfer_ids: list[str] = []
-    for i, hold in enumerate(held):
-        elapsed = await session.engine.pull(hold.kv_transfer_params, 0)
-        raw_s = session.raw.read()
-        if i >= 2:
-            kvd.append(elapsed)
-            raw.append(raw_s)
-            transfer_ids.append(session.engine.last_transfer_id)
-        progress("control overhead", (i + 1) / len(held))
-    session.verify(0, size)
+    """2 MiB pulls and raw reads interleaved: pull - raw, pair by pair (the control path's cost);
+    then up to PAUSED_PAIRS more, each pull after PAUSE_S with nothing moving (``paused``)."""
+    kvd, raw, transfer_ids = await _pairs(session, samples, 0.0, 2, "control overhead", progress)
+    paused_kvd, paused_raw, _ = await _pairs(
+        session, min(samples, PAUSED_PAIRS), PAUSE_S, 0, "control overhead after a pause", progress
+    )
     return {
-        "size_bytes": size,
+        "size_bytes": BLOCK_BYTES,
         "kvd_s": kvd,
         "raw_s": raw,
         "overhead_s": [k - r for k, r in zip(kvd, raw, strict=True)],
         "phase_s": await _phases(session, transfer_ids),
+        "paused": {
+            "pause_s": PAUSE_S,
+            "kvd_s": paused_kvd,
+            "raw_s": paused_raw,
+            "overhead_s": [k - r for k, r in zip(paused_kvd, paused_raw, strict=True)],
+        },
     }
+
+
+PAUSE_S = 0.05
+"""The pause before each of the overhead section's paused pulls: an engine pulls once per request,
+not back to back, and every process on the path runs its code cold after a pause."""
+PAUSED_PAIRS = 30
+
+
+async def _pairs(
+    session: Session, pairs: int, pause_s: float, warm_up: int, label: str, progress: Progress
+) -> tuple[list[float], list[float], list[str]]:
+    """``pairs`` 2 MiB pulls, each followed by a raw read of the same bytes and each after
+    ``pause_s`` (0: back to back), the first ``warm_up`` more not kept: (pull seconds, raw
+    seconds, the pulls' transfer ids). The last pull's bytes are checked."""
+    held = await session.hold(BLOCK_BYTES, pairs + warm_up)
+    kvd: list[float] = []
+    raw: list[float] = []
+    transfer_ids: list[str] = []
+    for i, hold in enumerate(held):
+        if pause_s:
+            await asyncio.sleep(pause_s)
+        elapsed = await session.engine.pull(hold.kv_transfer_params, 0)
+        raw_s = session.raw.read()
+        if i >= warm_up:
+            kvd.append(elapsed)
+            raw.append(raw_s)
+            transfer_ids.append(session.engine.last_transfer_id)
+        progress(label, (i + 1) / len(held))
+    session.verify(0, BLOCK_BYTES)
+    return kvd, raw, transfer_ids
 
 
 async def _phases(session: Session, transfer_ids: list[str]) -> list[dict[str, float]]:
@@ -189,7 +216,11 @@ async def batched(
     together, so the machine's noise hits both. A row's ``vs_raw`` is kvd's pulls/s over raw's,
     and ``control_cpu_s`` kvd's CPU per pull (every process) less the raw READ's (this process
     and the holder over the raw steps): what the control path costs beyond the bytes' own copy.
-    Both rates count step time only (the /proc reads between steps are outside every window)."""
+    Both rates count step time only (the /proc reads between steps are outside every window).
+
+    Then a raw step with the pulls' own descriptors (``raw_layout``: each READ 64 of 32 KiB, one per
+    plane, as the layout makes anyone read a block; ``vs_raw_layout``): the bytes' own bound for
+    this layout, which the one-descriptor raw step is not."""
     engine = session.engine
     out = []
     modes = ("single", "batched")
@@ -200,17 +231,16 @@ async def batched(
             held = [h.kv_transfer_params for h in await session.hold(BLOCK_BYTES, steps * batch)]
             engine.buffer.zero_()
             session.raw.read_step(batch)  # untimed: the raw agent's first step of this geometry
+            session.raw.read_step(batch, layout=True)
             kvd = _Window()
             raw = _Window()
+            laid = _Window()
             for step in range(steps):
                 cpu0, client0, t0 = session.daemons.cpu(), own_cpu_seconds(), time.perf_counter()
                 kvd.latency_s += await engine.pull_step(held[step * batch : (step + 1) * batch], 0, mode == "batched")
                 kvd.add(time.perf_counter() - t0, _cpu_since(session, cpu0, client0))
-                holder0, client0, t0 = session.daemons.holder_cpu(), own_cpu_seconds(), time.perf_counter()
-                raw.latency_s += session.raw.read_step(batch)
-                wall, client = time.perf_counter() - t0, own_cpu_seconds() - client0
-                holder = session.daemons.holder_cpu() - holder0
-                raw.add(wall, {"holder": holder, "client": client, "all": holder + client})
+                _raw_step(session, raw, batch, layout=False)
+                _raw_step(session, laid, batch, layout=True)
                 progress(f"batched {batch} ({mode})", (n + (m + (step + 1) / steps) / len(modes)) / len(batches))
             for block in range(batch):
                 session.verify(block, BLOCK_BYTES)
@@ -224,10 +254,22 @@ async def batched(
                     **kvd.as_row(),
                     "raw": raw_row,
                     "vs_raw": (pulls / kvd.wall_s) / (pulls / raw.wall_s),
+                    "raw_layout": {"pulls": pulls, **laid.as_row()},
+                    "vs_raw_layout": (pulls / kvd.wall_s) / (pulls / laid.wall_s),
                     "control_cpu_s": (kvd.cpu_s["all"] - raw.cpu_s["all"]) / pulls,
                 }
             )
     return out
+
+
+def _raw_step(session: Session, window: _Window, batch: int, layout: bool) -> None:
+    """One raw step of ``batch`` READs (``RawReader.read_step``) added to ``window``: its wall
+    time, latencies, and the CPU of this process and of the holder, whose registration it reads."""
+    holder0, client0, t0 = session.daemons.holder_cpu(), own_cpu_seconds(), time.perf_counter()
+    window.latency_s += session.raw.read_step(batch, layout=layout)
+    wall, client = time.perf_counter() - t0, own_cpu_seconds() - client0
+    holder = session.daemons.holder_cpu() - holder0
+    window.add(wall, {"holder": holder, "client": client, "all": holder + client})
 
 
 @dataclasses.dataclass

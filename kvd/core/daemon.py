@@ -147,7 +147,11 @@ class Daemon:
         loop = self._loop = asyncio.get_running_loop()
         self.metrics.before_collect(self.holds.gauges_for_scrape)
         dataplane = await self.restarts.start()
-        self.memories = Memories(dataplane, self.metrics)
+        config = self.config
+        keep_readable_s = (
+            config.early_read_window_s + config.read_admission_margin_s if config.early_read_window_s else 0.0
+        )
+        self.memories = Memories(dataplane, self.metrics, keep_readable_s)
         self.memories.on_quarantined = self.sweeper.wake
         self.peers = Peers(
             self._transport,
@@ -201,9 +205,15 @@ class Daemon:
         while self.leases.open_admissions and time.monotonic() < grace_ends:
             await asyncio.sleep(SHUTDOWN_DRAIN_POLL_S)
         self.leases.force_end_admissions()
+        await self.selftest.finishing.settle(
+            self.config.fence_timeout_s
+        )  # registrations under way end first (kvd.core.finishing)
+        await self.engines.finishing.settle(self.config.fence_timeout_s)
         for rank in list(self.registry):
             await self.engines.unregister(rank, "daemon shutting down")
         await self.holder.settle()
+        if self.memories is not None:
+            await self.memories.finishing.settle(self.config.fence_timeout_s)
         remote_calls = list(self.holder_calls.tasks)
         for task in [*self._background, *remote_calls]:
             task.cancel()

@@ -340,9 +340,11 @@ class DataPlane:
         """Map the engine's regions in the worker (all or none)."""
         return list(await self._call("open_regions", tuple(requests)))
 
-    async def close_regions(self, region_ids: Sequence[int]) -> None:
+    async def close_regions(self, region_ids: Sequence[int], keep_readable_s: float = 0.0) -> None:
+        """Drop the worker's mappings; with ``keep_readable_s``, host mappings are retired now and
+        unmapped only that long after (kvd.worker.regions.Regions.close)."""
         if region_ids and self.alive:
-            await self._call("close_regions", tuple(region_ids))
+            await self._call("close_regions", tuple(region_ids), keep_readable_s)
 
     async def duplicate_region(self, region_id: int) -> MappedRegion:
         """The same shared pages mapped again at a new address (a re-map; kvd.worker.vm)."""

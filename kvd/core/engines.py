@@ -20,7 +20,8 @@ import os
 from collections.abc import Sequence
 
 from kvd.core.context import CoreContext
-from kvd.core.leases import Lease, LeaseEnd
+from kvd.core.finishing import Finishing
+from kvd.core.leases import LeaseEnd
 from kvd.core.memory import RegionRequest
 from kvd.core.registry import EngineRank, next_registration_id
 from kvd.layout import groups as kv_groups
@@ -50,6 +51,8 @@ class Engines:
         self._require_dataplane = ctx.require_dataplane
         self._loop = ctx.loop
         self._liveness_now = asyncio.Event()  # an engine registered with a pid, or one exited
+        # A registration runs to its end even if its caller is cancelled, and is then undone.
+        self.finishing = Finishing("engine registration")
 
     async def register(
         self,
@@ -65,7 +68,27 @@ class Engines:
 
         ``extra_groups``: a hybrid model's KV cache groups after group 0 (``spec`` and
         ``placements``), each over the same regions (vLLM overlays groups on one allocation).
+        A caller cancelled meanwhile (its client gave up) leaves it to finish, then it is undone:
+        a registration nobody was told of does not stay (the engine's retry registers anew).
         """
+        return await self.finishing.run(
+            self._register(engine_id, spec, regions, placements, require_commits, engine_pid, extra_groups),
+            abandoned=self._undo_abandoned,
+        )
+
+    def _undo_abandoned(self, rank: EngineRank) -> None:
+        self.finishing.start(self.unregister(rank, "its registration's caller gave up before it finished"))
+
+    async def _register(
+        self,
+        engine_id: str,
+        spec: LayoutSpec,
+        regions: Sequence[RegionRequest],
+        placements: Sequence[LayerPlacement],
+        require_commits: bool,
+        engine_pid: int,
+        extra_groups: Sequence[EngineView],
+    ) -> EngineRank:
         self._require_serving()
         if not regions:
             raise InvalidArgument("a registration needs at least one memory region")
@@ -110,7 +133,6 @@ class Engines:
             self._liveness_now.set()  # watch its pid
         self.metrics.engines.set(len(self.registry))
         self.metrics.registered_bytes.labels(engine_id, str(spec.tp_rank)).set(rank.registered_bytes)
-        await self.prepare_tables(rank)
         logger.info(
             "registered engine %s rank %d: %s, %d bytes in %d %s regions",
             engine_id,
@@ -122,6 +144,9 @@ class Engines:
             len(regions),
             rank.mem_type,
         )
+        # An unregister may come while the lists are prepared: it then owns the memory (no rank's
+        # field is read after this await).
+        await self.prepare_tables(rank)
         return rank
 
     async def prepare_tables(self, rank: EngineRank) -> None:
@@ -149,7 +174,6 @@ class Engines:
         if self.registry.current(rank) is not rank:
             return
         self.registry.remove(rank.engine_id, rank.tp_rank)
-        self._keep_for_early_reads(rank)
         for transfer in self.transfers.in_flight():
             if transfer.engine_id == rank.engine_id and transfer.tp_rank == rank.tp_rank and transfer.task:
                 transfer.task.cancel(f"engine {rank.engine_id} rank {rank.tp_rank}: {reason}")
@@ -165,28 +189,6 @@ class Engines:
                 self.metrics.held_bytes.remove(rank.engine_id, str(rank.tp_rank), state)
         logger.info("unregistered engine %s rank %d: %s", rank.engine_id, rank.tp_rank, reason)
         await self._memories().fence(rank.memory)
-
-    def _keep_for_early_reads(self, rank: EngineRank) -> None:
-        """A rank that goes while its engine has leases out may still be read by a READ posted
-        beside its admission (never admitted, so never pinned: docs/lifetimes.md, "A READ beside
-        its admission"). Its mapping is then retired, not freed, until the last lease with a
-        reader rank neither admitted nor done could still be read: its expiry plus
-        ``read_admission_margin_s`` (readers post early only before the expiry their lease
-        names). Unmapped memory read by a peer crashes the worker serving it (UCX over TCP
-        reads it itself)."""
-        if rank.require_commits:
-            return  # readers of a rank that commits after leasing are admitted first
-        leases = [
-            lease for lease in self.leases.every() if lease.engine_id == rank.engine_id and _may_get_a_reader(lease)
-        ]
-        loop = self._loop()
-        if not leases or loop is None:
-            return
-        until = max(lease.expires_at for lease in leases) + self.config.read_admission_margin_s
-        key = f"early-reads/{rank.registration_id}"
-        memory = rank.memory
-        self._memories().taint(memory, key)
-        loop.call_later(max(0.0, until - self.leases.now()), self._memories().prove, memory, key)
 
     def attach_stream(self, engine_id: str, tp_rank: int) -> tuple[EngineRank, int]:
         """Make a new stream the rank's current one; returns the rank and the stream's generation.
@@ -295,9 +297,3 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _may_get_a_reader(lease: Lease) -> bool:
-    """Whether a reader rank of the lease is neither done nor admitted: its READ may yet come."""
-    seen = lease.done_readers | {admission.reader_rank for admission in lease.admissions.values()}
-    return not lease.reader_tp_size or len(seen) < lease.reader_tp_size

@@ -208,7 +208,14 @@ class Holder:
         assert dataplane is not None
         identity = dataplane.identity()
         self._poll_fast_for_connect()
-        return HandshakeInfo(self.incarnation, self._agent_name(), identity.metadata, engines, identity.regions)
+        return HandshakeInfo(
+            self.incarnation,
+            self._agent_name(),
+            identity.metadata,
+            engines,
+            identity.regions,
+            self.config.early_read_window_s,  # Memories keeps what it lets go readable that long (and more)
+        )
 
     def _poll_fast_for_connect(self) -> None:
         """A reader has the metadata and is connecting: poll fast for CONNECT_POLL_S (CONNECT_POLL_S's

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvd.core.dataplane import DataPlane, Xfer
+from kvd.core.finishing import Finishing
 from kvd.core.memory import MemoryKind, OpenedRegion, RegionRequest
 from kvd.core.metrics import Metrics
 from kvd.core.tables import TableCache
@@ -115,14 +116,20 @@ class LocalMemory:
 class Memories:
     """Creates, pins, fences, re-maps, releases and quarantines LocalMemory. Event-loop only."""
 
-    def __init__(self, dataplane: DataPlane, metrics: Metrics) -> None:
+    def __init__(self, dataplane: DataPlane, metrics: Metrics, keep_readable_s: float = 0.0) -> None:
         self._dataplane = dataplane
         self._metrics = metrics
+        # How long a freed mapping's addresses stay readable (throw-away pages) before the worker
+        # unmaps them: a peer may still post a READ beside its admission against them, planned on
+        # a handshake that named them (docs/lifetimes.md, "Memory let go stays readable").
+        self.keep_readable_s = keep_readable_s
         self.quarantine: list[LocalMemory] = []
         self._releasing: set[LocalMemory] = set()
         # Called when a mapping enters the quarantine: the daemon's sweeper, which frees it once its
         # stale reads are final, sleeps while there is nothing to sweep and must be woken.
         self.on_quarantined: Callable[[], None] = lambda: None
+        # Opening and releasing run to their end even if their caller is cancelled (kvd.core.finishing).
+        self.finishing = Finishing("memory")
 
     async def register(self, regions: Sequence[OpenedRegion], registration_id: int) -> LocalMemory:
         """Register every region with NIXL; all or nothing."""
@@ -146,8 +153,23 @@ class Memories:
             plane=self._dataplane,
         )
 
-    async def open(self, requests: Sequence[RegionRequest], registration_id: int) -> LocalMemory:
-        """Map an engine's regions in the worker and register them with NIXL; all or nothing."""
+    async def open(
+        self, requests: Sequence[RegionRequest], registration_id: int, *, to_the_end: bool = True
+    ) -> LocalMemory:
+        """Map an engine's regions in the worker and register them with NIXL; all or nothing.
+
+        A caller cancelled meanwhile leaves it to finish; the mapping is then released. Not
+        ``to_the_end``: a cancel stops it where it is, for a caller whose only cancel is the
+        shutdown that stops the worker next (a data-plane restart re-mapping ranks)."""
+        if not to_the_end:
+            return await self._open(requests, registration_id)
+        return await self.finishing.run(self._open(requests, registration_id), abandoned=self._drop)
+
+    def _drop(self, memory: LocalMemory) -> None:
+        """A mapping made for a caller that gave up: nothing pins it, nothing will."""
+        self.finishing.start(self.fence(memory))
+
+    async def _open(self, requests: Sequence[RegionRequest], registration_id: int) -> LocalMemory:
         plane = self._dataplane
         mapped = await plane.open_regions(requests)
         regions = [OpenedRegion(request, region) for request, region in zip(requests, mapped, strict=True)]
@@ -232,7 +254,11 @@ class Memories:
 
         The old mapping can then be retired without the engine losing its memory: this is how a
         pull whose READ NIXL will not finish is failed safely (see PullEnding.fence in kvd.core.pull_resources).
+        A caller cancelled meanwhile leaves it to finish; the new mapping is then released.
         """
+        return await self.finishing.run(self._remap(memory, registration_id), abandoned=self._drop)
+
+    async def _remap(self, memory: LocalMemory, registration_id: int) -> LocalMemory:
         plane = memory.plane
         regions: list[OpenedRegion] = []
         try:
@@ -259,6 +285,10 @@ class Memories:
         )
 
     async def _release(self, memory: LocalMemory) -> None:
+        """Free or quarantine ``memory``, to the end even if the caller is cancelled meanwhile."""
+        await self.finishing.run(self._release_now(memory))
+
+    async def _release_now(self, memory: LocalMemory) -> None:
         if memory in self._releasing or memory.state in (MemoryState.RELEASED, MemoryState.QUARANTINED):
             return
         if self._lost(memory):  # its worker is gone: nothing of it is left to release
@@ -286,7 +316,8 @@ class Memories:
         for registration in memory.nixl_registrations:
             await plane.deregister(registration)
         memory.nixl_registrations.clear()
-        await plane.close_regions([region.region_id for region in memory.regions])  # the worker's mapping
+        # The worker's mapping, kept readable a while (host memory): never unmapped under a READ.
+        await plane.close_regions([region.region_id for region in memory.regions], self.keep_readable_s)
         memory.regions.clear()
 
     async def sweep_quarantine(self) -> None:

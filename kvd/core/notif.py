@@ -62,6 +62,18 @@ def encode(notif_tag: str, part: int, parts: int, nbytes: int) -> bytes:
     return f"{notif_tag}|{part}|{parts}|{nbytes}".encode()
 
 
+def read_of(notif_tag: str, part: int, parts: int, nbytes: int) -> ReadNotification | None:
+    """What :func:`decode` makes of ``encode(notif_tag, part, parts, nbytes)``, without the bytes
+    (a step READ names each of its reads: the reader builds them per pull); None where decode
+    would refuse it (a tag that is not a holder's)."""
+    fields = notif_tag.split("|")
+    if len(fields) != 3 or fields[0] != PREFIX or not fields[1] or not fields[2]:
+        return None
+    if not 0 <= part < parts or nbytes < 0 or len(notif_tag) + len(f"|{part}|{parts}|{nbytes}") > _MAX_LEN:
+        return None
+    return ReadNotification(fields[1], fields[2], part, parts, nbytes)
+
+
 def decode(message: bytes) -> ReadNotification | None:
     if len(message) > _MAX_LEN:
         return None

@@ -52,6 +52,9 @@ class HandshakeInfo:
     engines: tuple[RemoteEngine, ...]
     # Exactly the regions agent_metadata names; () from a peer that does not list them.
     regions: tuple[NixlRegion, ...] = ()
+    # How long after asking for this answer a READ beside its admission may still be posted against
+    # the memory it names (HandshakeResponse.early_read_window_ms); 0: only after the admission.
+    early_read_window_s: float = 0.0
 
     def engines_by_rank(self) -> dict[tuple[str, int], RemoteEngine]:
         """The peer's engines keyed as a session keeps them: (engine id, TP rank)."""

@@ -40,7 +40,7 @@ from kvd.core.peer_protocol import (
 )
 from kvd.core.remote_agents import MAX_STALE_REGIONS, RemoteAgent
 from kvd.core.tables import TableCache
-from kvd_client.errors import KvdError, PeerUnavailable, Unavailable
+from kvd_client.errors import InvalidArgument, KvdError, PeerUnavailable, Unavailable
 
 # Defined here before kvd.core.peer_protocol and kvd.core.remote_agents: still importable from here.
 __all__ = [
@@ -65,6 +65,12 @@ class StaleView(Exception):
     """The agent a pull planned against is being reloaded: plan again on the fresh session."""
 
 
+class BrokenConnection(PeerUnavailable):
+    """A known peer agent's fresh metadata could not be merged: NIXL found the connection to it
+    broken (``NIXL_ERR_REMOTE_DISCONNECT``). Only :meth:`Peers._handshake` sees it: it loads the
+    agent afresh, over a new connection, once."""
+
+
 @dataclasses.dataclass(eq=False)
 class PeerSession:
     address: str
@@ -73,6 +79,11 @@ class PeerSession:
     engines: dict[tuple[str, int], RemoteEngine]
     handshaken_at: float = dataclasses.field(default_factory=time.monotonic)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+    # When the handshake this view is from was asked (before its answer was made), and how long
+    # after that the holder keeps memory it lets go readable (HandshakeInfo.early_read_window_s):
+    # a READ beside its admission is posted on this view only within that window (may_read_early).
+    asked_at: float = dataclasses.field(default_factory=time.monotonic)
+    early_read_window_s: float = 0.0
     # Forgotten because this daemon's data-plane worker was lost (the peer is fine): its pulls'
     # READs are final (the worker's death fenced them), so the holder is still told they are over.
     plane_lost: bool = False
@@ -83,6 +94,13 @@ class PeerSession:
 
     def engine_ranks(self, engine_id: str) -> dict[int, RemoteEngine]:
         return {rank: engine for (eid, rank), engine in self.engines.items() if eid == engine_id}
+
+    def may_read_early(self, now: float) -> bool:
+        """Whether a READ planned on this view may be posted before its admission: only within the
+        holder's window from when the handshake was asked. The memory the view names may since
+        have been let go, but the holder keeps its addresses readable that long after (and more):
+        never a READ of unmapped memory, whatever the lease's params say (docs/lifetimes.md)."""
+        return now < self.asked_at + self.early_read_window_s
 
 
 class Peers:
@@ -155,6 +173,31 @@ class Peers:
             return await self._handshake(address)
 
     async def _handshake(self, address: str) -> PeerSession:
+        """Handshake and load the peer's agent; a connection found broken is made anew, once.
+
+        A connection may break without the pull that broke it noticing (a READ of memory the
+        holder had unmapped did, before the holder kept what it lets go readable: docs/lifetimes.md);
+        merging the peer's fresh metadata is then the first NIXL call to see it. The failed merge dropped
+        the peer and marked its agent for a reload: a second handshake unloads it (once no pull
+        reads through it) and loads it over a new connection, so the pull that found it goes on."""
+        try:
+            return await self._handshake_once(address)
+        except BrokenConnection as exc:
+            logger.info("handshake with %s: %s; loading its NIXL agent again", address, exc.message)
+        try:
+            return await self._handshake_once(address)
+        except BrokenConnection as exc:
+            raise PeerUnavailable(exc.message) from exc
+        except InvalidArgument as exc:
+            # NIXL 1.5 keeps the UCX connection of an agent whose merge failed (nothing releases
+            # it), so it refuses to load that agent again: not the caller's argument.
+            raise PeerUnavailable(
+                f"the NIXL connection to {address} broke and NIXL will not load its agent again "
+                f"({exc.message}): a restart of either daemon's data plane clears it"
+            ) from exc
+
+    async def _handshake_once(self, address: str) -> PeerSession:
+        asked_at = time.monotonic()
         try:
             info = await self.transport.handshake(address, self._timeout_s)
         except KvdError as exc:
@@ -184,6 +227,12 @@ class Peers:
             session = self._first_contact(address, info, named)
         else:
             session = await self._load_inline(address, info, named, agent, current)
+        session.asked_at = asked_at
+        # This daemon itself (kvd.core.loopback): its admission is a coroutine call, so there is no
+        # round trip to hide, and NIXL frees the keys of a registration its own agent drops at once:
+        # a READ posted before its admission, on a view naming memory since let go, crashed the
+        # worker. Its pulls are admitted before they read.
+        session.early_read_window_s = 0.0 if info.incarnation == self._own_incarnation() else info.early_read_window_s
         self._metrics.handshakes.labels(address, "ok").inc()
         self._gauges()
         if self._warm is not None:
@@ -213,6 +262,7 @@ class Peers:
         """Release the agent's lists and forget it in ``dataplane``'s NIXL agent (the worker the
         agent was loaded into; this daemon's own agent: the lists only)."""
         tables = agent.tables.close()
+        await agent.tables.settle()  # a list still being prepared over the agent is released first
         if agent.name == dataplane.name:
             await dataplane.release_tables(tables)
         else:
@@ -273,12 +323,14 @@ class Peers:
             agent = self._new_agent(info.agent_name)
         try:
             loaded = await self._add_remote(info)
-        except KvdError:
+        except KvdError as exc:
             if not fresh:
                 # NIXL forgets an agent whose metadata it could not load: no new pull may read through
                 # it, and the next handshake reloads it once the pulls already reading are over.
                 agent.reloading = True
                 await self.drop(address, "metadata rejected")
+                if isinstance(exc, PeerUnavailable):
+                    raise BrokenConnection(exc.message) from exc
             raise
         _require_agent(info, loaded, address)
         if agent.removed:  # our data-plane worker was replaced while the metadata loaded (rebind)

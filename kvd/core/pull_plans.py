@@ -201,7 +201,8 @@ class PullPlanner:
 
 def lease_unexpired(remote: TransferParams) -> bool:
     """Whether the lease's expiry (as its params name it, wall clock) is still ahead: past it, the
-    holder no longer keeps a gone engine's memory for an early READ (Engines._keep_for_early_reads)."""
+    admission can only be refused, so a READ beside it would be wasted (what keeps an early READ
+    off unmapped memory is the holder's early-read window: PeerSession.may_read_early)."""
     return not remote.lease_expires_unix_ms or remote.lease_expires_unix_ms > time.time() * 1000
 
 

@@ -84,13 +84,21 @@ class PullReads:
             return False
         asked_at = time.monotonic()
         session = await self._planner.session(remote)
-        if not names_the_leased_registrations(session, remote):
-            # The holder's engine registered again since this handshake: a READ planned on it
-            # would read memory the holder may have let go (on RDMA an error that breaks the
-            # connection for every pull from it). Handshake again first.
-            why = "the lease names registrations the cached handshake does not"
+        if session.early_read_window_s <= 0:
+            return False  # the holder keeps nothing it lets go readable for a READ not admitted yet
+        names_them = names_the_leased_registrations(session, remote)
+        if not names_them or not session.may_read_early(asked_at):
+            # The holder's engine registered again since this handshake, or the handshake is older
+            # than the holder keeps memory it lets go readable: a READ planned on it could read
+            # unmapped memory (an error on the serving side that breaks the connection for every
+            # pull from that holder). Handshake again first.
+            why = (
+                "the lease names registrations the cached handshake does not"
+                if not names_them
+                else "the cached handshake is older than the holder's early-read window"
+            )
             session = await self.peers.refresh(remote.daemon_address, why, unless_since=asked_at)
-            if not names_the_leased_registrations(session, remote):
+            if not names_the_leased_registrations(session, remote) or not session.may_read_early(time.monotonic()):
                 return False
         try:
             plan, remote_ranks = await self._planner.plan_layout(session, transfer, rank, remote)
@@ -185,8 +193,8 @@ class PullReads:
             if group.local_target is Target.ENGINE and holder.step_notifications and self.config.step_reads:
                 # May share one NIXL transfer with the READs of this step's other pulls from the
                 # same lists (kvd.core.step_reads); the holder decodes the step's notification.
-                notification = notif.decode(message)
-                assert notification is not None
+                notification = notif.read_of(notif_tag, index, parts, group.nbytes)
+                assert notification is not None  # a tag the holder gave or the reader built
                 step = StepPart(group.local_geometry, group.remote_geometry, notification)
             post = asyncio.ensure_future(
                 dataplane.read(

@@ -299,8 +299,20 @@ class Puller:
         except Exception:  # a bug: the engine must still learn its blocks are not loaded
             logger.exception("pull %s failed unexpectedly", transfer.transfer_id)
             error = Internal("the pull failed on an internal error; see the daemon's log")
-        # From here on the pull only finishes: shield it from a second cancel (shutdown).
-        await asyncio.shield(self._finish(transfer, rank, remote, held, error, fence_s))
+        # From here on the pull only finishes: a second cancel (an unregister) does not stop it,
+        # and the task ends only once the pull has (its waiters see it final). At shutdown a
+        # cancel ends the wait (the finish goes on, bounded by the worker's stop).
+        finishing = asyncio.ensure_future(self._finish(transfer, rank, remote, held, error, fence_s))
+        while not finishing.done():
+            try:
+                await asyncio.shield(finishing)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not self._serving() or current is None:
+                    raise
+                current.uncancel()
+        if not finishing.cancelled() and finishing.exception() is not None:
+            logger.error("pull %s did not finish cleanly", transfer.transfer_id, exc_info=finishing.exception())
 
     async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams, held: PullResources) -> None:
         if self.config.read_beside_admission and await self.reads.beside_admission(transfer, rank, remote, held):
@@ -312,6 +324,12 @@ class Puller:
                 break
             except StaleView:  # the peer's agent is being reloaded: plan again against the fresh one
                 continue
+            except KvdError as exc:
+                # The peer was dropped (our worker replaced, say) after the holder admitted the read:
+                # nothing was posted, so the holder is told at once. Untold, it waited out the
+                # admission and retired its memory as never proven over (the fleet's quarantine leak).
+                self._abandon_later(remote, rank.tp_rank, transfer.transfer_id, exc.message)
+                raise
         else:
             raise PeerUnavailable(
                 f"the NIXL agent of {remote.daemon_address} was reloaded {PLAN_ATTEMPTS} times during the pull: retry"

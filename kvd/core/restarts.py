@@ -284,7 +284,8 @@ class Restarts:
         """Map a registered rank's memory in the new worker (the engine does nothing)."""
         requests = [region.request for region in rank.memory.regions]
         try:
-            memory = await self._memories().open(requests, next_registration_id())
+            # Cancelled only by shutdown, which stops this worker next: nothing of it outlives that.
+            memory = await self._memories().open(requests, next_registration_id(), to_the_end=False)
         except KvdError as exc:
             if self.dataplane is not None and not self.dataplane.alive:
                 return  # its worker died too: the rank stays registered for the next restart to map

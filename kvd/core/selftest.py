@@ -8,6 +8,7 @@ path; its bytes are the pattern of a seed (:mod:`kvd.core.scratch`). Event-loop 
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import uuid
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvd.core.engines import Engines
+from kvd.core.finishing import Finishing
 from kvd.core.holds import Holds
 from kvd.core.memory import RegionRequest
 from kvd.core.params import TransferParams
@@ -35,9 +37,20 @@ class SelftestScratch:
         self.holds = holds
         self._require_serving = require_serving
         self._seed = -1  # the pattern the scratch engine now registered holds
+        # A hold runs to its end even if its caller is cancelled: the scratch is then always the
+        # one ``_seed`` names (its lease, nobody's, expires on its own).
+        self.finishing = Finishing("selftest hold")
+        self._one_at_a_time = asyncio.Lock()  # two holds must not both replace the scratch
 
     async def hold(self, size_bytes: int, seed: int) -> tuple[LayoutSpec, TransferParams]:
         """Hold the scratch engine filled with the pattern of ``seed`` (see kvd.core.scratch)."""
+        return await self.finishing.run(self._hold_alone(size_bytes, seed))
+
+    async def _hold_alone(self, size_bytes: int, seed: int) -> tuple[LayoutSpec, TransferParams]:
+        async with self._one_at_a_time:
+            return await self._hold(size_bytes, seed)
+
+    async def _hold(self, size_bytes: int, seed: int) -> tuple[LayoutSpec, TransferParams]:
         from kvd.core import scratch  # noqa: PLC0415
         from kvd.core.memory import MemoryKind  # noqa: PLC0415
         from kvd.layout.spec import contiguous_placements  # noqa: PLC0415
@@ -50,6 +63,7 @@ class SelftestScratch:
         ranks = self.registry.ranks_of(self.engine_id)
         current = ranks.get(0)
         if current is not None and (current.spec != spec or self._seed != seed):
+            self._seed = -1
             await self.engines.unregister(current, "selftest scratch replaced")
             current = None
         if current is None:

@@ -37,6 +37,8 @@ class DaemonStatus:
     dataplane_pid: int = 0
     dataplane_restarts: int = 0
     dataplane_last_restart: str = ""  # why the last worker was replaced ("" if never)
+    # Registrations, scratch holds and mapping releases still running (a call cut short runs to its end).
+    finishing_calls: int = 0
 
 
 def daemon_status(daemon: Daemon) -> DaemonStatus:
@@ -61,4 +63,7 @@ def daemon_status(daemon: Daemon) -> DaemonStatus:
         dataplane_pid=plane.pid if plane is not None else 0,
         dataplane_restarts=restarts.restarts,
         dataplane_last_restart=restarts.last_restart,
+        finishing_calls=len(daemon.engines.finishing)
+        + len(daemon.selftest.finishing)
+        + (len(memories.finishing) if memories else 0),
     )

@@ -15,6 +15,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvd.core.dataplane import DataPlane
+from kvd.core.read_batches import ignore_outcome
 from kvd.layout.geometry import DescGeometry
 from kvd_client.errors import Unavailable
 
@@ -43,29 +44,48 @@ class TableCache:
         mem_type: str,
         executor: concurrent.futures.Executor,
     ) -> Any:
-        """The list of ``geometry`` over the regions named by ``key``, prepared on first use."""
+        """The list of ``geometry`` over the regions named by ``key``, prepared on first use.
+
+        The preparation is a task of the cache's, not of the caller's: a caller cancelled while
+        it waits (a pull cancelled, an RPC whose client gave up) leaves it to finish, and the
+        owner's release waits for it (:meth:`release`), so no list is ever prepared over memory
+        the owner has already deregistered, and none is left unreleased."""
         full_key = (key, geometry)
         table = self._tables.get(full_key)
         if table is not None:
             return table
+        if self._closed:
+            raise Unavailable(f"the memory of {key} was released during the pull")
         pending = self._preparing.get(full_key)
         if pending is None:
-            loop = asyncio.get_running_loop()
-            pending = loop.run_in_executor(
-                executor, self._prepare, geometry, list(region_addresses), device_index, mem_type
+            pending = asyncio.get_running_loop().create_task(
+                self._prepare_and_keep(full_key, geometry, list(region_addresses), device_index, mem_type, executor),
+                name=f"kvd-table-{self._agent_name}",
             )
+            pending.add_done_callback(ignore_outcome)  # its waiters may all have been cancelled
             self._preparing[full_key] = pending
-            try:
-                table = await asyncio.shield(pending)
-            finally:
-                self._preparing.pop(full_key, None)
-            if self._closed:  # the owner was released while this list was being prepared
-                await self._dataplane.release_tables([table])
-                raise Unavailable(f"the memory of {key} was released during the pull")
-            self._tables[full_key] = table
-            logger.debug("prepared %d descriptors for %s/%s", geometry.table_size, self._agent_name, key)
-            return table
         return await asyncio.shield(pending)
+
+    async def _prepare_and_keep(
+        self,
+        full_key: tuple[Hashable, DescGeometry],
+        geometry: DescGeometry,
+        addresses: list[int],
+        device_index: int,
+        mem_type: str,
+        executor: concurrent.futures.Executor,
+    ) -> Any:
+        loop = asyncio.get_running_loop()
+        try:
+            table = await loop.run_in_executor(executor, self._prepare, geometry, addresses, device_index, mem_type)
+        finally:
+            self._preparing.pop(full_key, None)
+        if self._closed:  # the owner was released while this list was being prepared
+            await self._dataplane.release_tables([table])
+            raise Unavailable(f"the memory of {full_key[0]} was released during the pull")
+        self._tables[full_key] = table
+        logger.debug("prepared %d descriptors for %s/%s", geometry.table_size, self._agent_name, full_key[0])
+        return table
 
     def _prepare(self, geometry: DescGeometry, addresses: list[int], device_index: int, mem_type: str) -> Any:
         rows = geometry.strided(addresses, device_index)  # compressed: a few rows per plane
@@ -82,8 +102,15 @@ class TableCache:
         self._closed = True
         return self.take()
 
+    async def settle(self) -> None:
+        """Wait for the lists still being prepared (each released by its own task once closed)."""
+        while self._preparing:
+            await asyncio.gather(*list(self._preparing.values()), return_exceptions=True)
+
     async def release(self, keep: set[Hashable] | None = None) -> None:
-        """Release the lists (all of them, for good, when ``keep`` is None)."""
+        """Release the lists (all of them, for good, when ``keep`` is None: then only once none
+        is still being prepared, so the owner may deregister its memory right after)."""
         if keep is None:
             self._closed = True
+            await self.settle()
         await self._dataplane.release_tables(self.take(keep))

@@ -180,6 +180,7 @@ def handshake_to_pb(info: HandshakeInfo) -> peer_pb2.HandshakeResponse:
             )
             for r in info.regions
         ],
+        early_read_window_ms=min(int(info.early_read_window_s * 1000), 2**32 - 1),
     )
 
 
@@ -204,4 +205,6 @@ def handshake_from_pb(msg: peer_pb2.HandshakeResponse) -> HandshakeInfo:
     regions = tuple(
         NixlRegion(r.address, r.size_bytes, r.device_index, r.vram, r.registration_serial) for r in msg.agent_regions
     )
-    return HandshakeInfo(msg.incarnation, msg.agent_name, msg.agent_metadata, tuple(engines), regions)
+    return HandshakeInfo(
+        msg.incarnation, msg.agent_name, msg.agent_metadata, tuple(engines), regions, msg.early_read_window_ms / 1000
+    )

@@ -68,7 +68,16 @@ _SINGLE = (str, bytes, Message, int, float)
 _PLAIN = frozenset((str, bytes, int, float, bool))  # the usual scalars, by type: no isinstance walk
 
 
+# A message whose encoding is at most this many bytes holds no string longer than MAX_STRING_BYTES
+# and no repeated field of more than MAX_REPEATED entries (every entry takes at least a byte), so
+# its fields need no walk: the size is computed in C, the walk in Python (a PreparePull's walk was
+# ~7 % of a holder's event-loop time at one pull in flight, a StartPulls' 1.4 % of a reader's).
+_SMALL_ENOUGH = min(MAX_STRING_BYTES, MAX_REPEATED)
+
+
 def _check_bounds(message: Message, where: str) -> None:
+    if message.ByteSize() <= _SMALL_ENOUGH:
+        return
     for field, value in message.ListFields():
         repeated = type(value) not in _PLAIN and not isinstance(value, _SINGLE)  # a repeated container
         if repeated and len(value) > MAX_REPEATED:

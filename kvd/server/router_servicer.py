@@ -195,6 +195,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             dataplane_pid=s.dataplane_pid,
             dataplane_restarts=s.dataplane_restarts,
             dataplane_last_restart=s.dataplane_last_restart,
+            finishing_calls=s.finishing_calls,
         )
 
     @rpc

@@ -313,6 +313,10 @@ class NixlAgent:
             except Exception as exc:  # NIXL raises its own exception types here
                 if REMOTE_DISCONNECT in str(exc):  # the peer went away while it loaded: not bad metadata
                     raise PeerUnavailable(f"peer agent gone while its metadata was loaded: {exc}") from exc
+                if "NIXL_ERR_BACKEND" in str(exc):
+                    # UCX could not reach the peer's worker (its data plane was replaced or is gone:
+                    # "connect ... failed: Connection refused"): the peer's state, not bad metadata.
+                    raise PeerUnavailable(f"peer agent unreachable while its metadata was loaded: {exc}") from exc
                 raise InvalidArgument(f"peer agent metadata rejected by NIXL: {exc}") from exc
             name = loaded_agent_name(name)
             try:

@@ -15,12 +15,15 @@ pull's copy does not fault on every page it writes first.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,9 @@ class RegionTable:
         self._ids = itertools.count(1)
         self._cuda_streams: dict[int, Any] = {}
         self._prefaulter = Prefaulter() if prefault else None
+        # Closed host mappings kept readable (retired: throw-away pages) until their time, oldest
+        # first: (when to unmap, the mapping). Unmapped by later opens and closes (no timer).
+        self._tombstones: collections.deque[tuple[float, vm.HostMapping]] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -81,6 +87,7 @@ class RegionTable:
 
     def open(self, request: RegionRequest) -> MappedRegion:
         """Map one engine region; raise MemoryOpenError (nothing mapped) if it cannot be opened."""
+        self._unmap_tombstones(time.monotonic())
         if request.size_bytes <= 0:
             raise InvalidArgument(f"region size must be > 0, got {request.size_bytes}")
         if request.kind is MemoryKind.SHM:
@@ -122,11 +129,32 @@ class RegionTable:
         elif not region.tensor.is_cuda:
             vm.retire_range(int(region.tensor.data_ptr()), region.tensor.numel())
 
-    def close(self, region_id: int) -> None:
-        """Drop the worker's mapping (the engine's file and pages are the engine's)."""
+    def close(self, region_id: int, keep_readable_s: float = 0.0) -> None:
+        """Drop the worker's mapping (the engine's file and pages are the engine's).
+
+        With ``keep_readable_s`` a host mapping is retired now (the engine's pages are let go) and
+        its addresses unmapped only that long after: a peer's READ planned on a handshake that
+        named them may still arrive, and a READ of unmapped memory fails on the serving side
+        (CMA: EFAULT), which breaks the UCX connection it travels on for every later pull."""
+        now = time.monotonic()
+        self._unmap_tombstones(now)
         region = self._regions.pop(region_id, None)
-        if region is not None and region.mapping is not None:
+        if region is None or region.mapping is None:
+            return
+        if keep_readable_s <= 0:
             region.mapping.close()
+            return
+        region.mapping.retire()
+        self._tombstones.append((now + keep_readable_s, region.mapping))
+
+    def _unmap_tombstones(self, now: float) -> None:
+        while self._tombstones and self._tombstones[0][0] <= now:
+            self._tombstones.popleft()[1].close()
+
+    @property
+    def tombstones(self) -> int:
+        """Closed host mappings still kept readable."""
+        return len(self._tombstones)
 
     def close_all(self) -> None:
         """Unmap everything and stop pre-faulting (the worker is ending)."""
@@ -134,6 +162,7 @@ class RegionTable:
             self._prefaulter.close()
         for region_id in list(self._regions):
             self.close(region_id)
+        self._unmap_tombstones(math.inf)
 
     def convert(self, postprocess: Any, staging: torch.Tensor, engine_regions: list[torch.Tensor]) -> None:
         """Run a pull's conversion (a thread of the pool). On a GPU: on a worker-owned stream,

@@ -203,9 +203,9 @@ class WorkerService:
     async def open_regions(self, requests: tuple[RegionRequest, ...]) -> list[MappedRegion]:
         return self._regions.open_all(requests)
 
-    async def close_regions(self, region_ids: tuple[int, ...]) -> None:
+    async def close_regions(self, region_ids: tuple[int, ...], keep_readable_s: float = 0.0) -> None:
         for region_id in region_ids:
-            self._regions.close(region_id)
+            self._regions.close(region_id, keep_readable_s)
 
     async def duplicate_region(self, region_id: int) -> MappedRegion:
         return self._regions.duplicate(region_id)

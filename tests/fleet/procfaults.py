@@ -28,6 +28,7 @@ WORKER_SIGNALS = {"worker_kill": signal.SIGKILL, "worker_segv": signal.SIGSEGV, 
 MID_READ_WAIT_S = 10.0  # how long a worker fault waits for a pull in flight on its node before it strikes anyway
 PROBE_LIMIT_S = 60.0  # a node that serves no exact pull this long after a fault has not recovered
 REREGISTER_LIMIT_S = 60.0  # engines not registered with a restarted daemon by then: a violation
+REGISTERED_WAIT_S = 30.0  # how long a fault waits for its node's engines to be registered before it counts them
 HEARTBEAT_TIMEOUT_S = 5.0  # the daemon's default dataplane_heartbeat_timeout_s (the fleet keeps it)
 
 
@@ -69,17 +70,31 @@ class ProcessFaults:
             status = await self.status(node)
         return False, status
 
-    async def registrations(self, node: int) -> dict[str, int]:
-        """Each engine of ``node``: how many times it has registered with a daemon."""
+    async def registrations(self, node: int, settle_s: float = 0.0) -> dict[str, int]:
+        """Each engine of ``node`` registered now: how many times it has registered with a daemon.
+
+        ``settle_s``: first wait up to that long for every engine of the node to be registered.
+        An earlier fault of the node (its daemon killed, say) may still have an engine
+        registering again when this fault starts: counted before it is done, that engine's own
+        recovery would read as this fault's doing. One still unregistered after the wait is
+        left out (its count is not this fault's to judge)."""
         from fleet.router import EngineDown, engine_call
 
-        out = {}
-        for e in self.fleet.engines:
-            if e.node == node:
-                with contextlib.suppress(EngineDown):
-                    answer = await engine_call(self.fleet.ref(e), "status", timeout_s=3.0)
-                    out[e.engine_id] = int(answer["registrations"])
-        return out
+        limit = time.monotonic() + settle_s
+        while True:
+            out: dict[str, int] = {}
+            unregistered = 0
+            for e in self.fleet.engines:
+                if e.node == node:
+                    with contextlib.suppress(EngineDown):
+                        answer = await engine_call(self.fleet.ref(e), "status", timeout_s=3.0)
+                        if answer["registered"]:
+                            out[e.engine_id] = int(answer["registrations"])
+                        else:
+                            unregistered += 1
+            if not unregistered or time.monotonic() >= limit:
+                return out
+            await asyncio.sleep(0.1)
 
     async def probe_until_exact(self, node: int, since: float) -> float | None:
         """Probes into ``node`` until one is verified; the seconds from ``since`` (monotonic) to
@@ -107,7 +122,7 @@ class ProcessFaults:
         fleet = self.fleet
         sig = WORKER_SIGNALS[r.kind]
         node = r.node
-        before = await self.registrations(node)
+        before = await self.registrations(node, settle_s=REGISTERED_WAIT_S)
         mid_read, status = await self.wait_busy(node)
         pid, restarts = status.dataplane_pid, status.dataplane_restarts
         if not pid:
@@ -170,7 +185,7 @@ class ProcessFaults:
         """SIGTERM the daemon (with a pull in flight when there is one), wait for its exit (0),
         start a new ``kvd serve`` with the same config, wait for its engines to register again."""
         fleet = self.fleet
-        before = await self.registrations(d.node)
+        before = await self.registrations(d.node, settle_s=REGISTERED_WAIT_S)
         mid_read, _ = await self.wait_busy(d.node)
         t0 = time.monotonic()
         d.expect_exit = True

@@ -66,6 +66,10 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert overhead["overhead_s"] == pytest.approx(
         [k - r for k, r in zip(overhead["kvd_s"], overhead["raw_s"], strict=True)]
     )
+    paused = overhead["paused"]  # the same pairs, each pull after a pause (as an engine's come)
+    assert paused["pause_s"] > 0 and len(paused["overhead_s"]) == len(paused["kvd_s"]) == 4
+    assert all(k > 0 and r > 0 for k, r in zip(paused["kvd_s"], paused["raw_s"], strict=True))
+    assert any("with nothing moving" in line for line in result.stdout.splitlines())
     levels = {row["in_flight"]: row for row in data["concurrency"]}
     assert set(levels) == {1, 4}
     for n, row in levels.items():
@@ -91,8 +95,11 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         assert row["vs_raw"] == pytest.approx((row["pulls"] / row["wall_s"]) / (raw["pulls"] / raw["wall_s"]))
         assert row["control_cpu_s"] == pytest.approx((row["cpu_s"]["all"] - raw["cpu_s"]["all"]) / row["pulls"])
         assert math.isfinite(row["vs_raw"]) and row["vs_raw"] > 0 and math.isfinite(row["control_cpu_s"])
+        laid = row["raw_layout"]  # and with the pulls' own descriptors, the bytes' bound for the layout
+        assert laid["pulls"] == row["pulls"] == len(laid["latency_s"]) and all(s > 0 for s in laid["latency_s"])
+        assert row["vs_raw_layout"] == pytest.approx((row["pulls"] / row["wall_s"]) / (laid["pulls"] / laid["wall_s"]))
     steps = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("B "))
-    assert steps.split()[-4:] == ["raw/s", "ratio", "raw-cpu", "ctrl"], steps
+    assert steps.split()[-6:] == ["raw/s", "ratio", "raw-cpu", "ctrl", "lay/s", "of-lay"], steps
     header = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("N "))
     assert header.split()[-6:] == ["reader", "r-wkr", "holder", "h-wkr", "client", "all"], header
     sections = list(data["section_s"])

@@ -119,8 +119,11 @@ class FamilyEngine(SchedulerDriver):
         assert self.config.scheduler_config.disable_hybrid_kv_cache_manager is False, "HMA must stay on"
         self.config.cache_config.num_gpu_blocks_override = num_blocks
         self.config.cache_config.kv_cache_layout = "LBHNC"
-        if any(isinstance(spec, MambaSpec) for spec in specs.values()):
-            self.config.cache_config.enable_prefix_caching = False  # vLLM: Mamba prefix caching needs "align"
+        # Off, whatever vLLM's default for the model (it changed with the transformers release pip
+        # picks): these requests carry no block hashes, so a prefix cache would hold nothing, and a
+        # decode engine holds hard (soft holds are verified by block hashes: test_vllm_holds.py).
+        # Mamba groups need it off anyway (vLLM: Mamba prefix caching needs "align").
+        self.config.cache_config.enable_prefix_caching = False
         groups = kv_cache_planning.get_global_kv_cache_groups(self.config, [dict(specs)])
         self.kv_cache_config = kv_cache_planning.get_kv_cache_configs(self.config, [dict(specs)], [1 << 30], groups)[0]
         self.specs = dict(specs)

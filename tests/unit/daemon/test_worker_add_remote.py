@@ -51,6 +51,13 @@ def test_a_peer_gone_while_its_metadata_loads_is_peer_unavailable() -> None:
         asyncio.run(_add_remote("loadRemoteMD: NIXL_ERR_REMOTE_DISCONNECT"))
 
 
+def test_a_peer_whose_worker_ucx_cannot_reach_is_peer_unavailable() -> None:
+    """NIXL_ERR_BACKEND: UCX could not connect to the peer's worker (the fleet saw it right after a
+    fault replaced that worker); the peer's state, retried, never the caller's bad argument."""
+    with pytest.raises(PeerUnavailable, match="unreachable"):
+        asyncio.run(_add_remote("loadRemoteMD: error loading connection info: NIXL_ERR_BACKEND"))
+
+
 def test_metadata_nixl_rejects_is_invalid_argument() -> None:
     with pytest.raises(InvalidArgument, match="rejected by NIXL"):
         asyncio.run(_add_remote("loadRemoteMD: NIXL_ERR_INVALID_PARAM"))

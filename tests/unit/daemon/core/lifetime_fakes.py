@@ -226,10 +226,10 @@ class FakeDataPlane:
         self._require_started()
         return self.region_table.open_all(requests)
 
-    async def close_regions(self, region_ids: Sequence[int]) -> None:
+    async def close_regions(self, region_ids: Sequence[int], keep_readable_s: float = 0.0) -> None:
         if self.alive:
             for region_id in region_ids:
-                self.region_table.close(region_id)
+                self.region_table.close(region_id, keep_readable_s)
 
     async def duplicate_region(self, region_id: int) -> MappedRegion:
         self._require_started()

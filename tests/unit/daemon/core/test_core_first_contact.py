@@ -135,13 +135,13 @@ def test_a_first_load_that_fails_fails_the_pulls_waiting_for_it_and_the_next_pul
     async def scenario() -> None:
         p, gate, transfer, lease_id = await _pulling_while_the_load_is_held(fabric)
         dp = p.reader.dataplane
-        dp.add_remote_errors.append(InvalidArgument("peer agent metadata rejected by NIXL: NIXL_ERR_BACKEND (test)"))
+        dp.add_remote_errors.append(InvalidArgument("peer agent metadata rejected by NIXL: NIXL_ERR_MISMATCH (test)"))
         gate.open()
         await ended(transfer)
         await settle(p.reader, p.holder)
 
         assert transfer.state is FAILED and isinstance(transfer.error, InvalidArgument)
-        assert "NIXL_ERR_BACKEND" in transfer.error.message
+        assert "NIXL_ERR_MISMATCH" in transfer.error.message
         assert len(engine_events(p.rrank, LoadFailed)) == 1 and not dp.posted
         assert [a["lease_id"] for a in p.reader.transport.abandons] == [lease_id]
         assert p.holder.daemon.leases.open_admissions == 0
@@ -221,6 +221,37 @@ def test_a_worker_lost_while_the_first_load_runs_fails_the_pull_and_the_new_work
         assert retry.state is DONE
         (agent,) = p.reader.daemon.peers.agents()
         assert new_dp.remotes == {agent.name: 1}
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_known_agent_whose_connection_broke_is_loaded_again_within_the_same_handshake(fabric: Fabric) -> None:
+    """A re-handshake's metadata merge finds the connection to a known agent broken (NIXL:
+    REMOTE_DISCONNECT): the peer is dropped and the agent loaded afresh at once, so the caller
+    gets a session (not PEER_UNAVAILABLE), and the next pull reads through the new agent."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        first, _ = p.pull()
+        await _finish(p, first)
+        await settle(p.reader, p.holder)
+        assert first.state is DONE
+        dp = p.reader.dataplane
+        dp.add_remote_errors.append(
+            PeerUnavailable("peer agent gone while its metadata was loaded: NIXL_ERR_REMOTE_DISCONNECT (test)")
+        )
+        session = await p.reader.daemon.peers.refresh(HOLDER, "test: a lease names a new registration")
+        assert session.agent.live and not session.agent.reloading
+        assert p.reader.transport.handshakes == [HOLDER, HOLDER, HOLDER]  # first, the failed merge, the reload
+        assert not dp.add_remote_errors
+
+        second, _ = p.pull("req-2", local_blocks=[6, 7, 0])
+        await _finish(p, second)
+        await settle(p.reader, p.holder)
+        assert second.state is DONE
+        (agent,) = p.reader.daemon.peers.agents()
+        assert dp.remotes == {agent.name: 1}
         assert_settled(p.reader, p.holder)
 
     run(fabric, scenario)

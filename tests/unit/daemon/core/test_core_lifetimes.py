@@ -51,6 +51,11 @@ def kernel_placed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vm, "ARENA", vm.AddressArena(base=0, end=0))
 
 
+UNMAPS_AT_ONCE = {"early_read_window_s": 0.0}
+"""A holder that unmaps memory it lets go at once (no READ beside an admission: nothing to keep
+readable), so kernel-placed memory reuses the addresses right away."""
+
+
 def run(fabric: Fabric, scenario: Callable[[], Awaitable[None]]) -> None:
     """Run the scenario, require no lifetime violation, then shut every daemon down."""
 
@@ -96,13 +101,18 @@ class Pair:
         return xfers
 
 
-async def make_pair(fabric: Fabric, reader_spec: LayoutSpec | None = None, **reader_config: Any) -> Pair:
+async def make_pair(
+    fabric: Fabric,
+    reader_spec: LayoutSpec | None = None,
+    holder_config: dict[str, Any] | None = None,
+    **reader_config: Any,
+) -> Pair:
     """A holder and a reader with one engine each. The reader pulls the sequential way (the
     admission first, then the READs), whose interleavings these tests drive: conversions and
     holders that wait for commits still take it. ``read_beside_admission=True`` for the default
     way, whose own interleavings are tests/unit/daemon/core/test_core_read_beside_admission.py."""
     reader_config.setdefault("read_beside_admission", False)
-    holder = await fabric.start_node(HOLDER)
+    holder = await fabric.start_node(HOLDER, **(holder_config or {}))
     reader = await fabric.start_node(READER, **reader_config)
     hrank = await fabric.register(holder, "eng-h", small_spec(8))
     rrank = await fabric.register(reader, "eng-r", reader_spec or small_spec(8))
@@ -218,6 +228,30 @@ def test_unregister_reader_rank_while_planned_aborts_once_and_deregisters_at_onc
         assert len(p.reader.transport.abandons) <= 1
         assert p.holder.daemon.leases.open_admissions == 0  # the PreparePull never reached it
         assert_settled(p.reader, p.holder, memories=(memory,))
+
+    run(fabric, scenario)
+
+
+def test_a_peer_dropped_after_admitting_the_read_is_told_the_read_is_over(fabric: Fabric) -> None:
+    """The holder admits the read, but the reader drops the peer before posting anything (its own
+    worker was replaced meanwhile, say): the pull fails, and the holder is told AbandonPull at
+    once. Untold, it kept the admission to its deadline and retired its memory as a read never
+    proven over (a quarantine the fleet flagged as a leak)."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        gate = p.reader.transport.prepare_gate = Gate()
+        transfer, lease_id = p.pull()
+        await gate.arrived.reach(1)
+        (agent,) = p.reader.daemon.peers.agents()
+        agent.removed = True  # as a data-plane restart leaves it: the pull cannot read through it
+        gate.open()
+        await ended(transfer)
+        await settle(p.reader, p.holder)
+
+        assert transfer.state is FAILED and p.reader.dataplane.posted == []
+        assert [a["lease_id"] for a in p.reader.transport.abandons] == [lease_id]
+        assert p.holder.daemon.leases.open_admissions == 0 and not p.hrank.memory.tainted
 
     run(fabric, scenario)
 
@@ -700,7 +734,7 @@ def test_a_holder_that_replaced_memory_is_reloaded_once_the_reads_through_it_end
     region (the fake NIXL flags it), and both pulls end DONE."""
 
     async def scenario() -> None:
-        p = await make_pair(fabric)
+        p = await make_pair(fabric, holder_config=UNMAPS_AT_ONCE)
         holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
         await fabric.register(p.holder, "eng-b", small_spec(8))
         transfer_a, _ = p.pull()
@@ -868,7 +902,7 @@ def test_a_reload_that_cannot_wait_fails_that_pull_and_the_next_pull_reloads(fab
     ends, the next pull reloads the agent and reads through the fresh one."""
 
     async def scenario() -> None:
-        p = await make_pair(fabric)
+        p = await make_pair(fabric, holder_config=UNMAPS_AT_ONCE)
         holder, reader, dp = p.holder.daemon, p.reader.daemon, p.reader.dataplane
         await fabric.register(p.holder, "eng-b", small_spec(8))
         transfer_a, _ = p.pull()

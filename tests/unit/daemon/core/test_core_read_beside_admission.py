@@ -10,6 +10,7 @@ docs/lifetimes.md, "A READ beside its admission".
 from __future__ import annotations
 
 import asyncio
+import ctypes
 
 from kvtest import small_spec
 from lifetime_fakes import Fabric, Gate
@@ -17,7 +18,6 @@ from test_core_lifetimes import (
     DONE,
     FAILED,
     HOLD_BLOCKS,
-    HOLDER,
     LOCAL_BLOCKS,
     NUM_TOKENS,
     READING,
@@ -28,17 +28,32 @@ from test_core_lifetimes import (
     make_pair,
     run,
     settle,
-    sweep_round,
 )
 
 from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
 from kvd.core.leases import LeaseEnd
+from kvd.core.local_memory import MemoryState
 from kvd.core.transfers import Transfer
 from kvd_client.errors import PeerUnavailable
 
 
 async def beside_pair(fabric: Fabric) -> Pair:
     return await make_pair(fabric, read_beside_admission=True)
+
+
+async def admitted_before_reading(p: Pair) -> None:
+    """A pull whose PreparePull is held on its way to the holder posts nothing meanwhile (the
+    sequential way); it is then cancelled and everything settles."""
+    gate = p.reader.transport.prepare_gate = Gate()
+    transfer, _ = p.pull()
+    await gate.arrived.reach(1)
+    await asyncio.sleep(0.01)
+    assert p.reader.dataplane.posted == [] and not transfer.state.final
+    p.reader.daemon.cancel_transfer(transfer.transfer_id)
+    gate.open()
+    await ended(transfer)
+    await settle(p.holder)
+    assert_settled(p.reader, p.holder)
 
 
 async def posted_before_admitted(p: Pair) -> tuple[Transfer, str, list, Gate]:
@@ -216,16 +231,7 @@ def test_a_holder_that_waits_for_commits_is_read_the_sequential_way(fabric: Fabr
     async def scenario() -> None:
         p = await beside_pair(fabric)
         p.hrank.require_commits = True
-        gate = p.reader.transport.prepare_gate = Gate()
-        transfer, _ = p.pull()
-        await gate.arrived.reach(1)
-        await asyncio.sleep(0.01)
-        assert p.reader.dataplane.posted == [] and not transfer.state.final
-        p.reader.daemon.cancel_transfer(transfer.transfer_id)
-        gate.open()
-        await ended(transfer)
-        await settle(p.holder)
-        assert_settled(p.reader, p.holder)
+        await admitted_before_reading(p)
 
     run(fabric, scenario)
 
@@ -250,30 +256,81 @@ def test_lease_end_reasons_are_unchanged_by_early_parts(fabric: Fabric) -> None:
     run(fabric, scenario)
 
 
-def test_a_holder_rank_that_goes_with_an_unread_lease_is_kept_retired_until_the_lease_could_no_longer_be_read(
-    fabric: Fabric,
-) -> None:
+def test_memory_a_holder_lets_go_stays_readable_for_its_early_read_window_then_is_unmapped(fabric: Fabric) -> None:
     """The holder's engine unregisters while a lease of it has no reader yet: a reader may still
-    post a READ beside its admission (never admitted, never pinned), so the mapping is retired
-    (throw-away pages, never unmapped) until the lease's expiry plus the admission margin, then
-    freed by the sweeper. A rank whose lease is being read by every reader rank is freed at once
-    (test_core_lifetimes: the holder unregisters during an admitted read)."""
+    post a READ beside its admission on a handshake that named the memory (never admitted, never
+    pinned). The mapping is let go at once (the engine's pages are not kept) but its addresses stay
+    readable, as zeros, for the window the holder's handshake announced plus the admission margin;
+    the worker unmaps them on a later open once that is over. (A READ of unmapped memory fails on
+    the serving side and breaks the UCX connection for every later pull from that holder.)"""
 
     async def scenario() -> None:
-        holder = await fabric.start_node(HOLDER, read_admission_margin_s=0.05)
-        hrank = await fabric.register(holder, "eng-h", small_spec(8))
-        lease, _ = holder.daemon.hold("eng-h", "req-1", HOLD_BLOCKS, NUM_TOKENS, ttl_s=0.2)
-        memory = hrank.memory
+        p = await make_pair(
+            fabric,
+            holder_config={"early_read_window_s": 0.1, "read_admission_margin_s": 0.05},
+            read_beside_admission=True,
+        )
+        holder = p.holder.daemon
+        holder.hold("eng-h", "req-1", HOLD_BLOCKS, NUM_TOKENS, ttl_s=600)
+        memory = p.hrank.memory
+        address, size = memory.regions[0].address, memory.regions[0].size_bytes
+        ctypes.memset(address, 0x5A, size)  # the engine's bytes, seen through the holder's mapping
+        table = p.holder.dataplane.region_table
 
-        await holder.daemon.unregister_engine("eng-h", 0)
-        await settle(holder)
-        assert memory.retired and memory in holder.daemon.memories.quarantine
-        assert holder.metric("kvd_quarantined_bytes") == memory.size_bytes
+        await holder.unregister_engine("eng-h", 0)
+        await settle(p.holder)
+        assert memory.state is MemoryState.RELEASED and memory not in holder.memories.quarantine
+        assert table.tombstones == 1
+        assert ctypes.string_at(address, size) == bytes(size), "a late READ must read zeros, never the engine's bytes"
 
-        await asyncio.sleep(0.3)  # past the lease's expiry plus the margin
-        await sweep_round(holder)
-        assert memory not in holder.daemon.memories.quarantine
-        assert holder.metric("kvd_quarantined_bytes") == 0
-        assert_settled(holder)
+        await asyncio.sleep(0.2)  # past the window plus the margin
+        await fabric.register(p.holder, "eng-x", small_spec(8))
+        assert table.tombstones == 0
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_reader_whose_handshake_is_older_than_the_holders_window_handshakes_again_before_an_early_read(
+    fabric: Fabric,
+) -> None:
+    """Past the holder's early-read window from when its handshake was asked, the memory that
+    handshake named may be unmapped by now: the reader handshakes again before it posts a READ
+    beside an admission, and the pull reads as before."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, holder_config={"early_read_window_s": 0.1}, read_beside_admission=True)
+        dp = p.reader.dataplane
+        first, _ = p.pull()
+        await dp.posts.reach(2)
+        for xfer in list(dp.posted):
+            dp.finish(xfer)
+        await ended(first)
+        handshakes = len(p.reader.transport.handshakes)
+
+        await asyncio.sleep(0.15)
+        gate = p.reader.transport.prepare_gate = Gate()
+        second, _ = p.pull()
+        await gate.arrived.reach(1)
+        await dp.posts.reach(4)  # posted beside the admission still held back: on the fresh view
+        assert len(p.reader.transport.handshakes) == handshakes + 1
+        gate.open()
+        for xfer in list(dp.posted)[2:]:
+            dp.finish(xfer)
+        await ended(second)
+        await settle(p.holder)
+        assert first.state is DONE and second.state is DONE
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_holder_that_keeps_nothing_readable_is_read_the_sequential_way(fabric: Fabric) -> None:
+    """A holder whose handshake announces no early-read window (``early_read_window_s = 0``, or a
+    kvd that predates it) unmaps what it lets go at once: its readers are admitted before they read."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, holder_config={"early_read_window_s": 0.0}, read_beside_admission=True)
+        await admitted_before_reading(p)
 
     run(fabric, scenario)

@@ -28,7 +28,7 @@ class FakeDataPlane:
         self.buffers[region_id] = buffer
         return MappedRegion(region_id, int(buffer.data_ptr()), size, 0, False)
 
-    async def close_regions(self, region_ids: list[int]) -> None:
+    async def close_regions(self, region_ids: list[int], keep_readable_s: float = 0.0) -> None:
         self.closed.extend(region_ids)
 
     async def register(self, address: int, size: int, device_index: int, mem_type: str) -> object:

@@ -9,6 +9,7 @@ the book forgets the step READ exactly when no SETTLED will follow.
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import numpy as np
@@ -195,6 +196,20 @@ def test_a_lost_worker_fails_every_read_of_a_step_read_and_forgets_it() -> None:
         assert all(isinstance(w.exception(), RuntimeError) for w in waiters) and len(book) == 0
 
     asyncio.run(scenario())
+
+
+def test_a_read_built_from_its_tag_is_what_its_notification_decodes_to() -> None:
+    rng = random.Random(40)
+    for _ in range(500):
+        lease = "".join(rng.choice("abc-_.09") for _ in range(rng.randint(1, 300)))
+        admission = "".join(rng.choice("xyz12") for _ in range(rng.randint(1, 64)))
+        parts = rng.randint(1, 9)
+        part, nbytes = rng.randrange(parts), rng.choice([0, 1, 2 << 20, 10**15])
+        tag = notif.tag(lease, admission)
+        assert notif.read_of(tag, part, parts, nbytes) == notif.decode(notif.encode(tag, part, parts, nbytes))
+    for bad_tag in ("kvd1|l|a", "kvd2|l", "kvd2||a", "kvd2|l|a|x", "kvd2|" + "l" * 600 + "|a"):
+        assert notif.read_of(bad_tag, 0, 1, 5) is None, bad_tag
+    assert notif.read_of("kvd2|l|a", 1, 1, 5) is None and notif.read_of("kvd2|l|a", 0, 1, -1) is None
 
 
 def test_step_notifications_round_trip_and_refuse_what_is_not_one() -> None:

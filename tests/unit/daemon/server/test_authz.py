@@ -124,6 +124,25 @@ def test_malformed_bytes_and_oversized_fields_are_invalid_argument() -> None:
     assert authz.check_request(parse(fine.SerializeToString())) == fine
 
 
+def test_bounds_hold_in_large_messages_and_at_the_limits() -> None:
+    """Small messages skip the field walk (their encoding bounds every field): the limits stay exact,
+    and a large message is still walked to the field past them, however deep."""
+    at_limit = "x" * authz.MAX_STRING_BYTES
+    authz.check_request(engine_pb2.HoldBlocksRequest(engine_id=at_limit))
+    with pytest.raises(InvalidArgument, match="engine_id is 4097 characters"):
+        authz.check_request(engine_pb2.HoldBlocksRequest(engine_id=at_limit + "x"))
+    pulls = [
+        router_pb2.StartPullRequest(engine_id="e", request_id=f"r{i}", remote=common_pb2.KvTransferParams(lease_id="l"))
+        for i in range(400)
+    ]
+    step = router_pb2.StartPullsRequest(pulls=pulls)
+    assert step.ByteSize() > authz.MAX_STRING_BYTES  # walked, and fine
+    assert authz.check_request(step) is step
+    step.pulls[399].remote.lease_id = at_limit + "x"
+    with pytest.raises(InvalidArgument, match="pulls.remote.lease_id is 4097 characters"):
+        authz.check_request(step)
+
+
 def test_denials_name_the_role_needed() -> None:
     stranger = authz.Principal("certificate stranger", frozenset(), True)
     nobody = authz.Principal("plaintext ipv4:127.0.0.1:1 (uid 65534, not trusted)", frozenset(), False)
