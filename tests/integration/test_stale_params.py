@@ -17,8 +17,10 @@ changes nothing; the next pull is byte-exact; a new registration on either daemo
 from __future__ import annotations
 
 import pytest
-from kvtest import ShmEngine, small_spec
+from kvtest import ShmEngine, engine_pair, small_spec
 
+from kvd.layout.spec import LayoutSpec
+from kvd.spawn import DaemonProcess
 from kvd_client.errors import UnknownLease
 from kvd_client.v1 import common_pb2
 
@@ -32,12 +34,13 @@ def test_a_pull_of_an_ended_lease_whose_memory_was_let_go_fails_alone(spawn_daem
     a = spawn_daemon(name="a", env=env)
     b = a if where == "one daemon" else spawn_daemon(name="b", env=env)
     spec = small_spec(num_blocks=16)
-    holder = ShmEngine(a.unix_target, "holder", spec)
-    reader = ShmEngine(b.unix_target, "reader", spec)
-    holder.register()
-    reader.register()
-    holder.fill_random(1)
+    with engine_pair(a.unix_target, b.unix_target, spec, seed=1) as (holder, reader):
+        _stale_pull_fails_alone(a, b, spec, holder, reader)
 
+
+def _stale_pull_fails_alone(
+    a: DaemonProcess, b: DaemonProcess, spec: LayoutSpec, holder: ShmEngine, reader: ShmEngine
+) -> None:
     def pull(params: common_pb2.KvTransferParams, request_id: str) -> common_pb2.TransferStatus:
         started = reader.client.start_pull(
             engine_id="reader", tp_rank=0, request_id=request_id, local_block_ids=[0, 1], remote=params
@@ -64,8 +67,10 @@ def test_a_pull_of_an_ended_lease_whose_memory_was_let_go_fails_alone(spawn_daem
     assert reader.token_bytes([0, 1], 32).equal(holder.token_bytes([2, 3], 32))
     for target, name in ((a.unix_target, "late-a"), (b.unix_target, "late-b")):
         late = ShmEngine(target, name, spec)
-        late.register()  # the daemon's own NIXL agent still registers memory
-        late.close()
+        try:
+            late.register()  # the daemon's own NIXL agent still registers memory
+        finally:
+            late.close()
     for daemon in {a.name: a, b.name: b}.values():
         log = daemon.log_path.read_text()
         assert "Input/output error" not in log and "NIXL_ERR_BACKEND" not in log, daemon.name
