@@ -22,7 +22,7 @@ from kvd.layout.spec import KvFormat, KvLayout, LayerPlacement, LayoutSpec, cont
 from kvd.server import convert
 from kvd_client import KvdClient
 from kvd_client.shm import create_shm_tensor, unlink_shm
-from kvd_client.v1 import common_pb2
+from kvd_client.v1 import common_pb2, engine_pb2
 
 LLAMA_8B_SHAPE: dict[str, object] = dict(
     num_layers=32,
@@ -68,6 +68,12 @@ class ShmEngine:
         self.registered = False
 
     def register(self, **overrides: object) -> object:
+        response = self.client.register_kv_cache(request=self.registration_request(**overrides))
+        self.registered = True
+        return response
+
+    def registration_request(self, **overrides: object) -> engine_pb2.RegisterKvCacheRequest:
+        """This engine's RegisterKvCache request, ``overrides`` replacing its fields."""
         fields: dict[str, object] = dict(
             engine_id=self.engine_id,
             layout=convert.layout_to_pb(self.spec),
@@ -81,9 +87,7 @@ class ShmEngine:
             engine_pid=os.getpid(),
         )
         fields.update(overrides)
-        response = self.client.register_kv_cache(**fields)
-        self.registered = True
-        return response
+        return engine_pb2.RegisterKvCacheRequest(**fields)
 
     def fill_random(self, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)

@@ -22,7 +22,6 @@ import grpc
 import pytest
 from kvtest import ShmEngine, small_spec
 
-from kvd.server import convert
 from kvd_client.v1 import common_pb2, engine_pb2, router_pb2
 
 pytestmark = pytest.mark.integration
@@ -53,16 +52,7 @@ def test_registrations_and_scratch_holds_cut_short_leave_nothing_behind(spawn_da
     rng = random.Random(20261202)
 
     def registration(engine: ShmEngine) -> bytes:
-        return engine_pb2.RegisterKvCacheRequest(
-            engine_id=engine.engine_id,
-            layout=convert.layout_to_pb(engine.spec),
-            regions=[
-                common_pb2.MemoryRegion(
-                    kind=common_pb2.MEMORY_KIND_SHM, size_bytes=engine.spec.total_bytes, shm_name=engine.shm_name
-                )
-            ],
-            layers=[convert.placement_to_pb(p) for p in engine.placements],
-        ).SerializeToString()
+        return engine.registration_request(engine_pid=0).SerializeToString()  # no pid: nothing watches it
 
     def one_call(i: int) -> str:
         timeout = rng.choice(DEADLINES_S)

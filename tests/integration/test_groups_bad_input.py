@@ -8,7 +8,6 @@ registration, at hold or at the pull, naming the model feature, and changes noth
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 from kvtest import ShmEngine, small_spec
@@ -42,21 +41,7 @@ def _state_group(spec: LayoutSpec = STATE, kind: int = KvGroupKind.STATE) -> obj
 
 
 def _register(engine: ShmEngine, groups: list[object] | None = None) -> None:
-    from kvd_client.v1 import common_pb2, engine_pb2
-
-    request = engine_pb2.RegisterKvCacheRequest(
-        engine_id=engine.engine_id,
-        layout=convert.layout_to_pb(engine.spec),
-        regions=[
-            common_pb2.MemoryRegion(
-                kind=common_pb2.MEMORY_KIND_SHM, size_bytes=engine.spec.total_bytes, shm_name=engine.shm_name
-            )
-        ],
-        layers=[convert.placement_to_pb(p) for p in engine.placements],
-        engine_pid=os.getpid(),
-        groups=groups or [],
-    )
-    engine.client.register_kv_cache(request=request)
+    engine.client.register_kv_cache(request=engine.registration_request(groups=groups or []))
     engine.registered = True
 
 
