@@ -62,6 +62,17 @@ async def _finish(p: Pair, transfer: Transfer, reads: int = 2) -> None:
     await ended(transfer)
 
 
+async def _the_next_pull_reads_through_one_agent(p: Pair) -> None:
+    """A new pull is DONE, read through the one agent the reader's data plane holds; all settled."""
+    retry, _ = p.pull("req-2", local_blocks=[6, 7, 0])
+    await _finish(p, retry)
+    await settle(p.reader, p.holder)
+    assert retry.state is DONE
+    (agent,) = p.reader.daemon.peers.agents()
+    assert p.reader.dataplane.remotes == {agent.name: 1}
+    assert_settled(p.reader, p.holder)
+
+
 def test_the_holder_admits_the_first_pull_while_the_metadata_loads_and_no_read_starts_before_it(
     fabric: Fabric,
 ) -> None:
@@ -146,14 +157,8 @@ def test_a_first_load_that_fails_fails_the_pulls_waiting_for_it_and_the_next_pul
         assert [a["lease_id"] for a in p.reader.transport.abandons] == [lease_id]
         assert p.holder.daemon.leases.open_admissions == 0
 
-        retry, _ = p.pull("req-2", local_blocks=[6, 7, 0])
-        await _finish(p, retry)
-        await settle(p.reader, p.holder)
-        assert retry.state is DONE
+        await _the_next_pull_reads_through_one_agent(p)
         assert p.reader.transport.handshakes == [HOLDER, HOLDER]
-        (agent,) = p.reader.daemon.peers.agents()
-        assert dp.remotes == {agent.name: 1}
-        assert_settled(p.reader, p.holder)
 
     run(fabric, scenario)
 
@@ -215,13 +220,7 @@ def test_a_worker_lost_while_the_first_load_runs_fails_the_pull_and_the_new_work
 
         new_dp = p.reader.dataplane
         assert new_dp is not old_dp
-        retry, _ = p.pull("req-2", local_blocks=[6, 7, 0])
-        await _finish(p, retry)
-        await settle(p.reader, p.holder)
-        assert retry.state is DONE
-        (agent,) = p.reader.daemon.peers.agents()
-        assert new_dp.remotes == {agent.name: 1}
-        assert_settled(p.reader, p.holder)
+        await _the_next_pull_reads_through_one_agent(p)
 
     run(fabric, scenario)
 
@@ -246,12 +245,6 @@ def test_a_known_agent_whose_connection_broke_is_loaded_again_within_the_same_ha
         assert p.reader.transport.handshakes == [HOLDER, HOLDER, HOLDER]  # first, the failed merge, the reload
         assert not dp.add_remote_errors
 
-        second, _ = p.pull("req-2", local_blocks=[6, 7, 0])
-        await _finish(p, second)
-        await settle(p.reader, p.holder)
-        assert second.state is DONE
-        (agent,) = p.reader.daemon.peers.agents()
-        assert dp.remotes == {agent.name: 1}
-        assert_settled(p.reader, p.holder)
+        await _the_next_pull_reads_through_one_agent(p)
 
     run(fabric, scenario)
