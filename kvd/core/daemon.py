@@ -205,9 +205,8 @@ class Daemon:
         while self.leases.open_admissions and time.monotonic() < grace_ends:
             await asyncio.sleep(SHUTDOWN_DRAIN_POLL_S)
         self.leases.force_end_admissions()
-        await self.selftest.finishing.settle(
-            self.config.fence_timeout_s
-        )  # registrations under way end first (kvd.core.finishing)
+        # Registrations under way end first (kvd.core.finishing).
+        await self.selftest.finishing.settle(self.config.fence_timeout_s)
         await self.engines.finishing.settle(self.config.fence_timeout_s)
         for rank in list(self.registry):
             await self.engines.unregister(rank, "daemon shutting down")
