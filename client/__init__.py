@@ -50,7 +50,7 @@ from .version import __version__
 if TYPE_CHECKING:
     from . import pb
     from ._aio_engine_stream import AsyncEngineStream
-    from ._base import DEFAULT_TIMEOUT_S, load_error
+    from ._base import DEFAULT_TIMEOUT_S, load_error, pull_results
     from ._engine_stream import EngineStream
     from ._scheduler_stream import SchedulerStream
     from .aio import AsyncKvdClient
@@ -67,6 +67,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "KvdClient": (".sync", "KvdClient"),
     "SchedulerStream": ("._scheduler_stream", "SchedulerStream"),
     "load_error": ("._base", "load_error"),
+    "pull_results": ("._base", "pull_results"),
     "MAX_MESSAGE_BYTES": (".channel", "MAX_MESSAGE_BYTES"),
     "TlsConfig": (".channel", "TlsConfig"),
     "create_aio_channel": (".channel", "create_aio_channel"),
@@ -132,4 +133,5 @@ __all__ = [
     "from_status",
     "load_error",
     "pb",
+    "pull_results",
 ]

@@ -104,9 +104,12 @@ def load_error(message: engine_pb2.LoadFailed) -> errors.KvdError:
     return errors.from_status(code, text, message.error_class)
 
 
-def pull_results(response: router_pb2.StartPullsResponse, expected: int) -> list[str | errors.KvdError]:
-    """Each StartPulls result as its transfer id or the exact error of that pull (the class the
-    daemon named in ``error_class``, else the general class of ``error_code``).
+def pull_results(
+    response: router_pb2.StartPullsResponse | engine_pb2.PullsStarted, expected: int
+) -> list[str | errors.KvdError]:
+    """Each StartPulls result (or each of an engine stream's ``pulls_started``) as its transfer id
+    or the exact error of that pull (the class the daemon named in ``error_class``, else the
+    general class of ``error_code``).
 
     A daemon answers one result per pull; any other count is a broken daemon, and no result can
     then be trusted to be the one of its pull (the caller gets Internal for the call).

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import Final, cast
 
-from kvd_client.v1 import engine_pb2
+from kvd_client.v1 import engine_pb2, router_pb2
 
 from . import errors
 
@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 COMMIT: Final = 1
 POST_FORWARD: Final = 2
+START_PULLS: Final = 3
 CLOSE: Final = object()
 """Queued to end the request stream (a half-close: the daemon then ends its side)."""
 
@@ -28,18 +29,26 @@ CommitItem = tuple[int, str, int]
 """(COMMIT, request_id, committed_tokens)"""
 PostForwardItem = tuple[int, int, tuple[str, ...]]
 """(POST_FORWARD, step, finished_request_ids)"""
-Item = CommitItem | PostForwardItem
+StartPullsItem = tuple[int, int, tuple[router_pb2.StartPullRequest, ...]]
+"""(START_PULLS, seq, requests)"""
+Item = CommitItem | PostForwardItem | StartPullsItem
 
 DEFAULT_CLOSE_TIMEOUT_S = 5.0
 """How long close() waits for the daemon to end its side before cancelling the RPC."""
 
 
 def hello_message(engine_id: str, tp_rank: int) -> engine_pb2.EngineMessage:
-    """The first message of every engine stream: who is speaking, and that it reads batches
-    (:func:`unpacked` gives the engine one message per event all the same)."""
+    """The first message of every engine stream: who is speaking, that it reads batches
+    (:func:`unpacked` gives the engine one message per event all the same), and that it starts
+    pulls on the stream once the daemon says it takes them (``ready``)."""
     return engine_pb2.EngineMessage(
-        hello=engine_pb2.EngineHello(engine_id=engine_id, tp_rank=tp_rank, accepts_batches=True)
+        hello=engine_pb2.EngineHello(engine_id=engine_id, tp_rank=tp_rank, accepts_batches=True, starts_pulls=True)
     )
+
+
+def takes_pulls(message: engine_pb2.DaemonMessage) -> bool:
+    """Whether ``message`` is the daemon's ``ready`` saying it takes pulls on this stream."""
+    return message.WhichOneof("kind") == "ready" and message.ready.takes_pulls
 
 
 def unpacked(message: engine_pb2.DaemonMessage) -> Sequence[engine_pb2.DaemonMessage]:
@@ -60,6 +69,9 @@ def to_message(item: Item) -> engine_pb2.EngineMessage | None:
         if item[0] == COMMIT:
             _, request_id, tokens = cast(CommitItem, item)
             return engine_pb2.EngineMessage(commit=engine_pb2.Commit(request_id=request_id, committed_tokens=tokens))
+        if item[0] == START_PULLS:
+            _, seq, requests = cast(StartPullsItem, item)
+            return engine_pb2.EngineMessage(start_pulls=engine_pb2.StartPullsOnStream(seq=seq, pulls=requests))
         _, step, finished = cast(PostForwardItem, item)
         return engine_pb2.EngineMessage(post_forward=engine_pb2.PostForward(step=step, finished_request_ids=finished))
     except (TypeError, ValueError) as exc:

@@ -13,6 +13,7 @@ so the engine notices a dead daemon at its next poll.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
@@ -21,7 +22,7 @@ from types import TracebackType
 
 import grpc
 
-from kvd_client.v1 import engine_pb2, engine_pb2_grpc
+from kvd_client.v1 import engine_pb2, engine_pb2_grpc, router_pb2
 
 from . import errors
 from ._background import Background, wait_event
@@ -30,9 +31,11 @@ from ._engine_messages import (
     COMMIT,
     DEFAULT_CLOSE_TIMEOUT_S,
     POST_FORWARD,
+    START_PULLS,
     Item,
     ended_by_daemon,
     hello_message,
+    takes_pulls,
     to_message,
     unpacked,
 )
@@ -65,6 +68,8 @@ class EngineStream:
         self._ended = False
         self._error: errors.KvdError | None = None
         self._dropped = 0
+        self._takes_pulls = False  # the daemon said so (its ready): pulls may start here
+        self._seqs = itertools.count(1)
         self._call = stub.EngineStream(self._requests(), wait_for_ready=wait_for_ready)
         self._background = Background(self._receive, f"kvd-engine-stream-{engine_id}-{tp_rank}")
 
@@ -86,6 +91,29 @@ class EngineStream:
             return False
         self._outbox.put((POST_FORWARD, step, tuple(finished_request_ids)))
         return True
+
+    @property
+    def takes_pulls(self) -> bool:
+        """Whether the daemon takes pulls on this stream (:meth:`send_start_pulls`): it said so in
+        its first message. Until then, and from a daemon that predates it, start pulls with
+        StartPulls."""
+        return self._takes_pulls and not (self._ended or self._closing)
+
+    def send_start_pulls(self, requests: Sequence[router_pb2.StartPullRequest]) -> int:
+        """Queue an engine step's pulls, started as StartPulls would start them; never waits.
+
+        Returns the seq that the daemon's answer carries (a ``pulls_started`` message from
+        :meth:`poll`, one result per request, read with :func:`kvd_client.pull_results`, and
+        before any event of those pulls), or 0 when nothing was sent: the stream ended, or the
+        daemon does not take pulls on it (:attr:`takes_pulls`). The requests are the caller's to
+        build and are not copied: do not change them after the call. Their ``engine_id`` is left
+        empty or is the stream's.
+        """
+        if not self.takes_pulls:
+            return 0
+        seq = next(self._seqs)
+        self._outbox.put((START_PULLS, seq, tuple(requests)))
+        return seq
 
     def poll(self, timeout_s: float = 0.0) -> list[engine_pb2.DaemonMessage]:
         """Drain what the daemon sent, without waiting by default; with ``timeout_s`` > 0, wait up to
@@ -168,6 +196,9 @@ class EngineStream:
         """Background body: collect the daemon's messages until the RPC ends, then record why."""
         try:
             for message in self._call:
+                if takes_pulls(message):
+                    self._takes_pulls = True
+                    continue
                 self._inbox.extend(unpacked(message))
                 self._arrived.set()
             if not self._closing:

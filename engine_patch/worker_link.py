@@ -16,6 +16,11 @@ The engine must never wait on the daemon and must never crash because of it. So:
   :class:`PullInDoubt` and the link re-registers, which fences every pull of the old
   registration (the daemon cancels them). Every pull event names the connection ``epoch`` its
   StartPulls was sent under, so the worker ends exactly the pulls a re-registration fenced.
+* a daemon that takes pulls on the engine stream (it says so first thing) gets them there: one
+  stream message per step instead of a StartPulls call (docs/performance.md), answered on the
+  stream before any event of those pulls. An answer that does not come (the stream ends, or
+  none within the calls' patience) leaves its pulls :class:`PullInDoubt` and the link
+  re-registers, exactly as for a StartPulls unanswered.
 
 The scheduler process's side is :class:`kvd_engine.scheduler_link.SchedulerLink`.
 """
@@ -46,6 +51,7 @@ from .link_events import (
     PullStarted,
     start_pull_request,
 )
+from .stream_pulls import StreamPulls
 
 if TYPE_CHECKING:
     from kvd_client import KvdClient
@@ -62,6 +68,8 @@ class _Stream(Protocol):
     def send_commit(self, request_id: str, committed_tokens: int) -> bool: ...
     def send_post_forward(self, step: int, finished_request_ids: Sequence[str] = ()) -> bool: ...
     def poll(self, timeout_s: float = 0.0) -> list[engine_pb2.DaemonMessage]: ...
+    # kvd_client.EngineStream also has takes_pulls and send_start_pulls (kvd_engine.stream_pulls);
+    # a test's fake without them gets StartPulls.
     @property
     def closed(self) -> bool: ...
     @property
@@ -131,6 +139,7 @@ class DaemonLink:
         self._thread: threading.Thread | None = None
         self._last_refusal = ""
         self._one_by_one = False  # the daemon predates StartPulls (UNIMPLEMENTED): StartPull each
+        self._on_stream = StreamPulls()  # pulls sent on the engine stream, until answered
         self.connects = 0
 
     @property
@@ -247,7 +256,11 @@ class DaemonLink:
             out.append(events.popleft())
         stream = self._stream
         if stream is not None:
-            out.extend(DaemonMessage(m) for m in stream.poll())
+            for message in stream.poll():
+                if message.WhichOneof("kind") == "pulls_started":
+                    out.extend(self._on_stream.answered(message.pulls_started))
+                else:
+                    out.append(DaemonMessage(message))
         return out
 
     # -- the link thread ----------------------------------------------------------------------
@@ -270,6 +283,7 @@ class DaemonLink:
             try:
                 command = self._commands.get(timeout=0.05)
             except queue.Empty:
+                self._give_up_on_overdue_answers()
                 continue
             if command is _STOP:
                 return
@@ -296,6 +310,7 @@ class DaemonLink:
 
     def _lost(self, reason: str) -> None:
         logger.warning("kvd daemon link of %s rank %d lost (%s); reconnecting", self.engine_id, self.tp_rank, reason)
+        self._events.extend(self._on_stream.in_doubt(f"the engine stream they were sent on was lost ({reason})"))
         stream, self._stream = self._stream, None
         if stream is not None:
             try:
@@ -387,9 +402,18 @@ class DaemonLink:
         except Exception:  # never let the link thread die
             logger.exception("kvd link command %r failed", command)
 
+    def _give_up_on_overdue_answers(self) -> None:
+        """Pulls on the stream unanswered as long as StartPulls' attempts would have waited (the
+        daemon's queue for this rank overflowed, or it is stuck): in doubt, and the link
+        re-registers to fence them."""
+        overdue = self._on_stream.overdue(self._rpc_timeout_s * START_ATTEMPTS)
+        if overdue and self._stream is not None:
+            self._lost(f"{overdue} pull start(s) on the engine stream unanswered")
+
     def _start_pulls(self, orders: Sequence[PullOrder]) -> None:
-        """One StartPulls for ``orders`` (StartPull each from a daemon that predates it); each
-        pull then reports PullStarted, PullFailed or PullInDoubt, and the link notices a daemon gone.
+        """One message on the engine stream for ``orders``, or one StartPulls (StartPull each
+        from a daemon that predates it); each pull then reports PullStarted, PullFailed or
+        PullInDoubt, and the link notices a daemon gone.
         """
         if self._one_by_one and len(orders) > 1:
             for order in orders:
@@ -407,6 +431,8 @@ class DaemonLink:
             for order in orders:
                 self._events.append(PullFailed(order.request_id, repr(exc)))
             return
+        if not self._one_by_one and self._on_stream.send(self._stream, requests, orders, self.connects):
+            return  # answered on the stream (poll), or in doubt once it is lost
         epoch = self.connects  # the registration these pulls write into
         try:
             results = self._ask(lambda: self._send(requests))

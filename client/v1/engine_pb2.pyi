@@ -1,4 +1,5 @@
 from kvd_client.v1 import common_pb2 as _common_pb2
+from kvd_client.v1 import router_pb2 as _router_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -76,24 +77,36 @@ class PostForward(_message.Message):
     def __init__(self, step: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineHello(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "accepts_batches")
+    __slots__ = ("engine_id", "tp_rank", "accepts_batches", "starts_pulls")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    STARTS_PULLS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     accepts_batches: bool
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., accepts_batches: _Optional[bool] = ...) -> None: ...
+    starts_pulls: bool
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., accepts_batches: _Optional[bool] = ..., starts_pulls: _Optional[bool] = ...) -> None: ...
+
+class StartPullsOnStream(_message.Message):
+    __slots__ = ("seq", "pulls")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    pulls: _containers.RepeatedCompositeFieldContainer[_router_pb2.StartPullRequest]
+    def __init__(self, seq: _Optional[int] = ..., pulls: _Optional[_Iterable[_Union[_router_pb2.StartPullRequest, _Mapping]]] = ...) -> None: ...
 
 class EngineMessage(_message.Message):
-    __slots__ = ("hello", "commit", "post_forward")
+    __slots__ = ("hello", "commit", "post_forward", "start_pulls")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     POST_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    START_PULLS_FIELD_NUMBER: _ClassVar[int]
     hello: EngineHello
     commit: Commit
     post_forward: PostForward
-    def __init__(self, hello: _Optional[_Union[EngineHello, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., post_forward: _Optional[_Union[PostForward, _Mapping]] = ...) -> None: ...
+    start_pulls: StartPullsOnStream
+    def __init__(self, hello: _Optional[_Union[EngineHello, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., post_forward: _Optional[_Union[PostForward, _Mapping]] = ..., start_pulls: _Optional[_Union[StartPullsOnStream, _Mapping]] = ...) -> None: ...
 
 class FinishedSending(_message.Message):
     __slots__ = ("request_id", "lease_id", "expired")
@@ -130,16 +143,34 @@ class LoadFailed(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., error_class: _Optional[str] = ...) -> None: ...
 
 class DaemonMessage(_message.Message):
-    __slots__ = ("finished_sending", "finished_recving", "load_failed", "batch")
+    __slots__ = ("finished_sending", "finished_recving", "load_failed", "batch", "ready", "pulls_started")
     FINISHED_SENDING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_RECVING_FIELD_NUMBER: _ClassVar[int]
     LOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    PULLS_STARTED_FIELD_NUMBER: _ClassVar[int]
     finished_sending: FinishedSending
     finished_recving: FinishedRecving
     load_failed: LoadFailed
     batch: DaemonMessageBatch
-    def __init__(self, finished_sending: _Optional[_Union[FinishedSending, _Mapping]] = ..., finished_recving: _Optional[_Union[FinishedRecving, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ..., batch: _Optional[_Union[DaemonMessageBatch, _Mapping]] = ...) -> None: ...
+    ready: StreamReady
+    pulls_started: PullsStarted
+    def __init__(self, finished_sending: _Optional[_Union[FinishedSending, _Mapping]] = ..., finished_recving: _Optional[_Union[FinishedRecving, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ..., batch: _Optional[_Union[DaemonMessageBatch, _Mapping]] = ..., ready: _Optional[_Union[StreamReady, _Mapping]] = ..., pulls_started: _Optional[_Union[PullsStarted, _Mapping]] = ...) -> None: ...
+
+class StreamReady(_message.Message):
+    __slots__ = ("takes_pulls",)
+    TAKES_PULLS_FIELD_NUMBER: _ClassVar[int]
+    takes_pulls: bool
+    def __init__(self, takes_pulls: _Optional[bool] = ...) -> None: ...
+
+class PullsStarted(_message.Message):
+    __slots__ = ("seq", "results")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    results: _containers.RepeatedCompositeFieldContainer[_router_pb2.StartPullResult]
+    def __init__(self, seq: _Optional[int] = ..., results: _Optional[_Iterable[_Union[_router_pb2.StartPullResult, _Mapping]]] = ...) -> None: ...
 
 class DaemonMessageBatch(_message.Message):
     __slots__ = ("messages",)

@@ -72,7 +72,7 @@ PHASES = ("planned", "prepared", "posted", "read", "done")
 
 def phase_line(result: dict[str, Any]) -> str:
     """Median time of each phase of a pull inside the reader daemon (each from the previous one's
-    end), and what is left for the client's two RPC hops (StartPull, FinishedRecving)."""
+    end), and what is left for the client's two hops (the pull's start, its FinishedRecving)."""
     phases = result.get("phase_s") or []
     if not phases:
         return ""
@@ -85,7 +85,7 @@ def phase_line(result: dict[str, Any]) -> str:
     outside = [k - p["done"] for k, p in zip(result["kvd_s"], phases, strict=True) if "done" in p]
     return (
         "inside the reader daemon, median ms per phase (handshake+plan = planned, holder's PreparePull = prepared, "
-        f"post = posted, NIXL = read, report = done): {', '.join(parts)}; outside (client RPCs, engine stream) "
+        f"post = posted, NIXL = read, report = done): {', '.join(parts)}; outside (the engine stream's two messages) "
         f"{_ms(median(outside))}"
     )
 
@@ -105,8 +105,21 @@ def overhead_table(result: dict[str, Any]) -> list[str]:
         f"control overhead of one {result['size_bytes'] >> 20} MiB pull (pull - raw read, pair by pair, "
         f"{len(over)} pairs): p50 {_ms(median(over))} ms, p90 {_ms(percentile(over, 90))} ms, "
         f"p99 {_ms(percentile(over, 99))} ms; pull p50 {_ms(median(result['kvd_s']))} ms, "
-        f"raw p50 {_ms(median(result['raw_s']))} ms",
+        f"raw p50 {_ms(median(result['raw_s']))} ms (each pull started on the engine stream, as the engine "
+        "patch starts them)",
+        *_by_call_line(result.get("start_pull")),
         *_paused_line(result.get("paused")),
+    ]
+
+
+def _by_call_line(by_call: dict[str, Any] | None) -> list[str]:
+    """The same pulls started by a StartPull call, each right after a pair (the path before)."""
+    if not by_call or not by_call["overhead_s"]:
+        return []
+    over = by_call["overhead_s"]
+    return [
+        f"  started by a StartPull call instead, each right after a pair ({len(over)}): overhead p50 "
+        f"{_ms(median(over))} ms, p90 {_ms(percentile(over, 90))} ms; pull p50 {_ms(median(by_call['kvd_s']))} ms"
     ]
 
 
@@ -123,7 +136,7 @@ def _paused_line(paused: dict[str, Any] | None) -> list[str]:
 
 def concurrency_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "2 MiB pulls with N in flight (StartPull -> FinishedRecving on the engine stream); "
+        "2 MiB pulls with N in flight (started on the engine stream -> FinishedRecving on it); "
         "CPU ms per pull of each process over the level's window (reader, holder: the daemons' control "
         "processes; r-wkr, h-wkr: their data-plane workers; client: the bench process; all: their sum)",
         f"{'N':>4} {'pulls':>6} {'pulls/s':>8} {'GB/s':>6} {'p50 ms':>8} {'p99 ms':>8} "
@@ -152,7 +165,8 @@ def _latency_and_cpu(row: dict[str, Any]) -> str:
 def batched_table(rows: list[dict[str, Any]]) -> list[str]:
     out = [
         "engine steps of B 2 MiB pulls started at once, waited for together (single: B StartPull calls; "
-        "batched: one StartPulls); latency from the step's start to each FinishedRecving; CPU ms per pull "
+        "batched: one StartPulls; stream: one message on the engine stream, the engine patch's way); "
+        "latency from the step's start to each FinishedRecving; CPU ms per pull "
         "as in the concurrency table",
         "  each step followed by a raw step: the same B READs of 2 MiB posted together from one bare NIXL agent "
         "and waited for together (raw/s; ratio: kvd's pulls/s over raw's; raw-cpu: the raw READs' CPU ms per READ, "
@@ -177,7 +191,7 @@ def batched_table(rows: list[dict[str, Any]]) -> list[str]:
             line += f" {laid['pulls'] / laid['wall_s']:7.0f} {row['vs_raw_layout']:6.2f}"
         out.append(line)
     for row in rows:
-        if row["mode"] == "batched" and row.get("raw_layout") and row.get("raw"):
+        if row["mode"] == "stream" and row.get("raw_layout") and row.get("raw"):
             laid, raw = row["raw_layout"], row["raw"]
             ceiling = (raw["wall_s"] / raw["pulls"]) / (laid["wall_s"] / laid["pulls"])
             out.append(
@@ -191,7 +205,7 @@ def router_table(rows: list[dict[str, Any]]) -> list[str]:
     """The router section: each path's pulls/s, p50/p99 and CPU per pull, over its rounds."""
     in_flight = rows[0]["in_flight"] if rows else 0
     out = [
-        f"2 MiB pulls with {in_flight} in flight, by path, in turns (engine: StartPull on the Unix socket, "
+        f"2 MiB pulls with {in_flight} in flight, by path, in turns (engine: started on its engine stream, "
         "FinishedRecving on the engine stream; one stream: a router's StartPull over TCP, waited on the client's "
         "one WatchTransfers stream; stream per pull: a WatchTransfer stream per pull, the path before 0.2.0); "
         "CPU ms per pull as in the concurrency table; ratio: pulls/s over the engine path's",

@@ -179,6 +179,8 @@ class Engine:
         self._layout = convert.layout_to_pb(self.spec)
         self._layers = [convert.placement_to_pb(p) for p in contiguous_placements(self.spec)]
         self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._started_on_stream: dict[int, list[str]] = {}  # seq -> its pulls' request ids
+        self._transfer_ids: dict[str, str] = {}  # request id -> transfer id, from the stream's answers
         self._stream: Any = None
         self._reader: asyncio.Task[None] | None = None
         self.last_transfer_id = ""
@@ -202,6 +204,7 @@ class Engine:
         )
         self._stream = self.client.open_engine_stream(self.engine_id, 0)
         self._reader = asyncio.get_running_loop().create_task(self._receive())
+        await self.wait_takes_pulls()
 
     async def close(self) -> None:
         from kvd_client.shm import unlink_shm  # noqa: PLC0415
@@ -216,10 +219,50 @@ class Engine:
             await self.client.unregister_kv_cache(engine_id=self.engine_id, tp_rank=0)
         unlink_shm(self.shm_name)
 
+    async def wait_takes_pulls(self, timeout_s: float = 10.0) -> None:
+        """Until the daemon says it takes pulls on the engine stream (its first message)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._stream.takes_pulls:
+            if self._stream.closed or time.monotonic() > deadline:
+                raise errors.Internal("the daemon does not take pulls on the engine stream")
+            await asyncio.sleep(0.001)
+
+    def _answered(self, answer: Any) -> None:
+        """A stream's PullsStarted: each pull's transfer id, or its refusal (its waiter fails)."""
+        from kvd_client import pull_results  # noqa: PLC0415
+
+        request_ids = self._started_on_stream.pop(answer.seq)
+        for request_id, result in zip(request_ids, pull_results(answer, len(request_ids)), strict=True):
+            if isinstance(result, errors.KvdError):
+                waiter = self._waiters.pop(request_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_exception(result)
+            else:
+                self._transfer_ids[request_id] = result
+
+    async def _start(self, requests: list[router_pb2.StartPullRequest], how: str) -> None:
+        """Start ``requests`` the way ``how`` says: ``stream`` (one message on the engine stream,
+        as the engine patch does), ``batched`` (one StartPulls) or ``single`` (a StartPull each)."""
+        if how == "stream":
+            seq = self._stream.send_start_pulls(requests)
+            if not seq:
+                raise errors.Internal("the engine stream does not take pulls (ended, or an older daemon)")
+            self._started_on_stream[seq] = [r.request_id for r in requests]
+        elif how == "batched":
+            for result in await self.client.start_pulls(requests):
+                if isinstance(result, errors.KvdError):
+                    raise result
+        else:
+            answers = await asyncio.gather(*(self.client.start_pull(request=r) for r in requests))
+            for request, started in zip(requests, answers, strict=True):
+                self._transfer_ids[request.request_id] = started.transfer_id
+
     async def _receive(self) -> None:
         async for message in self._stream:
             kind = message.WhichOneof("kind")
-            if kind == "finished_recving":
+            if kind == "pulls_started":
+                self._answered(message.pulls_started)
+            elif kind == "finished_recving":
                 waiter = self._waiters.pop(message.finished_recving.request_id, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)
@@ -229,30 +272,34 @@ class Engine:
                 if waiter is not None and not waiter.done():
                     waiter.set_exception(errors.Internal(f"pull failed: {body.error_code}: {body.error_message}"))
 
-    async def pull(self, params: common_pb2.KvTransferParams, first_block: int) -> float:
-        """One pull of a held scratch into blocks ``first_block...``: seconds from StartPull to
+    async def pull(self, params: common_pb2.KvTransferParams, first_block: int, how: str = "stream") -> float:
+        """One pull of a held scratch into blocks ``first_block...``: seconds from its start (on
+        the engine stream, as the engine patch starts it; ``how="single"``: a StartPull call) to
         FinishedRecving on the engine stream (what an engine waits)."""
         blocks = len(params.block_ids)
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[params.request_id] = waiter
-        t0 = time.perf_counter()
-        started = await self.client.start_pull(
+        request = router_pb2.StartPullRequest(
             engine_id=self.engine_id,
             tp_rank=0,
             request_id=params.request_id,
             local_block_ids=range(first_block, first_block + blocks),
             remote=params,
         )
-        self.last_transfer_id = started.transfer_id
-        await waiter
+        t0 = time.perf_counter()
+        try:
+            await self._start([request], how)
+            await waiter
+        finally:
+            self._waiters.pop(params.request_id, None)
+            self.last_transfer_id = self._transfer_ids.pop(params.request_id, "")
         return time.perf_counter() - t0
 
-    async def pull_step(
-        self, params: list[common_pb2.KvTransferParams], first_block: int, batched: bool
-    ) -> list[float]:
+    async def pull_step(self, params: list[common_pb2.KvTransferParams], first_block: int, how: str) -> list[float]:
         """An engine step's loads: every pull of ``params`` at once, each into blocks of its own
-        from ``first_block`` on, started with one StartPulls (``batched``) or one StartPull each
-        (all in flight together); seconds from the step's start to each pull's FinishedRecving."""
+        from ``first_block`` on, started as ``how`` says (:meth:`_start`: one message on the engine
+        stream, one StartPulls, or one StartPull each, all in flight together); seconds from the
+        step's start to each pull's FinishedRecving."""
         loop = asyncio.get_running_loop()
         waiters = []
         for p in params:
@@ -276,16 +323,12 @@ class Engine:
             return time.perf_counter() - t0
 
         try:
-            if batched:
-                for result in await self.client.start_pulls(requests):
-                    if isinstance(result, errors.KvdError):
-                        raise result
-            else:
-                await asyncio.gather(*(self.client.start_pull(request=r) for r in requests))
+            await self._start(requests, how)
             return list(await asyncio.gather(*(finished(w) for w in waiters)))
         finally:
             for p in params:
                 self._waiters.pop(p.request_id, None)
+                self._transfer_ids.pop(p.request_id, None)
 
     def _block_view(self, first_block: int, count: int) -> Any:
         """Blocks ``first_block..+count`` in the engine's memory: one row per layer and K/V."""

@@ -108,8 +108,8 @@ async def sizes(session: Session, sizes_mb: list[int], samples: int, progress: P
 async def overhead(session: Session, samples: int, progress: Progress) -> dict[str, Any]:
     """2 MiB pulls and raw reads interleaved: pull - raw, pair by pair (the control path's cost);
     then up to PAUSED_PAIRS more, each pull after PAUSE_S with nothing moving (``paused``)."""
-    kvd, raw, transfer_ids = await _pairs(session, samples, 0.0, 2, "control overhead", progress)
-    paused_kvd, paused_raw, _ = await _pairs(
+    kvd, raw, transfer_ids, by_call = await _pairs(session, samples, 0.0, 2, "control overhead", progress)
+    paused_kvd, paused_raw, _, _ = await _pairs(
         session, min(samples, PAUSED_PAIRS), PAUSE_S, 0, "control overhead after a pause", progress
     )
     return {
@@ -118,6 +118,12 @@ async def overhead(session: Session, samples: int, progress: Progress) -> dict[s
         "raw_s": raw,
         "overhead_s": [k - r for k, r in zip(kvd, raw, strict=True)],
         "phase_s": await _phases(session, transfer_ids),
+        # The same pulls started by a StartPull call (the path before pulls on the engine stream),
+        # each right after a pair: against the pair's raw read.
+        "start_pull": {
+            "kvd_s": by_call,
+            "overhead_s": [k - r for k, r in zip(by_call, raw, strict=True)],
+        },
         "paused": {
             "pause_s": PAUSE_S,
             "kvd_s": paused_kvd,
@@ -135,26 +141,34 @@ PAUSED_PAIRS = 30
 
 async def _pairs(
     session: Session, pairs: int, pause_s: float, warm_up: int, label: str, progress: Progress
-) -> tuple[list[float], list[float], list[str]]:
+) -> tuple[list[float], list[float], list[str], list[float]]:
     """``pairs`` 2 MiB pulls, each followed by a raw read of the same bytes and each after
     ``pause_s`` (0: back to back), the first ``warm_up`` more not kept: (pull seconds, raw
-    seconds, the pulls' transfer ids). The last pull's bytes are checked."""
-    held = await session.hold(BLOCK_BYTES, pairs + warm_up)
+    seconds, the pulls' transfer ids, and with no pause, each pair followed by the same pull
+    started by a StartPull call: its seconds). Each pull's bytes land in block 0; the last's are
+    checked."""
+    held = await session.hold(BLOCK_BYTES, (pairs + warm_up) * (1 if pause_s else 2))
     kvd: list[float] = []
     raw: list[float] = []
+    by_call: list[float] = []
     transfer_ids: list[str] = []
-    for i, hold in enumerate(held):
+    holds = iter(held)
+    for i in range(pairs + warm_up):
         if pause_s:
             await asyncio.sleep(pause_s)
-        elapsed = await session.engine.pull(hold.kv_transfer_params, 0)
+        elapsed = await session.engine.pull(next(holds).kv_transfer_params, 0)
+        transfer_id = session.engine.last_transfer_id
         raw_s = session.raw.read()
+        called = 0.0 if pause_s else await session.engine.pull(next(holds).kv_transfer_params, 0, how="single")
         if i >= warm_up:
             kvd.append(elapsed)
             raw.append(raw_s)
-            transfer_ids.append(session.engine.last_transfer_id)
-        progress(label, (i + 1) / len(held))
+            transfer_ids.append(transfer_id)
+            if not pause_s:
+                by_call.append(called)
+        progress(label, (i + 1) / (pairs + warm_up))
     session.verify(0, BLOCK_BYTES)
-    return kvd, raw, transfer_ids
+    return kvd, raw, transfer_ids, by_call
 
 
 async def _phases(session: Session, transfer_ids: list[str]) -> list[dict[str, float]]:
@@ -208,7 +222,8 @@ async def batched(
 ) -> list[dict[str, Any]]:
     """Engine steps of ``batch`` 2 MiB pulls, all started at once and waited for together, step
     after step: first with one StartPull per pull (``single``), then with one StartPulls per step
-    (``batched``), so the two differ only in the RPCs. Latencies run from the step's start to
+    (``batched``), then with one message per step on the engine stream (``stream``, the engine
+    patch's way), so the three differ only in how the pulls start. Latencies run from the step's start to
     each pull's FinishedRecving; ``cpu_s`` as in :func:`concurrency`, summed over the steps.
 
     Each kvd step is followed by a raw step (``raw``): the same ``batch`` READs of 2 MiB from the
@@ -223,7 +238,7 @@ async def batched(
     this layout, which the one-descriptor raw step is not."""
     engine = session.engine
     out = []
-    modes = ("single", "batched")
+    modes = ("single", "batched", "stream")
     for n, batch in enumerate(batches):
         batch = min(batch, engine.capacity_blocks)
         steps = max(4, -(-pulls_per_level // batch))
@@ -237,7 +252,7 @@ async def batched(
             laid = _Window()
             for step in range(steps):
                 cpu0, client0, t0 = session.daemons.cpu(), own_cpu_seconds(), time.perf_counter()
-                kvd.latency_s += await engine.pull_step(held[step * batch : (step + 1) * batch], 0, mode == "batched")
+                kvd.latency_s += await engine.pull_step(held[step * batch : (step + 1) * batch], 0, mode)
                 kvd.add(time.perf_counter() - t0, _cpu_since(session, cpu0, client0))
                 _raw_step(session, raw, batch, layout=False)
                 _raw_step(session, laid, batch, layout=True)

@@ -17,6 +17,7 @@ from kvd.core.registry import EngineRank
 from kvd.server import convert
 from kvd.server.edge import rpc
 from kvd.server.lease_info import lease_to_pb
+from kvd.server.pull_starts import READY, let_started_pulls_run, start_pulls_on_stream
 from kvd_client.errors import InvalidArgument
 from kvd_client.v1 import engine_pb2, engine_pb2_grpc
 
@@ -51,21 +52,29 @@ def _event_to_pb(event: EngineEvent) -> engine_pb2.DaemonMessage:
     )
 
 
-def _messages(events: list[EngineEvent], batches: bool) -> list[engine_pb2.DaemonMessage]:
-    """What the stream writes for the events queued when it runs: one message per event, or, to an
-    engine that reads batches, one message carrying all of them (one write, one read, instead of
-    one per event; at most MAX_BATCH_EVENTS in one). Nothing waits to fill a batch: it is whatever
-    piled up while the writer was busy or asleep (e.g. the pulls that ended in one event-loop
-    turn), so an idle stream still sends each event at once."""
+def _messages(
+    answers: list[engine_pb2.DaemonMessage], events: list[EngineEvent], batches: bool
+) -> list[engine_pb2.DaemonMessage]:
+    """What the stream writes when it runs: this stream's own answers (its ready, its pulls'
+    PullsStarted), then the rank's events queued, one message each, or, to an engine that reads
+    batches, one message carrying all of them (one write, one read, instead of one per event; at
+    most MAX_BATCH_EVENTS in one). Nothing waits to fill a batch: it is whatever piled up while
+    the writer was busy or asleep (e.g. the pulls that ended in one event-loop turn), so an idle
+    stream still sends each event at once.
+
+    Answers go first: a PullsStarted is queued in the same turn as its pulls start, so any event
+    of those pulls is queued after it and leaves after it."""
+    messages = [*answers, *map(_event_to_pb, events)] if answers else [_event_to_pb(event) for event in events]
+    answers.clear()
     if not batches:
-        return [_event_to_pb(event) for event in events]
+        return messages
     out: list[engine_pb2.DaemonMessage] = []
-    for start in range(0, len(events), MAX_BATCH_EVENTS):
-        chunk = events[start : start + MAX_BATCH_EVENTS]
+    for start in range(0, len(messages), MAX_BATCH_EVENTS):
+        chunk = messages[start : start + MAX_BATCH_EVENTS]
         if len(chunk) == 1:
-            out.append(_event_to_pb(chunk[0]))
+            out.append(chunk[0])
         else:
-            out.append(engine_pb2.DaemonMessage(batch=engine_pb2.DaemonMessageBatch(messages=map(_event_to_pb, chunk))))
+            out.append(engine_pb2.DaemonMessage(batch=engine_pb2.DaemonMessageBatch(messages=chunk)))
     return out
 
 
@@ -127,21 +136,25 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         rank, generation = self.daemon.attach_stream(first.hello.engine_id, first.hello.tp_rank)
         batches = first.hello.accepts_batches
         # This stream's own event: set by every event posted, by a stream superseding this one,
-        # by the engine's unregistration and (below) by the end of the engine's side, so the
-        # writer waits on the event alone (no future and asyncio.wait per wake-up).
+        # by the engine's unregistration, by an answer queued and (below) by the end of the
+        # engine's side, so the writer waits on the event alone (no future and asyncio.wait per
+        # wake-up).
         wakeup: asyncio.Event = rank.wakeup
-        reader = asyncio.get_running_loop().create_task(self._read_engine(rank, request_iterator))
+        # This stream's answers, never a successor's: a PullsStarted names the seq of this
+        # stream's engine, which a later stream's engine may number again.
+        answers: list[engine_pb2.DaemonMessage] = [READY] if first.hello.starts_pulls else []
+        reader = asyncio.get_running_loop().create_task(self._read_engine(rank, request_iterator, answers, wakeup))
         reader.add_done_callback(lambda _reader: wakeup.set())
         try:
             while not reader.done() and rank.stream_generation == generation:
-                for message in _messages(rank.drain(), batches):
+                for message in _messages(answers, rank.drain(), batches):
                     yield message
                 wakeup.clear()
-                if rank.pending or reader.done():
+                if rank.pending or answers or reader.done():
                     continue
                 await wakeup.wait()
             if rank.stream_generation == generation:  # a superseded stream leaves events to its successor
-                for message in _messages(rank.drain(), batches):
+                for message in _messages(answers, rank.drain(), batches):
                     yield message
             if reader.done() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
@@ -149,7 +162,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             reader.cancel()
             self.daemon.detach_stream(rank, generation)
 
-    async def _read_engine(self, rank: EngineRank, request_iterator: AsyncIterator[engine_pb2.EngineMessage]) -> None:
+    async def _read_engine(
+        self,
+        rank: EngineRank,
+        request_iterator: AsyncIterator[engine_pb2.EngineMessage],
+        answers: list[engine_pb2.DaemonMessage],
+        wakeup: asyncio.Event,
+    ) -> None:
         async for message in request_iterator:
             kind = message.WhichOneof("kind")
             if kind == "commit":
@@ -157,6 +176,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             elif kind == "post_forward":
                 pf = message.post_forward
                 self.daemon.post_forward(rank, pf.step, list(pf.finished_request_ids))
+            elif kind == "start_pulls":
+                # The answer is queued at once (so it leaves before any event of its pulls), the
+                # writer woken only once the pulls' admissions are on their way (their critical
+                # path; the answer is not on it).
+                answers.append(start_pulls_on_stream(self.daemon, rank, message.start_pulls))
+                await let_started_pulls_run()
+                wakeup.set()
             else:
                 raise InvalidArgument(f"unexpected {kind!r} message on an open engine stream")
 

@@ -14,8 +14,9 @@ from kvd import __version__
 from kvd.core import scratch
 from kvd.core.daemon import Daemon, PullOrder
 from kvd.server import convert
-from kvd.server.edge import bounded, rpc
+from kvd.server.edge import rpc
 from kvd.server.lease_info import lease_to_pb
+from kvd.server.pull_starts import add_results, let_started_pulls_run, pull_order
 from kvd.server.watch_stream import serve_watch_stream
 from kvd_client.errors import InvalidArgument, KvdError
 from kvd_client.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -24,36 +25,6 @@ logger = logging.getLogger(__name__)
 
 SELFTEST_SEED_LIMIT = 1 << 63
 """The scratch pattern computes in signed 64-bit words: larger seeds would overflow."""
-
-
-async def _let_started_pulls_run() -> None:
-    """Yield to the event loop twice before answering StartPull(s): the pulls just started plan
-    and queue their PreparePull (first turn), and the peer stream's writer sends it (second).
-
-    The holder's admission is on each pull's critical path; this answer is not (an engine waits
-    for the pull's end on its engine stream, a router for its status). Sending the answer first
-    delayed every pull's admission by the answer's own cost: kvd bench, one pull in flight, the
-    reader's "planned" phase 0.44-0.49 ms before, 0.15-0.25 ms after (docs/performance.md).
-    """
-    for _ in range(2):
-        await asyncio.sleep(0)
-
-
-def _pull_order(request: router_pb2.StartPullRequest) -> PullOrder:
-    """The core's arguments of one pull (StartPull, or an item of StartPulls)."""
-    if not request.HasField("remote"):
-        raise InvalidArgument("remote kv_transfer_params are required")
-    return PullOrder(
-        engine_id=request.engine_id,
-        tp_rank=request.tp_rank,
-        request_id=request.request_id,
-        local_block_ids=list(request.local_block_ids),
-        remote=convert.params_from_pb(request.remote),
-        deadline_s=request.deadline_ms / 1000.0,
-        local_group_block_ids=convert.group_ids_from_pb(
-            request.local_group_block_ids, request.local_group_block_counts, "start pull"
-        ),
-    )
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -67,8 +38,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def StartPull(
         self, request: router_pb2.StartPullRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.StartPullResponse:
-        transfer = self.daemon.start_order(_pull_order(request))
-        await _let_started_pulls_run()
+        transfer = self.daemon.start_order(pull_order(request))
+        await let_started_pulls_run()
         return router_pb2.StartPullResponse(transfer_id=transfer.transfer_id)
 
     @rpc
@@ -78,22 +49,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         orders: list[PullOrder | KvdError] = []
         for item in request.pulls:
             try:
-                orders.append(_pull_order(item))
+                orders.append(pull_order(item))
             except KvdError as exc:  # that item's result (results[i] answers pulls[i])
                 orders.append(exc)
         results = self.daemon.start_pulls(orders)
-        await _let_started_pulls_run()
+        await let_started_pulls_run()
         response = router_pb2.StartPullsResponse()
-        for result in results:
-            if isinstance(result, KvdError):
-                self.metrics.errors.labels("StartPulls", result.code.name).inc()
-                response.results.add(
-                    error_code=result.code.name,
-                    error_message=bounded(result.message),
-                    error_class=type(result).__name__,
-                )
-            else:
-                response.results.add(transfer_id=result.transfer_id)
+        add_results(response, results, self.metrics, "StartPulls")
         return response
 
     @rpc

@@ -70,6 +70,12 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert paused["pause_s"] > 0 and len(paused["overhead_s"]) == len(paused["kvd_s"]) == 4
     assert all(k > 0 and r > 0 for k, r in zip(paused["kvd_s"], paused["raw_s"], strict=True))
     assert any("with nothing moving" in line for line in result.stdout.splitlines())
+    by_call = overhead["start_pull"]  # each pair followed by the same pull started by a StartPull call
+    assert len(by_call["kvd_s"]) == len(by_call["overhead_s"]) == 4 and all(k > 0 for k in by_call["kvd_s"])
+    assert by_call["overhead_s"] == pytest.approx(
+        [k - r for k, r in zip(by_call["kvd_s"], overhead["raw_s"], strict=True)]
+    )
+    assert any("started by a StartPull call instead" in line for line in result.stdout.splitlines())
     levels = {row["in_flight"]: row for row in data["concurrency"]}
     assert set(levels) == {1, 4}
     for n, row in levels.items():
@@ -82,8 +88,9 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
             cpu["reader"] + cpu["reader worker"] + cpu["holder"] + cpu["holder worker"] + cpu["client"]
         )
         assert all(math.isfinite(v) for v in cpu.values())
-    batched = {row["mode"]: row for row in data["batched"]}  # the same steps, StartPull each vs one StartPulls
-    assert set(batched) == {"single", "batched"} and data["config"]["batches"] == [4]
+    # the same steps: StartPull each, one StartPulls, one message on the engine stream
+    batched = {row["mode"]: row for row in data["batched"]}
+    assert set(batched) == {"single", "batched", "stream"} and data["config"]["batches"] == [4]
     for row in batched.values():
         assert row["batch"] == 4 and len(row["latency_s"]) == row["pulls"] >= 16
         assert row["cpu_s"]["reader"] > 0 and row["cpu_s"]["client"] > 0

@@ -82,6 +82,35 @@ class FakeStream:
             self.sent.append(("post_forward", int(step), tuple(finished_request_ids)))
         return True
 
+    @property
+    def takes_pulls(self) -> bool:
+        """As kvd's stream once the daemon said so: only a FakeDaemon with ``stream_pulls``."""
+        return self.daemon.stream_pulls and not self._closed
+
+    def send_start_pulls(self, requests: Any) -> int:
+        """The pulls start as StartPulls would start them; the answer (a ``pulls_started``) is
+        pushed at once, unless the daemon loses it (``stream_answers_lost``)."""
+        if not self.takes_pulls:
+            return 0
+        d = self.daemon
+        seq = next(d._ids)
+        d.stream_batches.append([r.request_id for r in requests])
+        answer = engine_pb2.DaemonMessage()
+        answer.pulls_started.seq = seq
+        client = FakeClient(d)
+        for request in requests:
+            try:
+                answer.pulls_started.results.add(transfer_id=client.start_pull(request=request).transfer_id)
+            except errors.KvdError as err:
+                answer.pulls_started.results.add(
+                    error_code=err.code.name, error_message=err.message, error_class=type(err).__name__
+                )
+        if d.stream_answers_lost > 0:
+            d.stream_answers_lost -= 1
+        else:
+            self.push(answer)
+        return seq
+
     def poll(self, timeout_s: float = 0.0) -> list[Any]:
         with self.lock:
             out, self.inbox = self.inbox, []
@@ -146,6 +175,9 @@ class FakeDaemon:
         self.pull_item_errors: dict[str, errors.KvdError] = {}  # by request id: that pull's own error
         self.batches: list[list[str]] = []  # each StartPulls call's request ids
         self.batches_unimplemented = False  # a daemon that predates StartPulls
+        self.stream_pulls = False  # the daemon takes pulls on the engine stream (as kvd's does)
+        self.stream_batches: list[list[str]] = []  # each stream message's request ids
+        self.stream_answers_lost = 0  # the next this many stream messages start their pulls, unanswered
         self.read_log: list[dict[str, Any]] = []
         self._ids = itertools.count(1)
         self.lock = threading.RLock()

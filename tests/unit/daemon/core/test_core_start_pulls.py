@@ -241,17 +241,17 @@ def test_the_engine_stream_sends_what_is_queued_as_one_message_to_an_engine_that
         LoadFailed("b", "t2", "NOT_FOUND", "gone", (3, 4), "UnknownLease"),
         FinishedSending("c", "l1", expired=True),
     ]
-    (one,) = servicers._messages(events, batches=True)
+    (one,) = servicers._messages([], events, batches=True)
     inner = one.batch.messages
     assert [m.WhichOneof("kind") for m in inner] == ["finished_recving", "load_failed", "finished_sending"]
     assert inner[1].load_failed.error_class == "UnknownLease" and list(inner[1].load_failed.block_ids) == [3, 4]
-    assert [m.WhichOneof("kind") for m in servicers._messages(events, batches=False)] == [
+    assert [m.WhichOneof("kind") for m in servicers._messages([], events, batches=False)] == [
         "finished_recving",
         "load_failed",
         "finished_sending",
     ]
-    (single,) = servicers._messages(events[:1], batches=True)  # alone: no batch around it
+    (single,) = servicers._messages([], events[:1], batches=True)  # alone: no batch around it
     assert single.WhichOneof("kind") == "finished_recving"
     many = [FinishedRecving(f"r{i}", "t") for i in range(servicers.MAX_BATCH_EVENTS + 1)]
-    sizes = [len(m.batch.messages) or 1 for m in servicers._messages(many, batches=True)]
+    sizes = [len(m.batch.messages) or 1 for m in servicers._messages([], many, batches=True)]
     assert sizes == [servicers.MAX_BATCH_EVENTS, 1]
