@@ -4,19 +4,19 @@ A 2 MiB pull costs a few ms more than the raw NIXL read of its bytes. How much o
 own work, and how much the shape of the path (Python processes talking gRPC and a socket)? This
 section answers by running the same hops with no logic at all, beside the pulls, in the same run:
 
-    client --unary ``Start`` (Unix socket)--> reader --one message on a bidirectional stream
-    (TCP)--> holder --the same message back--> reader --one frame on a Unix socket--> worker
-    --the frame back--> reader --one message on a server stream--> client
+    client --one message on a bidirectional stream (Unix socket)--> reader --one message on a
+    bidirectional stream (TCP)--> holder --the same message back--> reader --one frame on a Unix
+    socket--> worker --the frame back--> reader --one message back on the client's stream--> client
 
-which is a pull's critical path in kvd: ``StartPull``, the holder's admission (``PreparePull`` on
-the peer stream), the READ order to the data-plane worker and its reply, the completion on the
-engine stream. Each process is Python with an asyncio loop and ``grpc.aio``, as kvd's are; the
-messages carry ~200 bytes and nobody parses them; there are no bytes to copy, no TLS and no
-interceptor. So what it measures is a floor: no control path of this shape can cost less on the
-machine. The bench prints it beside the goals (:mod:`kvd.bench.goals`).
+which is a pull's critical path in kvd: its start on the engine stream (``start_pulls``), the
+holder's admission (``PreparePull`` on the peer stream), the READ order to the data-plane worker
+and its reply, the completion on the engine stream. Each process is Python with an asyncio loop
+and ``grpc.aio``, as kvd's are; the messages carry ~200 bytes and nobody parses them; there are
+no bytes to copy, no TLS and no interceptor. So what it measures is a floor: no control path of
+this shape can cost less on the machine. The bench prints it beside the goals (:mod:`kvd.bench.goals`).
 
 That is the floor of a design with one message per pull on every hop. Its second mode is the
-floor of a design with one message per engine *step* on every hop: the client's ``Start`` carries
+floor of a design with one message per engine *step* on every hop: the client's message carries
 a step's B pulls (B entries of the same ~200 bytes), and the reader forwards it as one admission
 message to the holder, one frame (B orders) to the worker and one completion message (B
 completions) on the engine stream, whose answers are as large. The processes are the same: they
@@ -107,9 +107,9 @@ async def _worker(socket_path: str) -> None:
 
 
 async def _reader(holder_address: str, worker_path: str, socket_path: str) -> None:
-    """A pull with nothing but its hops: ``Start`` answers at once; the pull's task sends one
-    message to the holder and waits for its answer, one frame to the worker and waits for its
-    answer, and puts the request on the engine stream. Replies come back in order on each
+    """A pull with nothing but its hops: each message of the engine stream starts one; the pull's
+    task sends one message to the holder and waits for its answer, one frame to the worker and
+    waits for its answer, and puts the request back on the engine stream. Replies come back in order on each
     channel, so a FIFO of waiters matches them (as kvd's channels match by id)."""
     import grpc  # noqa: PLC0415
 
@@ -151,21 +151,22 @@ async def _reader(holder_address: str, worker_path: str, socket_path: str) -> No
     running: set[asyncio.Task[None]] = set()
     background = [asyncio.create_task(c()) for c in (write_peer, read_peer, read_worker)]
 
-    async def start(request: bytes, context: Any) -> bytes:
-        task = asyncio.create_task(pull(request))
-        running.add(task)
-        task.add_done_callback(running.discard)
-        return b""
+    async def start(requests: AsyncIterator[bytes]) -> None:
+        async for request in requests:
+            task = asyncio.create_task(pull(request))
+            running.add(task)
+            task.add_done_callback(running.discard)
 
-    async def engine(request: bytes, context: Any) -> AsyncIterator[bytes]:
-        while True:
-            yield await completions.get()
+    async def engine(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        starting = asyncio.create_task(start(requests))
+        try:
+            while True:
+                yield await completions.get()
+        finally:
+            starting.cancel()
 
     server = grpc.aio.server()
-    handlers = {
-        "Start": grpc.unary_unary_rpc_method_handler(start, _same, _same),
-        "Engine": grpc.unary_stream_rpc_method_handler(engine, _same, _same),
-    }
+    handlers = {"Engine": grpc.stream_stream_rpc_method_handler(engine, _same, _same)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_READER, handlers),))
     server.add_insecure_port(f"unix:{socket_path}")
     await server.start()
@@ -271,8 +272,13 @@ async def measure(
     try:
         floor.start()
         async with grpc.aio.insecure_channel(floor.reader_target) as channel:
-            start = channel.unary_unary(f"/{_SERVICE_READER}/Start", _same, _same)
-            completions = channel.unary_stream(f"/{_SERVICE_READER}/Engine", _same, _same)(b"")
+            outbox: asyncio.Queue[bytes] = asyncio.Queue()
+
+            async def starts() -> AsyncIterator[bytes]:
+                while True:
+                    yield await outbox.get()
+
+            completions = channel.stream_stream(f"/{_SERVICE_READER}/Engine", _same, _same)(starts())
             waiting: dict[bytes, asyncio.Future[None]] = {}
             loop = asyncio.get_running_loop()
             numbers = itertools.count()
@@ -284,13 +290,13 @@ async def measure(
             delivering = asyncio.create_task(deliver())
 
             async def one(entries: int = 1) -> float:
-                """A pull (``entries`` 1) or a step of ``entries`` pulls: one Start, one message
-                per hop, one completion, each carrying ``entries`` entries."""
+                """A pull (``entries`` 1) or a step of ``entries`` pulls: one message per hop, the
+                completion back on the client's stream, each carrying ``entries`` entries."""
                 request = PAYLOAD * entries + str(next(numbers)).encode()
                 done = loop.create_future()
                 waiting[request] = done
                 t0 = time.perf_counter()
-                await start(request, timeout=30)
+                outbox.put_nowait(request)
                 await asyncio.wait_for(done, 30)
                 return time.perf_counter() - t0
 
