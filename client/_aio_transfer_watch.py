@@ -19,11 +19,22 @@ import grpc
 from kvd_client.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from . import errors
-from ._watch_book import CLOSE, WatchBook, ended_by_daemon, outcomes, request_messages, stream_failure, waited_too_long
+from ._watch_book import (
+    CLOSE,
+    Order,
+    PullStart,
+    WatchBook,
+    ended_by_daemon,
+    outcomes,
+    pull_took_too_long,
+    request_messages,
+    stream_failure,
+    waited_too_long,
+)
 
 logger = logging.getLogger(__name__)
 
-_Order = tuple[str, bool]  # (transfer id, watch it: True / stop: False)
+_Order = Order
 
 
 class AsyncTransferWatch:
@@ -54,6 +65,25 @@ class AsyncTransferWatch:
             raise waited_too_long(transfer_id, timeout or 0.0) from None
         finally:
             self._forget(transfer_id, waiter)
+
+    async def pull(
+        self, request: router_pb2.StartPullRequest, timeout: float | None
+    ) -> common_pb2.TransferStatus | None:
+        """Start ``request`` on the stream and wait for its end: its DONE status, or the exact error
+        it failed with (its start's refusal included); DeadlineExceeded after ``timeout`` seconds
+        (the pull goes on). None when the stream does not start pulls now (it is not open yet, or
+        the daemon predates it): start it with StartPull and wait on it."""
+        waiter: asyncio.Future[common_pb2.TransferStatus] = asyncio.get_running_loop().create_future()
+        start = self._register_start(request, waiter)
+        if start is None:
+            return None
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            raise pull_took_too_long(start, timeout or 0.0) from None
+        finally:
+            if self._book.discard_start(start):
+                self._forget(start.transfer_id, waiter)
 
     async def wait_many(
         self, transfer_ids: Sequence[str], timeout: float | None
@@ -98,6 +128,20 @@ class AsyncTransferWatch:
         else:
             assert self._outbox is not None
             self._outbox.put_nowait((transfer_id, True))
+
+    def _register_start(
+        self, request: router_pb2.StartPullRequest, waiter: asyncio.Future[common_pb2.TransferStatus]
+    ) -> PullStart | None:
+        if self._closing:
+            raise errors.Cancelled("the client is closed")
+        if self._task is None:
+            self._open()  # for the next pull: this one goes by StartPull
+            return None
+        start = self._book.add_start(request, waiter)
+        if start is not None:
+            assert self._outbox is not None
+            self._outbox.put_nowait(router_pb2.WatchedPullStart(seq=start.seq, pull=request))
+        return start
 
     def _forget(self, transfer_id: str, waiter: asyncio.Future[common_pb2.TransferStatus]) -> None:
         if self._book.discard(transfer_id, waiter) and self._task is not None and self._outbox is not None:

@@ -19,11 +19,22 @@ from typing import Any
 from kvd_client.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from . import errors
-from ._watch_book import CLOSE, WatchBook, ended_by_daemon, outcomes, request_messages, stream_failure, waited_too_long
+from ._watch_book import (
+    CLOSE,
+    Order,
+    PullStart,
+    WatchBook,
+    ended_by_daemon,
+    outcomes,
+    pull_took_too_long,
+    request_messages,
+    stream_failure,
+    waited_too_long,
+)
 
 logger = logging.getLogger(__name__)
 
-_Order = tuple[str, bool]  # (transfer id, watch it: True / stop: False)
+_Order = Order
 _Future = concurrent.futures.Future[common_pb2.TransferStatus]
 
 CLOSE_TIMEOUT_S = 5.0
@@ -59,6 +70,25 @@ class TransferWatch:
             raise waited_too_long(transfer_id, timeout or 0.0) from None
         finally:
             self._forget(transfer_id, waiter)
+
+    def pull(self, request: router_pb2.StartPullRequest, timeout: float | None) -> common_pb2.TransferStatus | None:
+        """Start ``request`` on the stream and wait for its end: its DONE status, or the exact error
+        it failed with (its start's refusal included); DeadlineExceeded after ``timeout`` seconds
+        (the pull goes on). None when the stream does not start pulls now (it is not open yet, or
+        the daemon predates it): start it with StartPull and wait on it."""
+        waiter: _Future = concurrent.futures.Future()
+        start = self._register_start(request, waiter)
+        if start is None:
+            return None
+        try:
+            return waiter.result(timeout)
+        except TimeoutError:
+            raise pull_took_too_long(start, timeout or 0.0) from None
+        finally:
+            with self._lock:
+                answered = self._book.discard_start(start)
+            if answered:
+                self._forget(start.transfer_id, waiter)
 
     def wait_many(
         self, transfer_ids: Sequence[str], timeout: float | None
@@ -104,6 +134,19 @@ class TransferWatch:
             else:
                 assert self._outbox is not None
                 self._outbox.put((transfer_id, True))
+
+    def _register_start(self, request: router_pb2.StartPullRequest, waiter: _Future) -> PullStart | None:
+        with self._lock:
+            if self._closing:
+                raise errors.Cancelled("the client is closed")
+            if self._thread is None:
+                self._open()  # for the next pull: this one goes by StartPull
+                return None
+            start = self._book.add_start(request, waiter)
+            if start is not None:
+                assert self._outbox is not None
+                self._outbox.put(router_pb2.WatchedPullStart(seq=start.seq, pull=request))
+            return start
 
     def _forget(self, transfer_id: str, waiter: _Future) -> None:
         with self._lock:

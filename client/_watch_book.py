@@ -17,6 +17,13 @@ This module is the part both front ends share, with no I/O, so that the rules ar
 * :func:`outcomes` (what ``wait_transfers`` returns per id) and :func:`stream_failure` (what a
   stream's failure means for its waiters), which the twins would otherwise each spell out.
 
+A daemon that says so in its first message (``takes_pulls``) also starts pulls sent on the stream
+(:meth:`WatchBook.add_start`): a router's pull is then one message up and the answers down, not a
+StartPull call beside the wait. A start is answered (``started``, by its seq) before its transfer's
+end; once answered, its waiter waits on the transfer id like any other. A start still unanswered
+when its stream ends fails with the stream's error, saying the pull may have started (StartPull
+of the same pull is idempotent: it answers the transfer started).
+
 The stream's life (:meth:`WatchBook.stream_ended`): a stream that had been answered (the daemon's
 first message, its incarnation, arrived) and breaks is re-opened at once, every id still waited
 on sent again (an id that ended meanwhile is answered at once with its outcome: the daemon keeps
@@ -30,6 +37,7 @@ transfers) fails the waiters of the earlier ids with ``Unavailable`` instead of 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Protocol
@@ -46,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 MAX_IDS_PER_MESSAGE = 4096
 """The daemon's bound on the ids one WatchTransfersRequest names (kvd.core.watches)."""
+MAX_STARTS_PER_MESSAGE = 1024
+"""The daemon's bound on the pulls one WatchTransfersRequest starts (kvd.core.pulls)."""
 
 CLOSE = object()
 """Put on a stream's outbox to end its request side."""
@@ -71,6 +81,21 @@ class _Entry:
     generation: int  # the stream on which the id was first sent
 
 
+@dataclasses.dataclass
+class PullStart:
+    """A pull started on the stream: its seq and waiter; its transfer id once answered."""
+
+    seq: int
+    request: router_pb2.StartPullRequest
+    waiter: Waiter
+    transfer_id: str = ""
+    answered: bool = False
+
+
+Order = tuple[str, bool] | router_pb2.WatchedPullStart
+"""What a front end queues for its stream: (transfer id, watch it: True / stop: False), or a pull to start."""
+
+
 def copy_error(error: errors.KvdError) -> errors.KvdError:
     """A fresh instance of ``error``'s exact class, its message and cause: each waiter raises its own."""
     fresh = errors.from_status(error.code, error.message, type(error).__name__)
@@ -93,6 +118,9 @@ class WatchBook:
         self.incarnation = ""  # the daemon's, from the last stream's first message
         self.answered = False  # the current stream's first message arrived
         self.supported = True  # False once the daemon answered UNIMPLEMENTED (older than 0.2.0)
+        self.takes_pulls = False  # the current stream's first message said it starts pulls
+        self._starts: dict[int, PullStart] = {}  # sent, not answered yet
+        self._seqs = itertools.count(1)
 
     @property
     def waiting(self) -> int:
@@ -120,16 +148,35 @@ class WatchBook:
         del self._entries[transfer_id]
         return True
 
+    def add_start(self, request: router_pb2.StartPullRequest, waiter: Waiter) -> PullStart | None:
+        """A caller starts a pull and waits for its end: the start to send on the stream, or None
+        when the current stream does not start pulls (not answered yet, or an older daemon)."""
+        if not (self.answered and self.takes_pulls):
+            return None
+        start = PullStart(next(self._seqs), request, waiter)
+        self._starts[start.seq] = start
+        return start
+
+    def discard_start(self, start: PullStart) -> bool:
+        """The caller stopped waiting on ``start``; True when it was answered with a transfer its
+        waiter now waits on (discard that waiter from the id: :meth:`discard`)."""
+        if self._starts.pop(start.seq, None) is not None:
+            return False
+        return bool(start.transfer_id)
+
     def stream_opened(self) -> list[str]:
         """A new stream: every id waited on, to send first on it."""
         self.generation += 1
         self.answered = False
+        self.takes_pulls = False
         return list(self._entries)
 
     def settle(self, response: router_pb2.WatchTransfersResponse) -> None:
         """Hand each answer of ``response`` to the waiters of its id."""
         if response.incarnation:
-            self._first_message(response.incarnation)
+            self._first_message(response.incarnation, response.takes_pulls)
+        for started in response.started:  # before the finished: a start's end may be in this message
+            self._started(started)
         for status in response.finished:
             entry = self._entries.pop(status.transfer_id, None)
             if entry is None:
@@ -153,6 +200,40 @@ class WatchBook:
                 code = ErrorCode.__members__.get(refusal.error_code, ErrorCode.UNKNOWN)
                 self._fail(entry, errors.from_status(code, refusal.error_message, refusal.error_class))
 
+    def _started(self, started: router_pb2.WatchedPullStarted) -> None:
+        start = self._starts.pop(started.seq, None)
+        if start is None:
+            return  # the caller stopped waiting (its transfer, if any, ends unwaited)
+        start.answered = True
+        result = started.result
+        if result.error_code or not result.transfer_id:
+            code = ErrorCode.__members__.get(result.error_code, ErrorCode.UNKNOWN)
+            text = result.error_message or f"the pull of {start.request.request_id} did not start"
+            if not start.waiter.done():
+                start.waiter.set_exception(errors.from_status(code, text, result.error_class))
+            return
+        start.transfer_id = result.transfer_id
+        entry = self._entries.get(result.transfer_id)
+        if entry is None:  # the daemon watches it on this stream already: nothing to send
+            self._entries[result.transfer_id] = _Entry([start.waiter], self.generation)
+        else:
+            entry.waiters.append(start.waiter)
+
+    def _fail_starts(self, error: errors.KvdError) -> None:
+        """Every start not answered: failed with ``error``'s class, saying the pull may have started."""
+        starts, self._starts = self._starts, {}
+        for start in starts.values():
+            if not start.waiter.done():
+                start.waiter.set_exception(
+                    errors.from_status(
+                        error.code,
+                        f"{error.message} (before the daemon answered the start of the pull of "
+                        f"{start.request.request_id!r}: it may have started; StartPull of the same pull answers "
+                        "its transfer)",
+                        type(error).__name__,
+                    )
+                )
+
     def stream_ended(self, error: errors.KvdError) -> bool:
         """The current stream ended with ``error``: True to open another at once (it had been
         answered, and ids are still waited on); otherwise every waiter fails with ``error``. A
@@ -160,6 +241,7 @@ class WatchBook:
         fall back on WatchTransfer)."""
         if unsupported(error) and not self.answered:
             self.supported = False
+        self._fail_starts(error)
         if self.answered and self._entries and not unsupported(error):
             return True
         self.fail_all(error)
@@ -167,11 +249,12 @@ class WatchBook:
 
     def fail_all(self, error: errors.KvdError) -> None:
         """Every waiter fails with ``error`` (each its own instance of the class)."""
+        self._fail_starts(error)
         entries, self._entries = self._entries, {}
         for entry in entries.values():
             self._fail(entry, error)
 
-    def _first_message(self, incarnation: str) -> None:
+    def _first_message(self, incarnation: str, takes_pulls: bool = False) -> None:
         if self.incarnation and incarnation != self.incarnation:
             lost = [tid for tid, entry in self._entries.items() if entry.generation < self.generation]
             logger.warning(
@@ -190,6 +273,7 @@ class WatchBook:
                 )
         self.incarnation = incarnation
         self.answered = True
+        self.takes_pulls = takes_pulls
 
     @staticmethod
     def _fail(entry: _Entry, error: errors.KvdError) -> None:
@@ -198,11 +282,17 @@ class WatchBook:
                 waiter.set_exception(copy_error(error))
 
 
-def request_messages(orders: Iterable[tuple[str, bool]]) -> list[router_pb2.WatchTransfersRequest]:
-    """``orders`` ((transfer id, watch?) in the order they were queued) as requests: each id's last
-    order only, at most MAX_IDS_PER_MESSAGE ids to watch and to unwatch per message."""
+def request_messages(orders: Iterable[Order]) -> list[router_pb2.WatchTransfersRequest]:
+    """``orders`` ((transfer id, watch?) and pulls to start, in the order they were queued) as
+    requests: each id's last order only, at most MAX_IDS_PER_MESSAGE ids to watch and to unwatch
+    and MAX_STARTS_PER_MESSAGE pulls to start per message."""
     last: dict[str, bool] = {}
-    for transfer_id, watch in orders:
+    starts: list[router_pb2.WatchedPullStart] = []
+    for order in orders:
+        if isinstance(order, router_pb2.WatchedPullStart):
+            starts.append(order)
+            continue
+        transfer_id, watch = order
         last.pop(transfer_id, None)  # keeps the dict in the order of each id's last order
         last[transfer_id] = watch
     adds = [tid for tid, watch in last.items() if watch]
@@ -213,7 +303,19 @@ def request_messages(orders: Iterable[tuple[str, bool]]) -> list[router_pb2.Watc
         messages.append(
             router_pb2.WatchTransfersRequest(transfer_ids=adds[start:end], unwatch_transfer_ids=removes[start:end])
         )
+    for start in range(0, len(starts), MAX_STARTS_PER_MESSAGE):
+        chunk = starts[start : start + MAX_STARTS_PER_MESSAGE]
+        if start == 0 and messages:
+            messages[0].start_pulls.extend(chunk)
+        else:
+            messages.append(router_pb2.WatchTransfersRequest(start_pulls=chunk))
     return messages
+
+
+def pull_took_too_long(start: PullStart, timeout: float) -> errors.DeadlineExceeded:
+    """A pull started on the stream that did not end within ``timeout`` (it goes on)."""
+    what = f"transfer {start.transfer_id}" if start.transfer_id else f"the pull of {start.request.request_id!r}"
+    return errors.DeadlineExceeded(f"{what} did not end within {timeout:.3g} s (it goes on)")
 
 
 def ended_by_daemon() -> errors.KvdError:

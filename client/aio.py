@@ -198,6 +198,47 @@ class AsyncKvdClient:
         response = await self._router.StartPulls(req, timeout=self._timeout(timeout_s))
         return _base.pull_results(response, len(req.pulls))
 
+    async def pull(
+        self,
+        *,
+        engine_id: str | None = None,
+        tp_rank: int | None = None,
+        request_id: str | None = None,
+        local_block_ids: Iterable[int] | None = None,
+        remote: common_pb2.KvTransferParams | None = None,
+        deadline_ms: int | None = None,
+        request: router_pb2.StartPullRequest | None = None,
+        timeout_s: float | None = None,
+    ) -> common_pb2.TransferStatus:
+        """Start a pull (as :meth:`start_pull` would) and wait for its end (as
+        :meth:`wait_transfer` would): its DONE status, or the exact error it failed with, its
+        start's refusal included.
+
+        Where the daemon takes pulls on the client's ``WatchTransfers`` stream, both ride it: one
+        stream message each way instead of a StartPull call beside the wait (a router's pull at
+        the engine's cost, docs/performance.md); else, and for the first pull while the stream
+        opens, a StartPull and a wait. ``timeout_s`` bounds the wait: DeadlineExceeded, the pull
+        going on. A start whose answer the stream's end lost raises the stream's error: the pull
+        may have started, and asking :meth:`start_pull` again of the same pull answers its
+        transfer."""
+        req = _base.build_request(
+            router_pb2.StartPullRequest,
+            request,
+            engine_id=engine_id,
+            tp_rank=tp_rank,
+            request_id=request_id,
+            local_block_ids=local_block_ids,
+            remote=remote,
+            deadline_ms=deadline_ms,
+        )
+        timeout = self._timeout(timeout_s)
+        if self._watch.supported:
+            status = await self._watch.pull(req, timeout)
+            if status is not None:
+                return status
+        started = await self.start_pull(request=req, timeout_s=timeout_s)
+        return await self.wait_transfer(started.transfer_id, timeout_s)
+
     @translate_async
     async def get_transfer(
         self,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvd_client.v1 import common_pb2 as kvd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvd/v1/router.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\"7\n\x13SelftestHoldRequest\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"r\n\x14SelftestHoldResponse\x12\x34\n\x12kv_transfer_params\x18\x01 \x01(\x0b\x32\x18.kvd.v1.KvTransferParams\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\"\xe3\x01\n\x10StartPullRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x17\n\x0flocal_block_ids\x18\x04 \x03(\r\x12(\n\x06remote\x18\x05 \x01(\x0b\x32\x18.kvd.v1.KvTransferParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\x1d\n\x15local_group_block_ids\x18\x32 \x03(\r\x12 \n\x18local_group_block_counts\x18\x33 \x03(\r\"(\n\x11StartPullResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"<\n\x11StartPullsRequest\x12\'\n\x05pulls\x18\x01 \x03(\x0b\x32\x18.kvd.v1.StartPullRequest\"f\n\x0fStartPullResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x04 \x01(\t\">\n\x12StartPullsResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvd.v1.StartPullResult\")\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"K\n\x15WatchTransfersRequest\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\x12\x1c\n\x14unwatch_transfer_ids\x18\x02 \x03(\t\"k\n\x14TransferWatchRefusal\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x04 \x01(\t\"\x86\x01\n\x16WatchTransfersResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12(\n\x08\x66inished\x18\x02 \x03(\x0b\x32\x16.kvd.v1.TransferStatus\x12-\n\x07refused\x18\x03 \x03(\x0b\x32\x1c.kvd.v1.TransferWatchRefusal\",\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\":\n\x11LookupHeldRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"<\n\x12LookupHeldResponse\x12&\n\x04held\x18\x01 \x03(\x0b\x32\x18.kvd.v1.KvTransferParams\"5\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"\x12\n\x10GetStatusRequest\"\xe3\x01\n\rEngineSummary\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\x12\x18\n\x10stream_connected\x18\x05 \x01(\x08\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12\x12\n\nheld_bytes\x18\x14 \x01(\x04\x12\x17\n\x0fsoft_held_bytes\x18\x15 \x01(\x04\x12\x16\n\x0e\x64raining_bytes\x18\x16 \x01(\x04\"c\n\x0bPeerSummary\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x1a\n\x12last_contact_s_ago\x18\x04 \x01(\x01\"\xdf\x04\n\x11GetStatusResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12&\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x15.kvd.v1.EngineSummary\x12\"\n\x05peers\x18\x05 \x03(\x0b\x32\x13.kvd.v1.PeerSummary\x12\x1b\n\x13transfers_in_flight\x18\x06 \x01(\r\x12\x13\n\x0bleases_held\x18\x07 \x01(\r\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x17\n\x0fleases_draining\x18\n \x01(\r\x12\x17\n\x0fmetrics_address\x18\x0b \x01(\t\x12\x16\n\x0e\x61\x64mitted_reads\x18\x0c \x01(\r\x12\x19\n\x11quarantined_bytes\x18\r \x01(\x04\x12\x15\n\rremote_agents\x18\x0e \x01(\r\x12\x0f\n\x07version\x18\x0f \x01(\t\x12>\n\x0bholds_ended\x18\x14 \x03(\x0b\x32).kvd.v1.GetStatusResponse.HoldsEndedEntry\x12\x15\n\rdataplane_pid\x18\x15 \x01(\r\x12\x1a\n\x12\x64\x61taplane_restarts\x18\x16 \x01(\r\x12\x1e\n\x16\x64\x61taplane_last_restart\x18\x17 \x01(\t\x12\x17\n\x0f\x66inishing_calls\x18\x18 \x01(\r\x1a\x31\n\x0fHoldsEndedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x97\x06\n\rRouterService\x12@\n\tStartPull\x12\x18.kvd.v1.StartPullRequest\x1a\x19.kvd.v1.StartPullResponse\x12\x43\n\nStartPulls\x12\x19.kvd.v1.StartPullsRequest\x1a\x1a.kvd.v1.StartPullsResponse\x12\x41\n\x0bGetTransfer\x12\x1a.kvd.v1.GetTransferRequest\x1a\x16.kvd.v1.TransferStatus\x12\x45\n\rWatchTransfer\x12\x1a.kvd.v1.GetTransferRequest\x1a\x16.kvd.v1.TransferStatus0\x01\x12S\n\x0eWatchTransfers\x12\x1d.kvd.v1.WatchTransfersRequest\x1a\x1e.kvd.v1.WatchTransfersResponse(\x01\x30\x01\x12G\n\x0e\x43\x61ncelTransfer\x12\x1d.kvd.v1.CancelTransferRequest\x1a\x16.kvd.v1.TransferStatus\x12\x43\n\nLookupHeld\x12\x19.kvd.v1.LookupHeldRequest\x1a\x1a.kvd.v1.LookupHeldResponse\x12:\n\nRenewLease\x12\x19.kvd.v1.RenewLeaseRequest\x1a\x11.kvd.v1.LeaseInfo\x12I\n\x0cReleaseLease\x12\x1b.kvd.v1.ReleaseLeaseRequest\x1a\x1c.kvd.v1.ReleaseLeaseResponse\x12@\n\tGetStatus\x12\x18.kvd.v1.GetStatusRequest\x1a\x19.kvd.v1.GetStatusResponse\x12I\n\x0cSelftestHold\x12\x1b.kvd.v1.SelftestHoldRequest\x1a\x1c.kvd.v1.SelftestHoldResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvd/v1/router.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\"7\n\x13SelftestHoldRequest\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04seed\x18\x02 \x01(\x04\"r\n\x14SelftestHoldResponse\x12\x34\n\x12kv_transfer_params\x18\x01 \x01(\x0b\x32\x18.kvd.v1.KvTransferParams\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\"\xe3\x01\n\x10StartPullRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x17\n\x0flocal_block_ids\x18\x04 \x03(\r\x12(\n\x06remote\x18\x05 \x01(\x0b\x32\x18.kvd.v1.KvTransferParams\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x06 \x01(\r\x12\x1d\n\x15local_group_block_ids\x18\x32 \x03(\r\x12 \n\x18local_group_block_counts\x18\x33 \x03(\r\"(\n\x11StartPullResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"<\n\x11StartPullsRequest\x12\'\n\x05pulls\x18\x01 \x03(\x0b\x32\x18.kvd.v1.StartPullRequest\"f\n\x0fStartPullResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x04 \x01(\t\">\n\x12StartPullsResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.kvd.v1.StartPullResult\")\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"z\n\x15WatchTransfersRequest\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\t\x12\x1c\n\x14unwatch_transfer_ids\x18\x02 \x03(\t\x12-\n\x0bstart_pulls\x18\x03 \x03(\x0b\x32\x18.kvd.v1.WatchedPullStart\"G\n\x10WatchedPullStart\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12&\n\x04pull\x18\x02 \x01(\x0b\x32\x18.kvd.v1.StartPullRequest\"J\n\x12WatchedPullStarted\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x17.kvd.v1.StartPullResult\"k\n\x14TransferWatchRefusal\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nerror_code\x18\x02 \x01(\t\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x04 \x01(\t\"\xc8\x01\n\x16WatchTransfersResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12(\n\x08\x66inished\x18\x02 \x03(\x0b\x32\x16.kvd.v1.TransferStatus\x12-\n\x07refused\x18\x03 \x03(\x0b\x32\x1c.kvd.v1.TransferWatchRefusal\x12\x13\n\x0btakes_pulls\x18\x04 \x01(\x08\x12+\n\x07started\x18\x05 \x03(\x0b\x32\x1a.kvd.v1.WatchedPullStarted\",\n\x15\x43\x61ncelTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\":\n\x11LookupHeldRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"<\n\x12LookupHeldResponse\x12&\n\x04held\x18\x01 \x03(\x0b\x32\x18.kvd.v1.KvTransferParams\"5\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x16\n\x14ReleaseLeaseResponse\"\x12\n\x10GetStatusRequest\"\xe3\x01\n\rEngineSummary\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\x12\x18\n\x10stream_connected\x18\x05 \x01(\x08\x12$\n\x06layout\x18\x06 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12\x12\n\nheld_bytes\x18\x14 \x01(\x04\x12\x17\n\x0fsoft_held_bytes\x18\x15 \x01(\x04\x12\x16\n\x0e\x64raining_bytes\x18\x16 \x01(\x04\"c\n\x0bPeerSummary\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x12\n\nagent_name\x18\x03 \x01(\t\x12\x1a\n\x12last_contact_s_ago\x18\x04 \x01(\x01\"\xdf\x04\n\x11GetStatusResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12&\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x15.kvd.v1.EngineSummary\x12\"\n\x05peers\x18\x05 \x03(\x0b\x32\x13.kvd.v1.PeerSummary\x12\x1b\n\x13transfers_in_flight\x18\x06 \x01(\r\x12\x13\n\x0bleases_held\x18\x07 \x01(\r\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12\x10\n\x08uptime_s\x18\t \x01(\x01\x12\x17\n\x0fleases_draining\x18\n \x01(\r\x12\x17\n\x0fmetrics_address\x18\x0b \x01(\t\x12\x16\n\x0e\x61\x64mitted_reads\x18\x0c \x01(\r\x12\x19\n\x11quarantined_bytes\x18\r \x01(\x04\x12\x15\n\rremote_agents\x18\x0e \x01(\r\x12\x0f\n\x07version\x18\x0f \x01(\t\x12>\n\x0bholds_ended\x18\x14 \x03(\x0b\x32).kvd.v1.GetStatusResponse.HoldsEndedEntry\x12\x15\n\rdataplane_pid\x18\x15 \x01(\r\x12\x1a\n\x12\x64\x61taplane_restarts\x18\x16 \x01(\r\x12\x1e\n\x16\x64\x61taplane_last_restart\x18\x17 \x01(\t\x12\x17\n\x0f\x66inishing_calls\x18\x18 \x01(\r\x1a\x31\n\x0fHoldsEndedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x97\x06\n\rRouterService\x12@\n\tStartPull\x12\x18.kvd.v1.StartPullRequest\x1a\x19.kvd.v1.StartPullResponse\x12\x43\n\nStartPulls\x12\x19.kvd.v1.StartPullsRequest\x1a\x1a.kvd.v1.StartPullsResponse\x12\x41\n\x0bGetTransfer\x12\x1a.kvd.v1.GetTransferRequest\x1a\x16.kvd.v1.TransferStatus\x12\x45\n\rWatchTransfer\x12\x1a.kvd.v1.GetTransferRequest\x1a\x16.kvd.v1.TransferStatus0\x01\x12S\n\x0eWatchTransfers\x12\x1d.kvd.v1.WatchTransfersRequest\x1a\x1e.kvd.v1.WatchTransfersResponse(\x01\x30\x01\x12G\n\x0e\x43\x61ncelTransfer\x12\x1d.kvd.v1.CancelTransferRequest\x1a\x16.kvd.v1.TransferStatus\x12\x43\n\nLookupHeld\x12\x19.kvd.v1.LookupHeldRequest\x1a\x1a.kvd.v1.LookupHeldResponse\x12:\n\nRenewLease\x12\x19.kvd.v1.RenewLeaseRequest\x1a\x11.kvd.v1.LeaseInfo\x12I\n\x0cReleaseLease\x12\x1b.kvd.v1.ReleaseLeaseRequest\x1a\x1c.kvd.v1.ReleaseLeaseResponse\x12@\n\tGetStatus\x12\x18.kvd.v1.GetStatusRequest\x1a\x19.kvd.v1.GetStatusResponse\x12I\n\x0cSelftestHold\x12\x1b.kvd.v1.SelftestHoldRequest\x1a\x1c.kvd.v1.SelftestHoldResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,33 +51,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTRANSFERREQUEST']._serialized_start=727
   _globals['_GETTRANSFERREQUEST']._serialized_end=768
   _globals['_WATCHTRANSFERSREQUEST']._serialized_start=770
-  _globals['_WATCHTRANSFERSREQUEST']._serialized_end=845
-  _globals['_TRANSFERWATCHREFUSAL']._serialized_start=847
-  _globals['_TRANSFERWATCHREFUSAL']._serialized_end=954
-  _globals['_WATCHTRANSFERSRESPONSE']._serialized_start=957
-  _globals['_WATCHTRANSFERSRESPONSE']._serialized_end=1091
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1093
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1137
-  _globals['_LOOKUPHELDREQUEST']._serialized_start=1139
-  _globals['_LOOKUPHELDREQUEST']._serialized_end=1197
-  _globals['_LOOKUPHELDRESPONSE']._serialized_start=1199
-  _globals['_LOOKUPHELDRESPONSE']._serialized_end=1259
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1261
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1314
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1316
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1355
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1357
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1379
-  _globals['_GETSTATUSREQUEST']._serialized_start=1381
-  _globals['_GETSTATUSREQUEST']._serialized_end=1399
-  _globals['_ENGINESUMMARY']._serialized_start=1402
-  _globals['_ENGINESUMMARY']._serialized_end=1629
-  _globals['_PEERSUMMARY']._serialized_start=1631
-  _globals['_PEERSUMMARY']._serialized_end=1730
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1733
-  _globals['_GETSTATUSRESPONSE']._serialized_end=2340
-  _globals['_GETSTATUSRESPONSE_HOLDSENDEDENTRY']._serialized_start=2291
-  _globals['_GETSTATUSRESPONSE_HOLDSENDEDENTRY']._serialized_end=2340
-  _globals['_ROUTERSERVICE']._serialized_start=2343
-  _globals['_ROUTERSERVICE']._serialized_end=3134
+  _globals['_WATCHTRANSFERSREQUEST']._serialized_end=892
+  _globals['_WATCHEDPULLSTART']._serialized_start=894
+  _globals['_WATCHEDPULLSTART']._serialized_end=965
+  _globals['_WATCHEDPULLSTARTED']._serialized_start=967
+  _globals['_WATCHEDPULLSTARTED']._serialized_end=1041
+  _globals['_TRANSFERWATCHREFUSAL']._serialized_start=1043
+  _globals['_TRANSFERWATCHREFUSAL']._serialized_end=1150
+  _globals['_WATCHTRANSFERSRESPONSE']._serialized_start=1153
+  _globals['_WATCHTRANSFERSRESPONSE']._serialized_end=1353
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1355
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1399
+  _globals['_LOOKUPHELDREQUEST']._serialized_start=1401
+  _globals['_LOOKUPHELDREQUEST']._serialized_end=1459
+  _globals['_LOOKUPHELDRESPONSE']._serialized_start=1461
+  _globals['_LOOKUPHELDRESPONSE']._serialized_end=1521
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1523
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1576
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1578
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1617
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1619
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1641
+  _globals['_GETSTATUSREQUEST']._serialized_start=1643
+  _globals['_GETSTATUSREQUEST']._serialized_end=1661
+  _globals['_ENGINESUMMARY']._serialized_start=1664
+  _globals['_ENGINESUMMARY']._serialized_end=1891
+  _globals['_PEERSUMMARY']._serialized_start=1893
+  _globals['_PEERSUMMARY']._serialized_end=1992
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1995
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2602
+  _globals['_GETSTATUSRESPONSE_HOLDSENDEDENTRY']._serialized_start=2553
+  _globals['_GETSTATUSRESPONSE_HOLDSENDEDENTRY']._serialized_end=2602
+  _globals['_ROUTERSERVICE']._serialized_start=2605
+  _globals['_ROUTERSERVICE']._serialized_end=3396
 # @@protoc_insertion_point(module_scope)

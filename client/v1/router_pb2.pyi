@@ -80,12 +80,30 @@ class GetTransferRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
 class WatchTransfersRequest(_message.Message):
-    __slots__ = ("transfer_ids", "unwatch_transfer_ids")
+    __slots__ = ("transfer_ids", "unwatch_transfer_ids", "start_pulls")
     TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
     UNWATCH_TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_PULLS_FIELD_NUMBER: _ClassVar[int]
     transfer_ids: _containers.RepeatedScalarFieldContainer[str]
     unwatch_transfer_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, transfer_ids: _Optional[_Iterable[str]] = ..., unwatch_transfer_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    start_pulls: _containers.RepeatedCompositeFieldContainer[WatchedPullStart]
+    def __init__(self, transfer_ids: _Optional[_Iterable[str]] = ..., unwatch_transfer_ids: _Optional[_Iterable[str]] = ..., start_pulls: _Optional[_Iterable[_Union[WatchedPullStart, _Mapping]]] = ...) -> None: ...
+
+class WatchedPullStart(_message.Message):
+    __slots__ = ("seq", "pull")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    pull: StartPullRequest
+    def __init__(self, seq: _Optional[int] = ..., pull: _Optional[_Union[StartPullRequest, _Mapping]] = ...) -> None: ...
+
+class WatchedPullStarted(_message.Message):
+    __slots__ = ("seq", "result")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    result: StartPullResult
+    def __init__(self, seq: _Optional[int] = ..., result: _Optional[_Union[StartPullResult, _Mapping]] = ...) -> None: ...
 
 class TransferWatchRefusal(_message.Message):
     __slots__ = ("transfer_id", "error_code", "error_message", "error_class")
@@ -100,14 +118,18 @@ class TransferWatchRefusal(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., error_class: _Optional[str] = ...) -> None: ...
 
 class WatchTransfersResponse(_message.Message):
-    __slots__ = ("incarnation", "finished", "refused")
+    __slots__ = ("incarnation", "finished", "refused", "takes_pulls", "started")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    TAKES_PULLS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     finished: _containers.RepeatedCompositeFieldContainer[_common_pb2.TransferStatus]
     refused: _containers.RepeatedCompositeFieldContainer[TransferWatchRefusal]
-    def __init__(self, incarnation: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[_common_pb2.TransferStatus, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[TransferWatchRefusal, _Mapping]]] = ...) -> None: ...
+    takes_pulls: bool
+    started: _containers.RepeatedCompositeFieldContainer[WatchedPullStarted]
+    def __init__(self, incarnation: _Optional[str] = ..., finished: _Optional[_Iterable[_Union[_common_pb2.TransferStatus, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[TransferWatchRefusal, _Mapping]]] = ..., takes_pulls: _Optional[bool] = ..., started: _Optional[_Iterable[_Union[WatchedPullStarted, _Mapping]]] = ...) -> None: ...
 
 class CancelTransferRequest(_message.Message):
     __slots__ = ("transfer_id",)

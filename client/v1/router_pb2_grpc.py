@@ -137,6 +137,10 @@ class RouterServiceServicer:
         stream INVALID_ARGUMENT. After the caller half-closes, the stream ends OK once every watched id
         is answered; a daemon shutting down sends the outcomes of the pulls it finished or aborted,
         then ends the stream UNAVAILABLE.
+        A daemon whose first message says takes_pulls also starts pulls sent on the stream
+        (start_pulls), each exactly as StartPull would and watched on this stream once started: one
+        stream message instead of a StartPull call, and the pull's start answered (started, by the
+        caller's seq) before its final status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

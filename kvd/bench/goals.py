@@ -128,7 +128,7 @@ def _pulls_per_s(result: dict[str, Any]) -> _Measured | str:
 
 
 def _router_vs_engine(result: dict[str, Any]) -> _Measured | str:
-    """Issue 40: a router's pulls (StartPull over TCP, waited on one WatchTransfers stream) at 32
+    """Issue 40: a router's pulls (started and waited on one WatchTransfers stream, over TCP) at 32
     in flight against the engine's path, measured in turns in the router section."""
     rows = [row for row in result.get("router") or [] if row["in_flight"] == 32]
     rates = router_rates(rows)

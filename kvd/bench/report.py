@@ -206,8 +206,9 @@ def router_table(rows: list[dict[str, Any]]) -> list[str]:
     in_flight = rows[0]["in_flight"] if rows else 0
     out = [
         f"2 MiB pulls with {in_flight} in flight, by path, in turns (engine: started on its engine stream, "
-        "FinishedRecving on the engine stream; one stream: a router's StartPull over TCP, waited on the client's "
-        "one WatchTransfers stream; stream per pull: a WatchTransfer stream per pull, the path before 0.2.0); "
+        "FinishedRecving on the engine stream; one stream: a router's pull over TCP, started and waited on the "
+        "client's one WatchTransfers stream; stream per pull: a StartPull and a WatchTransfer stream per pull, the "
+        "path before 0.2.0); "
         "CPU ms per pull as in the concurrency table; ratio: pulls/s over the engine path's",
         f"{'path':>16} {'pulls':>6} {'pulls/s':>8} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8} "
         f"{'reader':>7} {'r-wkr':>7} {'holder':>7} {'h-wkr':>7} {'client':>7} {'all':>7}",

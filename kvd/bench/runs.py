@@ -329,9 +329,9 @@ async def _in_flight(
 
 
 ROUTER_MODES = ("engine", "one stream", "stream per pull")
-"""The router section's paths: the engine's (StartPull on the Unix socket, FinishedRecving on the
-engine stream), a router's waiting on the client's one WatchTransfers stream (``wait_transfer``),
-and a router's with a WatchTransfer stream per pull (how a router waited before 0.2.0)."""
+"""The router section's paths: the engine's (started and finished on its engine stream, on the Unix
+socket), a router's started and waited on the client's one WatchTransfers stream (``pull``), and
+a router's StartPull with a WatchTransfer stream per pull (how a router waited before 0.2.0)."""
 
 
 async def router_path(
@@ -343,16 +343,17 @@ async def router_path(
     concurrency section), after an untimed window of each: pulls/s, p50/p99 and the CPU per pull
     of every process, per mode and round.
 
-    A router's pull is ``StartPull`` on the reader's TCP port (``router``), then its wait."""
+    A router's pull rides its client's one ``WatchTransfers`` stream on the reader's TCP port
+    (``router.pull``: the start and the end, one message each way); before it, a StartPull and a
+    ``WatchTransfer`` stream per pull."""
     engine = session.engine
     in_flight = min(in_flight, engine.capacity_blocks)
 
     async def one_stream(params: common_pb2.KvTransferParams, block: int) -> float:
         t0 = time.perf_counter()
-        started = await router.start_pull(
+        await router.pull(
             engine_id=engine.engine_id, request_id=params.request_id, local_block_ids=[block], remote=params
         )
-        await router.wait_transfer(started.transfer_id)
         return time.perf_counter() - t0
 
     async def stream_per_pull(params: common_pb2.KvTransferParams, block: int) -> float:

@@ -22,6 +22,11 @@ watched per stream, and while :data:`MAX_UNSENT_ANSWERS` answers wait to be sent
 reader takes no further message (:meth:`TransferWatch.room`): a caller that does not read its
 answers is not read either, and HTTP/2 flow control holds it back.
 
+A stream may also start pulls (``start_pulls``, a router's pull in one message instead of a
+StartPull call and a watch): the edge starts each as StartPull would and hands its outcome to
+:meth:`TransferWatch.started`, which queues the answer (:class:`Started`) and then watches the
+transfer, so a pull's start is always answered before its end.
+
 When the daemon shuts down it closes every watch (:meth:`TransferWatches.close`) once its pulls
 have ended, so a watch sends the outcomes of the pulls that finished or were aborted in the
 grace period, then ends with the error it was closed with (``Unavailable``).
@@ -61,8 +66,16 @@ class Refusal:
     error: KvdError
 
 
-Answer = Transfer | Refusal
-"""What a stream sends for one id: the final transfer, or its refusal."""
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """A pull started on the stream (the caller's ``seq``): its transfer, or why it did not start."""
+
+    seq: int
+    result: Transfer | KvdError
+
+
+Answer = Transfer | Refusal | Started
+"""What a stream sends: an id's final transfer or its refusal, or a pull's start."""
 
 
 def _quoted(transfer_id: str) -> str:
@@ -128,6 +141,13 @@ class TransferWatch:
             else:
                 self.watched.add(transfer_id)
                 self._owner.add_watcher(transfer_id, self)
+
+    def started(self, seq: int, result: Transfer | KvdError) -> None:
+        """A pull this stream started: its answer first, then its transfer watched (answered when
+        it ends, or at once if it ended already), as an id sent on the stream would be."""
+        self._queue(Started(seq, result))
+        if isinstance(result, Transfer):
+            self.add((result.transfer_id,))
 
     def remove(self, transfer_ids: Sequence[str]) -> None:
         """Stop watching ``transfer_ids`` (ids not watched are ignored): no answer comes for them."""

@@ -77,7 +77,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self, requests: AsyncIterator[router_pb2.WatchTransfersRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.WatchTransfersResponse]:
         self.daemon.require_serving()
-        async for response in serve_watch_stream(self.daemon.watches, self.daemon.incarnation, requests):
+        async for response in serve_watch_stream(
+            self.daemon.watches, self.daemon.incarnation, requests, self.daemon.start_pulls
+        ):
             yield response
 
     @rpc

@@ -5,6 +5,10 @@ The rules (what each id is answered, the bounds, the end at shutdown) are the co
 writes its answers, batched: whatever answers queued while the previous message was being written
 go out together in the next one, and an idle stream sends each answer at once, with no timer.
 
+A caller may also start pulls on the stream (``start_pulls``): each is started as StartPull would
+(:func:`kvd.server.pull_starts.pull_order`, the core's ``start_pulls``), its start answered
+(``started``) and its transfer then watched, so its end comes on the same stream.
+
 The first message carries the daemon's incarnation, before any answer: a client that re-opens
 its stream after a failure learns whether the daemon it now talks to is the one its transfers ran
 on (a restarted daemon knows none of them).
@@ -13,13 +17,20 @@ on (a restarted daemon knows none of them).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
+from kvd.core.pulls import PullOrder
 from kvd.core.transfers import Transfer
-from kvd.core.watches import Answer, TransferWatch, TransferWatches
+from kvd.core.watches import Answer, Started, TransferWatch, TransferWatches
 from kvd.server import convert
 from kvd.server.edge import bounded
+from kvd.server.pull_starts import pull_order
+from kvd_client.errors import InvalidArgument, KvdError
 from kvd_client.v1 import router_pb2
+
+StartPulls = Callable[[Sequence[PullOrder | KvdError]], Sequence[Transfer | KvdError]]
+"""The core's ``start_pulls``: each order's transfer or error, in order (raises for the whole
+batch: over its bound, or the daemon not serving)."""
 
 
 def answers_to_pb(answers: list[Answer]) -> router_pb2.WatchTransfersResponse:
@@ -28,6 +39,14 @@ def answers_to_pb(answers: list[Answer]) -> router_pb2.WatchTransfersResponse:
     for answer in answers:
         if isinstance(answer, Transfer):
             response.finished.append(convert.transfer_to_pb(answer))
+        elif isinstance(answer, Started):
+            started = response.started.add(seq=answer.seq)
+            if isinstance(answer.result, KvdError):
+                started.result.error_code = answer.result.code.name
+                started.result.error_message = bounded(answer.result.message)
+                started.result.error_class = type(answer.result).__name__
+            else:
+                started.result.transfer_id = answer.result.transfer_id
         else:
             response.refused.add(
                 transfer_id=answer.transfer_id,
@@ -38,9 +57,33 @@ def answers_to_pb(answers: list[Answer]) -> router_pb2.WatchTransfersResponse:
     return response
 
 
-async def _read(watch: TransferWatch, requests: AsyncIterator[router_pb2.WatchTransfersRequest]) -> None:
+def _start(watch: TransferWatch, start_pulls: StartPulls | None, starts: Sequence[router_pb2.WatchedPullStart]) -> None:
+    """Start a message's pulls, each as StartPull would; each one's answer, then its watch."""
+    if start_pulls is None:  # this stream said it does not take them (takes_pulls unset)
+        for item in starts:
+            watch.started(item.seq, InvalidArgument("this WatchTransfers stream does not start pulls: use StartPull"))
+        return
+    orders: list[PullOrder | KvdError] = []
+    for item in starts:
+        try:
+            orders.append(pull_order(item.pull))
+        except KvdError as exc:
+            orders.append(exc)
+    try:
+        results: Sequence[Transfer | KvdError] = start_pulls(orders)
+    except KvdError as exc:  # the whole message refused: every pull says why
+        results = [exc] * len(orders)
+    for item, result in zip(starts, results, strict=True):
+        watch.started(item.seq, result)
+
+
+async def _read(
+    watch: TransferWatch, requests: AsyncIterator[router_pb2.WatchTransfersRequest], start_pulls: StartPulls | None
+) -> None:
     """The caller's messages into the watch; no further message while too many answers wait."""
     async for request in requests:
+        if request.start_pulls:
+            _start(watch, start_pulls, request.start_pulls)
         watch.add(request.transfer_ids)
         watch.remove(request.unwatch_transfer_ids)
         await watch.room()
@@ -50,16 +93,20 @@ async def serve_watch_stream(
     watches: TransferWatches,
     incarnation: str,
     requests: AsyncIterator[router_pb2.WatchTransfersRequest],
+    start_pulls: StartPulls | None = None,
 ) -> AsyncIterator[router_pb2.WatchTransfersResponse]:
     """The responses of one WatchTransfers stream, until the caller half-closes and every id it
     watched is answered (OK), its messages are bad (the reader's error), or the daemon shuts down
-    (what was queued, then the watch's error: UNAVAILABLE)."""
+    (what was queued, then the watch's error: UNAVAILABLE). With ``start_pulls`` it also starts
+    the pulls its caller sends (``takes_pulls`` in its first message)."""
     watch = watches.open()
-    reader = asyncio.get_running_loop().create_task(_read(watch, requests), name="kvd-watch-transfers-reader")
+    reader = asyncio.get_running_loop().create_task(
+        _read(watch, requests, start_pulls), name="kvd-watch-transfers-reader"
+    )
     reader.add_done_callback(lambda _reader: watch.wakeup.set())
     half_closed = False
     try:
-        yield router_pb2.WatchTransfersResponse(incarnation=incarnation)
+        yield router_pb2.WatchTransfersResponse(incarnation=incarnation, takes_pulls=start_pulls is not None)
         while True:
             answers = watch.drain()
             if answers:
