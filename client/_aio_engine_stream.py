@@ -202,10 +202,11 @@ class AsyncEngineStream:
         """Background body: collect the daemon's messages until the RPC ends, then record why."""
         try:
             async for message in self._call:
-                if takes_pulls(message):
+                events = unpacked(message)
+                if not self._takes_pulls and any(map(takes_pulls, events)):  # the daemon's first word
                     self._takes_pulls = True
-                    continue
-                self._inbox.extend(unpacked(message))
+                    events = [event for event in events if not takes_pulls(event)]
+                self._inbox.extend(events)
                 self._arrived.set()
             if not self._closing:
                 self._error = ended_by_daemon(self.engine_id, self.tp_rank)

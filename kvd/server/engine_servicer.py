@@ -142,10 +142,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         wakeup: asyncio.Event = rank.wakeup
         # This stream's answers, never a successor's: a PullsStarted names the seq of this
         # stream's engine, which a later stream's engine may number again.
-        answers: list[engine_pb2.DaemonMessage] = [READY] if first.hello.starts_pulls else []
+        answers: list[engine_pb2.DaemonMessage] = []
         reader = asyncio.get_running_loop().create_task(self._read_engine(rank, request_iterator, answers, wakeup))
         reader.add_done_callback(lambda _reader: wakeup.set())
         try:
+            if first.hello.starts_pulls:
+                yield READY  # alone, before the events the rank kept while no stream was open
             while not reader.done() and rank.stream_generation == generation:
                 for message in _messages(answers, rank.drain(), batches):
                     yield message

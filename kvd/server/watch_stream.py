@@ -82,10 +82,13 @@ async def _read(
 ) -> None:
     """The caller's messages into the watch; no further message while too many answers wait."""
     async for request in requests:
+        # Unwatches first: they come from waits given up before the message went out, and one may
+        # name the transfer a start in the same message answers again (a pull retried at once
+        # after its wait timed out: StartPull is idempotent), which must stay watched.
+        watch.remove(request.unwatch_transfer_ids)
         if request.start_pulls:
             _start(watch, start_pulls, request.start_pulls)
         watch.add(request.transfer_ids)
-        watch.remove(request.unwatch_transfer_ids)
         await watch.room()
 
 
