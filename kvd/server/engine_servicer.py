@@ -152,7 +152,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 for message in _messages(answers, rank.drain(), batches):
                     yield message
                 wakeup.clear()
-                if rank.pending or answers or reader.done():
+                # A successor's attach may have woken us while we wrote: what it set is cleared
+                # now, so look at the generation again before sleeping (else we would not end).
+                if rank.pending or answers or reader.done() or rank.stream_generation != generation:
                     continue
                 await wakeup.wait()
             if rank.stream_generation == generation:  # a superseded stream leaves events to its successor
