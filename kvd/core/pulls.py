@@ -119,7 +119,8 @@ class Puller:
         """
         if len(orders) > MAX_PULLS_PER_CALL:
             raise InvalidArgument(
-                f"StartPulls takes at most {MAX_PULLS_PER_CALL} pulls per call, got {len(orders)}: split the batch"
+                f"at most {MAX_PULLS_PER_CALL} pulls start together (one StartPulls, or one stream message), "
+                f"got {len(orders)}: split the batch"
             )
         self._require_serving()
         results: list[Transfer | KvdError] = []

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import grpc
 
 from kvd import __version__
 from kvd.core import scratch
 from kvd.core.daemon import Daemon, PullOrder
+from kvd.core.transfers import Transfer
 from kvd.server import convert
 from kvd.server.edge import rpc
 from kvd.server.lease_info import lease_to_pb
@@ -78,9 +79,21 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     ) -> AsyncIterator[router_pb2.WatchTransfersResponse]:
         self.daemon.require_serving()
         async for response in serve_watch_stream(
-            self.daemon.watches, self.daemon.incarnation, requests, self.daemon.start_pulls
+            self.daemon.watches, self.daemon.incarnation, requests, self._start_watched_pulls
         ):
             yield response
+
+    def _start_watched_pulls(self, orders: Sequence[PullOrder | KvdError]) -> list[Transfer | KvdError]:
+        """A WatchTransfers stream's pulls, started as StartPulls would, their refusals counted."""
+        try:
+            results = self.daemon.start_pulls(orders)
+        except KvdError as exc:
+            self.metrics.errors.labels("WatchTransfers", exc.code.name).inc(len(orders))
+            raise
+        for result in results:
+            if isinstance(result, KvdError):
+                self.metrics.errors.labels("WatchTransfers", result.code.name).inc()
+        return results
 
     @rpc
     async def CancelTransfer(

@@ -87,7 +87,7 @@ def test_start_pulls_starts_the_valid_pulls_and_fails_the_bad_one_alone(spawn_da
         assert reader.client.wait_transfer(retry, timeout_s=30).state == common_pb2.TRANSFER_STATE_DONE
         assert reader.token_bytes(local[bad], NUM_TOKENS).equal(holder.token_bytes(held[bad], NUM_TOKENS))
 
-        with pytest.raises(errors.InvalidArgument, match="at most 1024 pulls per call"):
+        with pytest.raises(errors.InvalidArgument, match="at most 1024 pulls start together"):
             reader.client.start_pulls([router_pb2.StartPullRequest()] * 1025)
         reader_stream.close()
 
