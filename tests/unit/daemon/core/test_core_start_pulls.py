@@ -119,7 +119,10 @@ def test_a_batch_over_the_bound_starts_nothing(fabric: Fabric, monkeypatch: pyte
         monkeypatch.setattr(pulls_module, "MAX_PULLS_PER_CALL", 2)
         _, params = holder.daemon.hold("eng-h", "a", HOLD_BLOCKS, NUM_TOKENS)
         order = PullOrder("eng-r", 0, "a", [3, 4, 5], params)
-        with pytest.raises(errors.InvalidArgument, match="at most 2 pulls per call, got 3"):
+        with pytest.raises(
+            errors.InvalidArgument,
+            match="at most 2 pulls start together \\(one StartPulls, or one stream message\\), got 3",
+        ):
             reader.daemon.start_pulls([order, order, order])
         assert reader.daemon.transfers.in_flight() == []
         assert reader.daemon.start_pulls([]) == []
