@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvd.core.daemon import Daemon, PullOrder
 from kvd.core.metrics import Metrics
@@ -52,6 +52,31 @@ def pull_order(request: router_pb2.StartPullRequest) -> PullOrder:
     )
 
 
+def read_orders(
+    requests: Iterable[router_pb2.StartPullRequest],
+    read: Callable[[router_pb2.StartPullRequest], PullOrder] = pull_order,
+) -> list[PullOrder | KvdError]:
+    """Each request's order, or the error reading it failed with (that item's own result, so
+    results keep the caller's indices)."""
+    orders: list[PullOrder | KvdError] = []
+    for request in requests:
+        try:
+            orders.append(read(request))
+        except KvdError as exc:
+            orders.append(exc)
+    return orders
+
+
+def result_to_pb(into: router_pb2.StartPullResult, result: Transfer | KvdError) -> None:
+    """One pull's answer: its transfer id, or the exact error it failed with."""
+    if isinstance(result, KvdError):
+        into.error_code = result.code.name
+        into.error_message = bounded(result.message)
+        into.error_class = type(result).__name__
+    else:
+        into.transfer_id = result.transfer_id
+
+
 def add_results(
     into: router_pb2.StartPullsResponse | engine_pb2.PullsStarted,
     results: Sequence[Transfer | KvdError],
@@ -62,11 +87,7 @@ def add_results(
     for result in results:
         if isinstance(result, KvdError):
             metrics.errors.labels(method, result.code.name).inc()
-            into.results.add(
-                error_code=result.code.name, error_message=bounded(result.message), error_class=type(result).__name__
-            )
-        else:
-            into.results.add(transfer_id=result.transfer_id)
+        result_to_pb(into.results.add(), result)
 
 
 def _stream_order(rank: EngineRank, request: router_pb2.StartPullRequest) -> PullOrder:
@@ -87,12 +108,7 @@ def start_pulls_on_stream(
     Nothing here ends the stream: a message over the per-call bound, or a daemon not serving,
     fails each of its pulls (nothing starts), and a bad item fails only itself.
     """
-    orders: list[PullOrder | KvdError] = []
-    for item in message.pulls:
-        try:
-            orders.append(_stream_order(rank, item))
-        except KvdError as exc:
-            orders.append(exc)
+    orders = read_orders(message.pulls, lambda item: _stream_order(rank, item))
     try:
         results: Sequence[Transfer | KvdError] = daemon.start_pulls(orders)
     except KvdError as exc:  # the whole message refused: every pull says why

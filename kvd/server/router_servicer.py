@@ -17,7 +17,7 @@ from kvd.core.transfers import Transfer
 from kvd.server import convert
 from kvd.server.edge import rpc
 from kvd.server.lease_info import lease_to_pb
-from kvd.server.pull_starts import add_results, let_started_pulls_run, pull_order
+from kvd.server.pull_starts import add_results, let_started_pulls_run, pull_order, read_orders
 from kvd.server.watch_stream import serve_watch_stream
 from kvd_client.errors import InvalidArgument, KvdError
 from kvd_client.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -47,13 +47,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def StartPulls(
         self, request: router_pb2.StartPullsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.StartPullsResponse:
-        orders: list[PullOrder | KvdError] = []
-        for item in request.pulls:
-            try:
-                orders.append(pull_order(item))
-            except KvdError as exc:  # that item's result (results[i] answers pulls[i])
-                orders.append(exc)
-        results = self.daemon.start_pulls(orders)
+        results = self.daemon.start_pulls(read_orders(request.pulls))  # results[i] answers pulls[i]
         await let_started_pulls_run()
         response = router_pb2.StartPullsResponse()
         add_results(response, results, self.metrics, "StartPulls")

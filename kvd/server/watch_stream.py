@@ -24,7 +24,7 @@ from kvd.core.transfers import Transfer
 from kvd.core.watches import Answer, Started, TransferWatch, TransferWatches
 from kvd.server import convert
 from kvd.server.edge import bounded
-from kvd.server.pull_starts import pull_order
+from kvd.server.pull_starts import read_orders, result_to_pb
 from kvd_client.errors import InvalidArgument, KvdError
 from kvd_client.v1 import router_pb2
 
@@ -40,13 +40,7 @@ def answers_to_pb(answers: list[Answer]) -> router_pb2.WatchTransfersResponse:
         if isinstance(answer, Transfer):
             response.finished.append(convert.transfer_to_pb(answer))
         elif isinstance(answer, Started):
-            started = response.started.add(seq=answer.seq)
-            if isinstance(answer.result, KvdError):
-                started.result.error_code = answer.result.code.name
-                started.result.error_message = bounded(answer.result.message)
-                started.result.error_class = type(answer.result).__name__
-            else:
-                started.result.transfer_id = answer.result.transfer_id
+            result_to_pb(response.started.add(seq=answer.seq).result, answer.result)
         else:
             response.refused.add(
                 transfer_id=answer.transfer_id,
@@ -63,12 +57,7 @@ def _start(watch: TransferWatch, start_pulls: StartPulls | None, starts: Sequenc
         for item in starts:
             watch.started(item.seq, InvalidArgument("this WatchTransfers stream does not start pulls: use StartPull"))
         return
-    orders: list[PullOrder | KvdError] = []
-    for item in starts:
-        try:
-            orders.append(pull_order(item.pull))
-        except KvdError as exc:
-            orders.append(exc)
+    orders = read_orders(item.pull for item in starts)
     try:
         results: Sequence[Transfer | KvdError] = start_pulls(orders)
     except KvdError as exc:  # the whole message refused: every pull says why
