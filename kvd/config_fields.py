@@ -110,6 +110,16 @@ class KvdConfig:
             "fence and report, and shares the transfer's outcome. false: a NIXL transfer per pull."
         },
     )
+    read_notifications: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "End each admitted read with the NIXL notification its READs carry (every holder takes it) "
+            "instead of posting them without one and sending the holder a FinishRead on the peer stream once they "
+            "are final, where the holder says it takes that (EngineDescriptor.finish_read_ends_reads). UCX reports "
+            "a READ that notifies done only once the holder's worker has acknowledged the notification: a wait on "
+            "each pull's path (docs/lifetimes.md, \"A read's end\")."
+        },
+    )
     early_read_window_s: float = dataclasses.field(
         default=120.0,
         metadata={

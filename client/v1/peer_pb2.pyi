@@ -84,7 +84,7 @@ class RegionDescriptor(_message.Message):
     def __init__(self, address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., vram: _Optional[bool] = ..., device_index: _Optional[int] = ..., registration_serial: _Optional[int] = ...) -> None: ...
 
 class EngineDescriptor(_message.Message):
-    __slots__ = ("engine_id", "layout", "regions", "layers", "registration_id", "early_reads", "step_notifications", "groups")
+    __slots__ = ("engine_id", "layout", "regions", "layers", "registration_id", "early_reads", "step_notifications", "finish_read_ends_reads", "groups")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class EngineDescriptor(_message.Message):
     REGISTRATION_ID_FIELD_NUMBER: _ClassVar[int]
     EARLY_READS_FIELD_NUMBER: _ClassVar[int]
     STEP_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_READ_ENDS_READS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     layout: _common_pb2.KvLayoutSpec
@@ -100,8 +101,9 @@ class EngineDescriptor(_message.Message):
     registration_id: int
     early_reads: bool
     step_notifications: bool
+    finish_read_ends_reads: bool
     groups: _containers.RepeatedCompositeFieldContainer[_common_pb2.KvCacheGroup]
-    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., registration_id: _Optional[int] = ..., early_reads: _Optional[bool] = ..., step_notifications: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., registration_id: _Optional[int] = ..., early_reads: _Optional[bool] = ..., step_notifications: _Optional[bool] = ..., finish_read_ends_reads: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("incarnation", "agent_name", "agent_metadata", "engines", "agent_regions", "early_read_window_ms")
@@ -182,16 +184,18 @@ class AbandonPullResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FinishReadRequest(_message.Message):
-    __slots__ = ("lease_id", "reader_tp_rank", "reader_incarnation", "reader_transfer_id")
+    __slots__ = ("lease_id", "reader_tp_rank", "reader_incarnation", "reader_transfer_id", "nbytes")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
     READER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     READER_TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     reader_tp_rank: int
     reader_incarnation: str
     reader_transfer_id: str
-    def __init__(self, lease_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ...) -> None: ...
+    nbytes: int
+    def __init__(self, lease_id: _Optional[str] = ..., reader_tp_rank: _Optional[int] = ..., reader_incarnation: _Optional[str] = ..., reader_transfer_id: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class FinishReadResponse(_message.Message):
     __slots__ = ()

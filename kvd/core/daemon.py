@@ -348,9 +348,14 @@ class Daemon:
         )
 
     async def finish_read(
-        self, lease_id: str, reader_tp_rank: int, reader_incarnation: str = "", reader_transfer_id: str = ""
+        self,
+        lease_id: str,
+        reader_tp_rank: int,
+        reader_incarnation: str = "",
+        reader_transfer_id: str = "",
+        nbytes: int = 0,
     ) -> None:
-        await self.holder.finish_read(lease_id, reader_tp_rank, reader_incarnation, reader_transfer_id)
+        await self.holder.finish_read(lease_id, reader_tp_rank, reader_incarnation, reader_transfer_id, nbytes)
 
     def abandon_pull(
         self,

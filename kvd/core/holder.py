@@ -200,6 +200,7 @@ class Holder:
                 registration_id=rank.registration_id,
                 early_reads=not rank.require_commits,
                 step_notifications=True,
+                finish_read_ends_reads=True,
             )
             for rank in self.registry
         )
@@ -365,20 +366,37 @@ class Holder:
         )
 
     async def finish_read(
-        self, lease_id: str, reader_tp_rank: int, reader_incarnation: str = "", reader_transfer_id: str = ""
+        self,
+        lease_id: str,
+        reader_tp_rank: int,
+        reader_incarnation: str = "",
+        reader_transfer_id: str = "",
+        nbytes: int = 0,
     ) -> None:
-        """A soft lease's reader's READs are final: verify the blocks again and unpin them.
+        """The reader's READs of its admitted read are final (FinishRead).
 
-        HeldKvEvicted when they no longer carry the request's KV (the reader must not report the
-        pull done); the lease then ends as evicted.
+        A hard lease's read ends here as its READs' notifications would end it: its reader posted
+        them without one (``nbytes``: what they moved, for the serve counter), and a read that
+        already timed out is proven over late. A soft lease's blocks are verified again and
+        unpinned: HeldKvEvicted when they no longer carry the request's KV (the reader must not
+        report the pull done); the lease then ends as evicted.
         """
         reader = _reader_key(reader_incarnation, reader_transfer_id)
         admission = self.leases.admission_of(lease_id, reader, reader_tp_rank)
         lease = self.leases.find(lease_id)
+        if nbytes:  # labelled as its admission's served transfer is (the reader's address)
+            label = self._reader_labels.get(admission.admission_id, "") if admission is not None else ""
+            self.metrics.transfer_bytes.labels(label, "serve").inc(nbytes)
+        if admission is None and (lease is None or not lease.soft):
+            late = self.leases.prove_abandoned(lease_id, reader, reader_tp_rank)
+            if late is not None:  # it timed out while its READs moved: they are over now
+                self._admission_proven(late, "its reader's FinishRead arrived")
+                return
         if admission is None or lease is None:
             raise UnknownLease(f"lease {lease_id!r} has no read admitted for rank {reader_tp_rank} of that reader")
         if not lease.soft:
-            raise FailedPrecondition(f"lease {lease_id!r} is a hard hold: its reads end with their notifications")
+            self.leases.finish_read(lease_id, admission, verified=True)
+            return
         ok, why = False, "the engine's pin of the blocks was lost"
         if admission.soft_pinned:
             admission.soft_pinned = False

@@ -58,7 +58,12 @@ class LocalHolder(Protocol):
     ) -> None: ...
 
     async def finish_read(
-        self, lease_id: str, reader_tp_rank: int, reader_incarnation: str = "", reader_transfer_id: str = ""
+        self,
+        lease_id: str,
+        reader_tp_rank: int,
+        reader_incarnation: str = "",
+        reader_transfer_id: str = "",
+        nbytes: int = 0,
     ) -> None: ...
 
     def renew_leases(self, lease_ids: Sequence[str]) -> list[str]: ...
@@ -117,10 +122,16 @@ class LoopbackTransport:
         )
 
     async def finish_read(
-        self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, timeout_s: float
+        self,
+        address: str,
+        lease_id: str,
+        reader_tp_rank: int,
+        reader_transfer_id: str,
+        timeout_s: float,
+        nbytes: int = 0,
     ) -> None:
         if address not in self._own:
-            await self._peers.finish_read(address, lease_id, reader_tp_rank, reader_transfer_id, timeout_s)
+            await self._peers.finish_read(address, lease_id, reader_tp_rank, reader_transfer_id, timeout_s, nbytes)
             return
         await _within(
             timeout_s,
@@ -131,6 +142,7 @@ class LoopbackTransport:
                 reader_tp_rank,
                 reader_incarnation=self._holder.incarnation,
                 reader_transfer_id=reader_transfer_id,
+                nbytes=nbytes,
             ),
         )
 

@@ -34,6 +34,9 @@ class RemoteEngine:
     early_reads: bool = False
     # This holder decodes a step's READ notification (EngineDescriptor.step_notifications in peer.proto).
     step_notifications: bool = False
+    # This holder ends a hard hold's read on the reader's FinishRead too, so a reader may post its
+    # READs without a notification (EngineDescriptor.finish_read_ends_reads in peer.proto).
+    finish_read_ends_reads: bool = False
 
     @property
     def groups(self) -> tuple[EngineView, ...]:
@@ -109,9 +112,16 @@ class PeerTransport(Protocol):
     ) -> None: ...
 
     async def finish_read(
-        self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, timeout_s: float
+        self,
+        address: str,
+        lease_id: str,
+        reader_tp_rank: int,
+        reader_transfer_id: str,
+        timeout_s: float,
+        nbytes: int = 0,
     ) -> None:
-        """A soft hold's read is over: the holder verifies its blocks again (an error fails the pull)."""
+        """The read's READs are final: a soft hold's holder verifies its blocks again (an error fails
+        the pull); a hard hold's read ends (its READs carried no notification: ``nbytes`` they moved)."""
 
     async def renew_leases(self, address: str, lease_ids: list[str], timeout_s: float) -> list[str]:
         """Reader heartbeats; returns the ids the holder no longer holds."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,8 +51,12 @@ class PullReads:
         transport: PeerTransport,
         executor: concurrent.futures.Executor,
         planner: PullPlanner,
+        read_over: Callable[[TransferParams, int, str, int], None],
     ) -> None:
         self.config = config
+        # FinishRead of a hard hold's quiet read, sent (and asked again) in the background:
+        # (remote, reader rank, transfer id, bytes), once its READs are final.
+        self._read_over = read_over
         self.metrics = metrics
         self.peers = peers
         self._dataplane = dataplane  # the worker staging pools are opened in (rebind replaces it)
@@ -163,13 +168,21 @@ class PullReads:
         session: PeerSession,
         notif_tag: str,
     ) -> None:
-        """Post the plan's READs (each notifying the holder under ``notif_tag``), every one
-        recorded in ``held.posts`` before it is awaited."""
+        """Post the plan's READs, every one recorded in ``held.posts`` before it is awaited.
+
+        Quiet (``held.quiet_reads``) where every holder rank ends reads on a FinishRead and
+        ``read_notifications`` is off: no READ carries a notification, so UCX reports it done
+        without waiting for the holder's worker, and :meth:`reads_done` ends the read with a
+        FinishRead instead. Otherwise each notifies the holder under ``notif_tag``."""
         dataplane = held.plane
         memory = held.memory
         label = f"{session.address} (agent {session.agent_name})"
         parts = len(plan.reads)
         assert held.agent is not None
+        quiet = not self.config.read_notifications and all(
+            remote_ranks[group.remote_rank].finish_read_ends_reads for group in plan.reads
+        )
+        held.quiet_reads = quiet
         for index, group in enumerate(plan.reads):
             holder = remote_ranks[group.remote_rank]
             remote_table = await held.agent.table(holder, group.remote_geometry, self._executor)
@@ -188,13 +201,13 @@ class PullReads:
                 held.one_off_tables.append(one_off)  # released with the pull's buffers, even if cancelled now
                 local_table = await asyncio.shield(one_off)
                 local_indices = np.arange(rows.shape[0], dtype=np.int32)
-            message = notif.encode(notif_tag, index, parts, group.nbytes)
+            message = b"" if quiet else notif.encode(notif_tag, index, parts, group.nbytes)
             step = None
-            if group.local_target is Target.ENGINE and holder.step_notifications and self.config.step_reads:
+            if group.local_target is Target.ENGINE and self.config.step_reads and (quiet or holder.step_notifications):
                 # May share one NIXL transfer with the READs of this step's other pulls from the
                 # same lists (kvd.core.step_reads); the holder decodes the step's notification.
-                notification = notif.read_of(notif_tag, index, parts, group.nbytes)
-                assert notification is not None  # a tag the holder gave or the reader built
+                notification = None if quiet else notif.read_of(notif_tag, index, parts, group.nbytes)
+                assert quiet or notification is not None  # a tag the holder gave or the reader built
                 step = StepPart(group.local_geometry, group.remote_geometry, notification)
             post = asyncio.ensure_future(
                 dataplane.read(
@@ -215,8 +228,11 @@ class PullReads:
         session: PeerSession,
         prepared: PrepareResult,
     ) -> None:
-        """Wait for the posted READs; a soft hold's holder then verifies its blocks again."""
+        """Wait for the posted READs; a soft hold's holder then verifies its blocks again, and a
+        hard hold's quiet read is ended by a FinishRead sent in the background (the pull does not
+        wait for the holder to hear it, as it did not for a notification's delivery)."""
         transfer.mark("posted")
+        nbytes = transfer.nbytes if held.quiet_reads else 0  # the holder counts a notified read's bytes itself
         try:
             await held.plane.wait(held.xfers)
             transfer.mark("read")
@@ -229,8 +245,11 @@ class PullReads:
                     rank.tp_rank,
                     transfer.transfer_id,
                     self.config.hold_check_timeout_s + self.config.handshake_timeout_s,
+                    nbytes,
                 )
                 transfer.mark("verified")
+            elif held.quiet_reads:
+                self._read_over(remote, rank.tp_rank, transfer.transfer_id, nbytes)
         except PeerUnavailable:
             await self.peers.drop_if(session, "disconnected")
             raise

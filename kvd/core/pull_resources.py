@@ -70,6 +70,8 @@ class PullResources:
     # One-off lists (staging), each from the moment its preparation was asked for (see ``posts``).
     one_off_tables: list[asyncio.Future[Any]] = dataclasses.field(default_factory=list)
     conversion: asyncio.Future[None] | None = None  # a conversion writing the engine's blocks
+    # Its READs carry no notification: the holder hears of the read's end by FinishRead (pull_reads).
+    quiet_reads: bool = False
 
     @property
     def xfers(self) -> list[Xfer]:
@@ -109,7 +111,8 @@ class PullEnding:
         # Pull resources whose reads were given up before NIXL finished them: handed back by
         # sweep() once final (a staging chunk or a one-off list must not be reused before).
         self._stale: list[PullResources] = []
-        self._abandons: set[asyncio.Task[None]] = set()  # AbandonPulls waiting for their reads to be final
+        # AbandonPulls (waiting for their reads to be final) and FinishReads, until answered.
+        self._abandons: set[asyncio.Task[None]] = set()
 
     def close(self) -> None:
         """Shutting down: the holders end the admissions still abandoned here at their deadlines."""
@@ -240,10 +243,15 @@ class PullEnding:
         await self.abandon(remote, reader_rank, transfer_id, reason)
 
     def in_background(self, abandon: Coroutine[Any, Any, None]) -> None:
-        """Run an AbandonPull in the background, kept in ``_abandons`` until it is done."""
+        """Run an AbandonPull or a FinishRead in the background, kept in ``_abandons`` until done."""
         task = asyncio.get_running_loop().create_task(abandon)
         self._abandons.add(task)
         task.add_done_callback(self._abandons.discard)
+
+    @property
+    def telling(self) -> tuple[asyncio.Task[None], ...]:
+        """The AbandonPulls and FinishReads under way (an AbandonPull waits for its reads first)."""
+        return tuple(self._abandons)
 
     async def abandon(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
         """Tell the holder this read is over (nothing of it can still read its blocks).
@@ -252,22 +260,52 @@ class PullEnding:
         an admission that timed out meanwhile keeps the holder's memory retired until this proof
         arrives. Any answer ends it (an unknown lease too: a restarted holder, or a read that
         ended otherwise); so do ``peer_idle_s`` without one, and shutdown (Puller.close)."""
-        give_up = time.monotonic() + self.config.peer_idle_s
-        wait = ABANDON_RETRY_S
-        while True:
-            try:
-                await self._transport.abandon_pull(
+        await self._tell_holder(
+            "abandon",
+            remote,
+            lambda: self._transport.abandon_pull(
+                remote.daemon_address,
+                remote.lease_id,
+                reader_rank,
+                transfer_id,
+                reason,
+                self.config.handshake_timeout_s,
+            ),
+        )
+
+    def finish_read_later(self, remote: TransferParams, reader_rank: int, transfer_id: str, nbytes: int) -> None:
+        """FinishRead of a hard hold's quiet read (its READs are final and carried no
+        notification: this is how the holder learns the read is over), in the background and
+        delivered as an AbandonPull is: asked again while the holder cannot be reached."""
+        self.in_background(
+            self._tell_holder(
+                "finish read",
+                remote,
+                lambda: self._transport.finish_read(
                     remote.daemon_address,
                     remote.lease_id,
                     reader_rank,
                     transfer_id,
-                    reason,
                     self.config.handshake_timeout_s,
-                )
+                    nbytes,
+                ),
+            )
+        )
+
+    async def _tell_holder(
+        self, what: str, remote: TransferParams, call: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        """``call`` until the holder answers (any answer), asked again while it is unreachable,
+        backing off from ABANDON_RETRY_S to ABANDON_RETRY_MAX_S, for ``peer_idle_s`` at most."""
+        give_up = time.monotonic() + self.config.peer_idle_s
+        wait = ABANDON_RETRY_S
+        while True:
+            try:
+                await call()
                 return
             except KvdError as exc:
                 if not unreachable(exc) or time.monotonic() + wait > give_up:
-                    logger.debug("abandon of lease %s at %s: %s", remote.lease_id, remote.daemon_address, exc.message)
+                    logger.debug("%s of lease %s at %s: %s", what, remote.lease_id, remote.daemon_address, exc.message)
                     return
             await asyncio.sleep(wait)
             wait = min(2 * wait, ABANDON_RETRY_MAX_S)

@@ -105,7 +105,9 @@ class Puller:
         self._wake_sweeper = wake_sweeper  # sweeps every SWEEP_S while pulls are in flight (stale reads)
         self.ending = PullEnding(config, metrics, peers, transport, memories, registry.current, next_registration_id)
         self.planner = PullPlanner(config, peers, transport, executor, self._abandon_later)
-        self.reads = PullReads(config, metrics, dataplane, peers, transport, executor, self.planner)
+        self.reads = PullReads(
+            config, metrics, dataplane, peers, transport, executor, self.planner, self.ending.finish_read_later
+        )
 
     # --- 1. StartPulls: a pull starts ------------------------------------------------------------
 

@@ -46,7 +46,8 @@ class StepPart(NamedTuple):
 
     local_geometry: DescGeometry
     remote_geometry: DescGeometry
-    notification: notif.ReadNotification
+    # None: the READ notifies no one (its read ends with a FinishRead: kvd.core.pull_reads).
+    notification: notif.ReadNotification | None
 
 
 class Queued(NamedTuple):
@@ -112,7 +113,8 @@ def _step_read(group: Sequence[Queued], xfer_id: int) -> Posting:
     local_idx, remote_idx = merge_indices(
         local_geo, remote_geo, [q.order.local_indices for q in group], [q.order.remote_indices for q in group]
     )
-    message = notif.encode_many([q.part.notification for q in group if q.part is not None])
+    named = [q.part.notification for q in group if q.part is not None and q.part.notification is not None]
+    message = notif.encode_many(named) if named else b""
     order = first.order._replace(
         xfer_id=xfer_id,
         local_indices=local_idx,

@@ -166,6 +166,7 @@ def handshake_to_pb(info: HandshakeInfo) -> peer_pb2.HandshakeResponse:
                 registration_id=e.registration_id,
                 early_reads=e.early_reads,
                 step_notifications=e.step_notifications,
+                finish_read_ends_reads=e.finish_read_ends_reads,
                 groups=[group_to_pb(g) for g in e.extra_groups],
             )
             for e in info.engines
@@ -200,6 +201,7 @@ def handshake_from_pb(msg: peer_pb2.HandshakeResponse) -> HandshakeInfo:
                 extra_groups=tuple(group_from_pb(g, i) for i, g in enumerate(e.groups, start=1)),
                 early_reads=e.early_reads,
                 step_notifications=e.step_notifications,
+                finish_read_ends_reads=e.finish_read_ends_reads,
             )
         )
     regions = tuple(

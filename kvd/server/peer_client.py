@@ -190,13 +190,20 @@ class GrpcPeerTransport:
         )
 
     async def finish_read(
-        self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, timeout_s: float
+        self,
+        address: str,
+        lease_id: str,
+        reader_tp_rank: int,
+        reader_transfer_id: str,
+        timeout_s: float,
+        nbytes: int = 0,
     ) -> None:
         request = peer_pb2.FinishReadRequest(
             lease_id=lease_id,
             reader_tp_rank=reader_tp_rank,
             reader_incarnation=self._own_incarnation(),
             reader_transfer_id=reader_transfer_id,
+            nbytes=nbytes,
         )
         await self._peer_call(
             address,

@@ -123,6 +123,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             request.reader_tp_rank,
             reader_incarnation=request.reader_incarnation,
             reader_transfer_id=request.reader_transfer_id,
+            nbytes=request.nbytes,
         )
         return peer_pb2.FinishReadResponse()
 

@@ -129,6 +129,7 @@ class FakeRead:
     message: bytes
     local_indices: np.ndarray
     remote_indices: np.ndarray
+    task: Any = None  # the task that posted it (a pull's: how a READ with no notification is told apart)
 
 
 class FakeDataPlane:
@@ -449,7 +450,13 @@ class FakeDataPlane:
             self._violation(f"READ posted over memory agent {remote_table.agent[-8:]} has deregistered")
         xfer = Xfer(object(), peer, nbytes, 0.0, self._loop.create_future())
         self.reads[xfer] = FakeRead(
-            xfer, local_table, remote_table, notif_message, np.array(local_indices), np.array(remote_indices)
+            xfer,
+            local_table,
+            remote_table,
+            notif_message,
+            np.array(local_indices),
+            np.array(remote_indices),
+            asyncio.current_task(),
         )
         self.posted.append(xfer)
         self._on_reads_in_flight(self.in_flight())
@@ -523,6 +530,9 @@ class FakePeerTransport:
         self.reply_gate: Gate | None = None  # holds PreparePull's answer after the holder admitted
         self.reply_lost: KvdError | None = None  # raised instead of PreparePull's answer (lost on its way)
         self.unreachable: set[str] = set()  # addresses whose daemon cannot be reached (stopped, cut off)
+        self.finishes: list[dict[str, Any]] = []  # FinishReads delivered
+        self.finished = Tally()
+        self.finish_lost: KvdError | None = None  # raised instead of delivering a FinishRead (lost on its way)
         self._tags: dict[str, list[str]] = {}  # reader transfer id -> notification tags it was given
 
     def _holder(self, address: str) -> Any:
@@ -560,12 +570,26 @@ class FakePeerTransport:
             raise self.reply_lost
         return result
 
+    def _live_reads_of(self, reader_transfer_id: str) -> list[Xfer]:
+        """The reader's READs of that pull still in flight: those notifying under a tag it was
+        given or built, and those its task posted (a READ with no notification)."""
+        node = self.fabric.node_at(self.own_address)
+        own = node.dataplane
+        tags = tuple(f"{t}|".encode() for t in self._tags.get(reader_transfer_id, []))
+        try:
+            task = node.daemon.transfers.get(reader_transfer_id).task
+        except KvdError:
+            task = None
+        return [
+            x
+            for x, read in own.reads.items()
+            if not x.final and ((tags and read.message.startswith(tags)) or (task is not None and read.task is task))
+        ]
+
     async def abandon_pull(
         self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float
     ) -> None:
-        own = self.fabric.node_at(self.own_address).dataplane
-        tags = tuple(f"{t}|".encode() for t in self._tags.get(reader_transfer_id, []))
-        live = [x for x, read in own.reads.items() if read.message.startswith(tags) and not x.final] if tags else []
+        live = self._live_reads_of(reader_transfer_id)
         if live:
             self.fabric.violations.append(
                 f"AbandonPull of {reader_transfer_id[:8]} sent with {len(live)} READs not final"
@@ -579,6 +603,33 @@ class FakePeerTransport:
             reason,
             reader_incarnation=self.own_incarnation(),
             reader_transfer_id=reader_transfer_id,
+        )
+
+    async def finish_read(
+        self,
+        address: str,
+        lease_id: str,
+        reader_tp_rank: int,
+        reader_transfer_id: str,
+        timeout_s: float,
+        nbytes: int = 0,
+    ) -> None:
+        live = self._live_reads_of(reader_transfer_id)
+        if live:
+            self.fabric.violations.append(
+                f"FinishRead of {reader_transfer_id[:8]} sent with {len(live)} READs not final"
+            )
+        holder = self._holder(address)  # an unreachable holder: PeerUnavailable, nothing delivered
+        if self.finish_lost is not None:
+            raise self.finish_lost
+        self.finishes.append(dict(address=address, lease_id=lease_id, transfer_id=reader_transfer_id, nbytes=nbytes))
+        self.finished.bump()
+        await holder.finish_read(
+            lease_id,
+            reader_tp_rank,
+            reader_incarnation=self.own_incarnation(),
+            reader_transfer_id=reader_transfer_id,
+            nbytes=nbytes,
         )
 
     async def forget(self, address: str) -> None:

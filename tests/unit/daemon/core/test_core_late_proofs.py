@@ -6,6 +6,7 @@ when its engine goes. Before issue 42 that was for the daemon's life; a fleet ru
 8 MiB quarantined on a node that was quiet (its decode engine killed, its daemon stopped 6.6 s).
 The proof can come late, and these scenarios drive each way it comes (lifetime_fakes.py, every
 interleaving by hand): the READs' notifications, delayed behind a stopped control process; the
+reader's FinishRead (READs with no notification), asked again until the holder can be reached; the
 reader's AbandonPull, asked again until a holder it could not reach answers; an AbandonPull for
 an admission whose answer was lost.
 """
@@ -61,7 +62,7 @@ def test_a_read_timed_out_before_its_notifications_were_read_is_proven_over_by_t
     read a moment later prove the read over (both parts: one is not a proof): the mapping is freed."""
 
     async def scenario() -> None:
-        p = await make_pair(fabric)
+        p = await make_pair(fabric, read_notifications=True)
         holder = p.holder.daemon
         memory, regs = p.hrank.memory, registrations(p.hrank.memory)
         transfer, _ = p.pull()
@@ -94,6 +95,54 @@ def test_a_read_timed_out_before_its_notifications_were_read_is_proven_over_by_t
         assert all(p.holder.dataplane.deregistered(r) for r in regs)
         assert holder.status().quarantined_bytes == 0 and p.holder.metric("kvd_quarantined_bytes") == 0
         assert holder.leases.unproven == 0
+        assert_settled(p.reader, p.holder, memories=(memory,))
+
+    run(fabric, scenario)
+
+
+@pytest.mark.parametrize("engine_killed", ["after the timeout", "before the timeout"])
+def test_a_read_timed_out_before_its_finish_read_arrived_is_proven_over_by_it(fabric: Fabric, engine_killed: str) -> None:
+    """The same leak where the READs carry no notification (the default): the reader's READs
+    complete and the pull is DONE, but the holder cannot be reached (stopped, cut off), so the
+    FinishRead that ends the read is asked again and again. The holder times the read out
+    (tainted) and its engine goes (retired, quarantined); the FinishRead that finally arrives
+    proves the read over: the mapping is freed, and nothing else of the lease is touched."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric)
+        holder = p.holder.daemon
+        memory, regs = p.hrank.memory, registrations(p.hrank.memory)
+        transfer, _ = p.pull()
+        xfers = await p.reading(transfer)
+        assert all(p.reader.dataplane.reads[x].message == b"" for x in xfers)  # quiet READs
+        p.reader.transport.unreachable.add(HOLDER)
+        for xfer in xfers:
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        assert transfer.state is DONE
+        assert p.reader.transport.finishes == []
+
+        if engine_killed == "before the timeout":
+            await holder.unregister_engine("eng-h", 0)
+        time_out_admissions(p)
+        await settle(p.holder)
+        if engine_killed == "after the timeout":
+            assert memory.state is MemoryState.ACTIVE and memory.tainted
+            await holder.unregister_engine("eng-h", 0)
+        await sweep_round(p.holder)
+        assert p.holder.metric("kvd_admissions_ended_total", reason="timed_out") == 1
+        assert memory.state is MemoryState.QUARANTINED and memory.retired and memory.tainted
+        assert not any(p.holder.dataplane.deregistered(r) for r in regs)
+
+        p.reader.transport.unreachable.discard(HOLDER)
+        await p.reader.transport.finished.reach(1)
+        await sweep_round(p.holder)
+        (finish,) = p.reader.transport.finishes
+        assert finish["transfer_id"] == transfer.transfer_id and finish["nbytes"] == transfer.nbytes
+        assert memory.state is MemoryState.RELEASED and not memory.tainted
+        assert all(p.holder.dataplane.deregistered(r) for r in regs)
+        assert holder.status().quarantined_bytes == 0 and holder.leases.unproven == 0
+        assert p.reader.transport.abandons == []
         assert_settled(p.reader, p.holder, memories=(memory,))
 
     run(fabric, scenario)

@@ -10,6 +10,7 @@ docs/lifetimes.md, "A READ beside its admission".
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 import ctypes
 
 from kvtest import small_spec
@@ -20,6 +21,7 @@ from test_core_lifetimes import (
     HOLD_BLOCKS,
     LOCAL_BLOCKS,
     NUM_TOKENS,
+    READER,
     READING,
     Pair,
     assert_settled,
@@ -37,8 +39,8 @@ from kvd.core.transfers import Transfer
 from kvd_client.errors import PeerUnavailable
 
 
-async def beside_pair(fabric: Fabric) -> Pair:
-    return await make_pair(fabric, read_beside_admission=True)
+async def beside_pair(fabric: Fabric, **reader_config: Any) -> Pair:
+    return await make_pair(fabric, read_beside_admission=True, **reader_config)
 
 
 async def admitted_before_reading(p: Pair) -> None:
@@ -72,7 +74,7 @@ def test_reads_posted_before_the_admission_end_done_and_end_the_lease_once(fabri
     admission does: the admission counts them, the lease ends read, the pull is DONE once."""
 
     async def scenario() -> None:
-        p = await beside_pair(fabric)
+        p = await beside_pair(fabric, read_notifications=True)
         transfer, lease_id, xfers, gate = await posted_before_admitted(p)
         (prepare,) = p.reader.transport.prepares
         assert prepare["lease_id"] == lease_id
@@ -91,6 +93,39 @@ def test_reads_posted_before_the_admission_end_done_and_end_the_lease_once(fabri
         assert sent.lease_id == lease_id
         assert p.holder.metric("kvd_leases_ended_total", reason="read") == 1
         assert p.holder.daemon.leases.early_reads == 0 and p.hrank.memory.holder_pins == 0
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_quiet_reads_done_before_the_admission_end_the_lease_by_one_finish_read_after_it(fabric: Fabric) -> None:
+    """READs with no notification (the default) finish before the admission is back: the holder
+    hears nothing of them, the pull waits for its admission, and only then does the reader send
+    its FinishRead, which ends the read and the lease once; the pull is DONE once."""
+
+    async def scenario() -> None:
+        p = await beside_pair(fabric)
+        transfer, lease_id, xfers, gate = await posted_before_admitted(p)
+        assert all(p.reader.dataplane.reads[x].message == b"" for x in xfers)
+
+        for xfer in xfers:
+            p.reader.dataplane.finish(xfer)
+        await asyncio.sleep(0)
+        assert not transfer.state.final, "a pull is never reported before its admission is back"
+        assert p.holder.daemon.leases.early_reads == 0 and p.reader.transport.finishes == []
+
+        gate.open()
+        await ended(transfer)
+        await p.reader.transport.finished.reach(1)
+        await settle(p.holder)
+        assert transfer.state is DONE and len(engine_events(p.rrank, FinishedRecving)) == 1
+        (finish,) = p.reader.transport.finishes
+        assert finish["lease_id"] == lease_id and finish["nbytes"] == transfer.nbytes > 0
+        (sent,) = engine_events(p.hrank, FinishedSending)
+        assert sent.lease_id == lease_id
+        assert p.holder.metric("kvd_leases_ended_total", reason="read") == 1
+        assert p.holder.metric("kvd_transfer_bytes_total", peer=READER, direction="serve") == transfer.nbytes
+        assert p.hrank.memory.holder_pins == 0 and p.reader.transport.abandons == []
         assert_settled(p.reader, p.holder)
 
     run(fabric, scenario)
