@@ -101,7 +101,9 @@ def test_a_read_timed_out_before_its_notifications_were_read_is_proven_over_by_t
 
 
 @pytest.mark.parametrize("engine_killed", ["after the timeout", "before the timeout"])
-def test_a_read_timed_out_before_its_finish_read_arrived_is_proven_over_by_it(fabric: Fabric, engine_killed: str) -> None:
+def test_a_read_timed_out_before_its_finish_read_arrived_is_proven_over_by_it(
+    fabric: Fabric, engine_killed: str
+) -> None:
     """The same leak where the READs carry no notification (the default): the reader's READs
     complete and the pull is DONE, but the holder cannot be reached (stopped, cut off), so the
     FinishRead that ends the read is asked again and again. The holder times the read out

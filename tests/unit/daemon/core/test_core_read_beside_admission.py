@@ -10,8 +10,8 @@ docs/lifetimes.md, "A READ beside its admission".
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 import ctypes
+from typing import Any
 
 from kvtest import small_spec
 from lifetime_fakes import Fabric, Gate
