@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,12 +50,8 @@ class PullReads:
         transport: PeerTransport,
         executor: concurrent.futures.Executor,
         planner: PullPlanner,
-        read_over: Callable[[TransferParams, int, str, int], None],
     ) -> None:
         self.config = config
-        # FinishRead of a hard hold's quiet read, sent (and asked again) in the background:
-        # (remote, reader rank, transfer id, bytes), once its READs are final.
-        self._read_over = read_over
         self.metrics = metrics
         self.peers = peers
         self._dataplane = dataplane  # the worker staging pools are opened in (rebind replaces it)
@@ -228,9 +223,10 @@ class PullReads:
         session: PeerSession,
         prepared: PrepareResult,
     ) -> None:
-        """Wait for the posted READs; a soft hold's holder then verifies its blocks again, and a
-        hard hold's quiet read is ended by a FinishRead sent in the background (the pull does not
-        wait for the holder to hear it, as it did not for a notification's delivery)."""
+        """Wait for the posted READs; a soft hold's holder then verifies its blocks again. A hard
+        hold's quiet read then owes the holder a FinishRead, sent once the pull is reported
+        (Puller._finish): the pull does not wait for the holder to hear it, as it did not for a
+        notification's delivery, and its message must not delay the report."""
         transfer.mark("posted")
         nbytes = transfer.nbytes if held.quiet_reads else 0  # the holder counts a notified read's bytes itself
         try:
@@ -249,7 +245,7 @@ class PullReads:
                 )
                 transfer.mark("verified")
             elif held.quiet_reads:
-                self._read_over(remote, rank.tp_rank, transfer.transfer_id, nbytes)
+                held.owes_finish_read = True
         except PeerUnavailable:
             await self.peers.drop_if(session, "disconnected")
             raise

@@ -72,6 +72,9 @@ class PullResources:
     conversion: asyncio.Future[None] | None = None  # a conversion writing the engine's blocks
     # Its READs carry no notification: the holder hears of the read's end by FinishRead (pull_reads).
     quiet_reads: bool = False
+    # A hard hold's quiet READs are DONE: a pull reported DONE sends FinishRead (Puller._finish);
+    # one that fails after all sends AbandonPull instead.
+    owes_finish_read: bool = False
 
     @property
     def xfers(self) -> list[Xfer]:

@@ -105,9 +105,7 @@ class Puller:
         self._wake_sweeper = wake_sweeper  # sweeps every SWEEP_S while pulls are in flight (stale reads)
         self.ending = PullEnding(config, metrics, peers, transport, memories, registry.current, next_registration_id)
         self.planner = PullPlanner(config, peers, transport, executor, self._abandon_later)
-        self.reads = PullReads(
-            config, metrics, dataplane, peers, transport, executor, self.planner, self.ending.finish_read_later
-        )
+        self.reads = PullReads(config, metrics, dataplane, peers, transport, executor, self.planner)
 
     # --- 1. StartPulls: a pull starts ------------------------------------------------------------
 
@@ -377,6 +375,8 @@ class Puller:
                 logger.exception("pull %s: fencing failed; waiting for its reads to finish", transfer.transfer_id)
                 await held.reads_over()
         self._report(transfer, rank, remote, error)
+        if error is None and held.owes_finish_read:  # after the report: its message must not delay it
+            self.ending.finish_read_later(remote, rank.tp_rank, transfer.transfer_id, transfer.nbytes)
         await self.ending.hand_back(held)
         if error is not None and held.session is not None:  # the holder admitted the read
             # The holder may stop counting this read once nothing of it can touch its blocks: at
