@@ -4,20 +4,26 @@
 make their :class:`~kvd_client.KvdClient` through a :data:`ClientFactory` (tests pass a fake
 daemon's); :func:`default_client` is looked up when a link is made, so a test may replace it
 here. The predicates below read a :mod:`kvd_client.errors` error: did the daemon refuse, or is
-its answer lost (it may have acted), or is it gone.
+its answer lost (it may have acted), or is it gone; :func:`ask_until_answered` asks a pull start
+again while its answer is lost.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import socket
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvd_client import errors
 
 if TYPE_CHECKING:
     from kvd_client import KvdClient
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ClientFactory = Callable[[str, float], "KvdClient"]
 """(target, rpc timeout in seconds) -> a client of the daemon at ``target``."""
@@ -73,3 +79,43 @@ def socket_gone(target: str) -> bool:
 def daemon_gone(err: errors.KvdError) -> bool:
     """Whether ``err`` says this link's daemon is unreachable (a peer's being down is not)."""
     return isinstance(err, errors.Unavailable) and not isinstance(err, errors.PeerUnavailable)
+
+
+START_ATTEMPTS = 3
+"""How many times one StartPulls (StartPull) is asked when no answer comes back. Asking again is
+safe (the daemon answers the same transfer id for the same order) and learns the transfer ids
+the engine needs to cancel what the daemon started."""
+
+
+class NoAnswer(Exception):
+    """Every attempt of a call ended without the daemon's answer (it may have acted)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def ask_until_answered(call: Callable[[], T], stop: threading.Event, backoff0_s: float) -> T:
+    """``call`` (a StartPulls or StartPull, idempotent) until the daemon answers.
+
+    Returns the answer; raises the daemon's KvdError when it refused (nothing started), or
+    :class:`NoAnswer` when :data:`START_ATTEMPTS` calls all ended without one (a deadline, a
+    dropped connection, an internal error: the daemon may have started the pulls), or ``stop``
+    was set while it waited to ask again.
+    """
+    reason = ""
+    for attempt in range(START_ATTEMPTS):
+        if attempt:
+            logger.info("kvd link: no answer to a pull start (%s); asking again", reason)
+            if stop.wait(backoff0_s * attempt):
+                break
+        try:
+            return call()
+        except errors.KvdError as err:
+            if not answer_lost(err):
+                raise
+            reason = f"{type(err).__name__}: {err.message}"
+        except Exception as exc:  # never let the link thread die; the call may have gone out
+            logger.exception("kvd link: a pull start failed")
+            reason = repr(exc)
+    raise NoAnswer(reason)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvd_client import errors
 
 from . import link_client
-from .link_client import ClientFactory, answer_lost, daemon_gone, socket_gone
+from .link_client import START_ATTEMPTS, ClientFactory, NoAnswer, ask_until_answered, daemon_gone, socket_gone
 from .link_events import (
     Connected,
     DaemonGone,
@@ -84,11 +84,6 @@ class _StartPulls:
 
 MAX_PULLS_PER_CALL = 1024
 """The daemon's bound on one StartPulls (router.proto): a larger step goes out in several calls."""
-
-START_ATTEMPTS = 3
-"""How many times one StartPulls (StartPull) is asked when no answer comes back. Asking again is
-safe (the daemon answers the same transfer id for the same order) and learns the transfer ids
-the engine needs to cancel what the daemon started."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +430,7 @@ class DaemonLink:
             return  # answered on the stream (poll), or in doubt once it is lost
         epoch = self.connects  # the registration these pulls write into
         try:
-            results = self._ask(lambda: self._send(requests))
+            results = ask_until_answered(lambda: self._send(requests), self._stop, self._backoff0)
         except errors.KvdError as err:
             if err.code is errors.ErrorCode.UNIMPLEMENTED and not self._one_by_one:
                 logger.info("kvd daemon at %s predates StartPulls: starting one pull per call", self.target)
@@ -447,7 +442,7 @@ class DaemonLink:
                 self._events.append(PullFailed(order.request_id, f"{type(err).__name__}: {err.message}"))
             self._lost_if_daemon_gone(err)
             return
-        except _NoAnswer as unknown:
+        except NoAnswer as unknown:
             self._in_doubt(orders, unknown.reason, epoch)
             return
         gone: errors.KvdError | None = None
@@ -469,30 +464,6 @@ class DaemonLink:
             return [self._live_client().start_pull(request=request, timeout_s=self._rpc_timeout_s).transfer_id]
         return self._live_client().start_pulls(requests, timeout_s=self._rpc_timeout_s)
 
-    def _ask(self, call: Callable[[], list[str | errors.KvdError]]) -> list[str | errors.KvdError]:
-        """``call`` (a StartPulls or StartPull, idempotent) until the daemon answers.
-
-        Returns the answer; raises the daemon's KvdError when it refused (nothing started), or
-        :class:`_NoAnswer` when :data:`START_ATTEMPTS` calls all ended without one (a deadline, a
-        dropped connection, an internal error: the daemon may have started the pulls).
-        """
-        reason = ""
-        for attempt in range(START_ATTEMPTS):
-            if attempt:
-                logger.info("kvd link: no answer to a pull start (%s); asking again", reason)
-                if self._stop.wait(self._backoff0 * attempt):
-                    break
-            try:
-                return call()
-            except errors.KvdError as err:
-                if not answer_lost(err):
-                    raise
-                reason = f"{type(err).__name__}: {err.message}"
-            except Exception as exc:  # never let the link thread die; the call may have gone out
-                logger.exception("kvd link: a pull start failed")
-                reason = repr(exc)
-        raise _NoAnswer(reason)
-
     def _in_doubt(self, orders: Sequence[PullOrder], reason: str, epoch: int) -> None:
         """Pulls the daemon may have started under ``epoch`` without telling us: fence them by
         re-registering (the old registration's end cancels every pull into it)."""
@@ -511,11 +482,3 @@ class DaemonLink:
     def _lost_if_daemon_gone(self, err: errors.KvdError) -> None:
         if daemon_gone(err):
             self._lost(f"{type(err).__name__}: {err.message}")
-
-
-class _NoAnswer(Exception):
-    """Every attempt of a call ended without the daemon's answer (it may have acted)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason

@@ -30,13 +30,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvd.bench.cpu import own_cpu_seconds
 from kvd.bench.rig import (
     BLOCK_BYTES,
     Daemons,
     Engine,
     RawReader,
     hold_many,
-    own_cpu_seconds,
     scratch_engine_id,
 )
 from kvd_client.aio import AsyncKvdClient

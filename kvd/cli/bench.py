@@ -191,7 +191,8 @@ def machine() -> dict[str, Any]:
 
 async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressBar) -> dict[str, Any]:
     from kvd.bench import floor, report, runs  # noqa: PLC0415
-    from kvd.bench.rig import BLOCK_BYTES, Engine, RawReader, cpu_seconds, start_daemons, wait_settled  # noqa: PLC0415
+    from kvd.bench.cpu import cpu_seconds  # noqa: PLC0415
+    from kvd.bench.rig import BLOCK_BYTES, Engine, RawReader, start_daemons, wait_settled  # noqa: PLC0415
     from kvd_client.aio import AsyncKvdClient  # noqa: PLC0415
 
     result: dict[str, Any] = {}

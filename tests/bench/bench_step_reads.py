@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from kvd.bench.rig import Engine, cpu_seconds
+from kvd.bench.cpu import cpu_seconds
+from kvd.bench.rig import Engine
 from kvd.spawn import child_env, launch_daemon, stop_launches, wait_ready
 from kvd_client.aio import AsyncKvdClient
 

@@ -7,7 +7,7 @@ import random
 import pytest
 from kvtest import ShmEngine, engine_pair, llama_spec, metric_value, scrape, small_spec
 
-from kvd.bench.rig import cpu_seconds
+from kvd.bench.cpu import cpu_seconds
 from kvd_client.v1 import common_pb2
 
 pytestmark = pytest.mark.integration

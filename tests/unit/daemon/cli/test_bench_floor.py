@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvd.bench import floor
-from kvd.bench.rig import cpu_seconds
+from kvd.bench.cpu import cpu_seconds
 
 
 def _quiet(what: str, done: float) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvd.bench import goals
-from kvd.bench.rig import cpu_seconds
+from kvd.bench.cpu import cpu_seconds
 
 MIB = 1 << 20
 
