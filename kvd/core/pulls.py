@@ -358,7 +358,8 @@ class Puller:
     ) -> None:
         # A post under way completes on the data plane's thread (it does not wait for bytes):
         # wait for it, so every READ the pull asked for is known before anything is decided.
-        await asyncio.gather(*(asyncio.shield(p) for p in held.posts), return_exceptions=True)
+        if not all(post.done() for post in held.posts):  # (gathering done ones costs loop turns)
+            await asyncio.gather(*(asyncio.shield(p) for p in held.posts), return_exceptions=True)
         if held.conversion is not None and not held.conversion.done():
             await asyncio.wait([held.conversion])
         if error is None and held.memory.retired:
