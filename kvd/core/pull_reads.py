@@ -167,8 +167,8 @@ class PullReads:
 
         Quiet (``held.quiet_reads``) where every holder rank ends reads on a FinishRead and
         ``read_notifications`` is off: no READ carries a notification, so UCX reports it done
-        without waiting for the holder's worker, and :meth:`reads_done` ends the read with a
-        FinishRead instead. Otherwise each notifies the holder under ``notif_tag``."""
+        without waiting for the holder's worker, and the read ends with a FinishRead instead (the
+        pull's end sends it: Puller._finish). Otherwise each notifies the holder under ``notif_tag``."""
         dataplane = held.plane
         memory = held.memory
         label = f"{session.address} (agent {session.agent_name})"
