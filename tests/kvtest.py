@@ -11,9 +11,9 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,6 +42,8 @@ SMALL_SHAPE: dict[str, object] = dict(
     head_dim=64,
     dtype="float16",
 )
+
+T = TypeVar("T")
 
 
 def llama_spec(num_blocks: int = 128, **overrides: object) -> LayoutSpec:
@@ -194,6 +196,20 @@ def gauges_settle(metrics_address: str, names: Sequence[str], timeout_s: float =
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+def eventually(read: Callable[[], T], want: T, timeout_s: float = 10.0) -> T:
+    """``read()`` until it equals ``want`` or ``timeout_s`` passed: its last value (assert on it).
+
+    For what a holder does a moment after the reader reported a pull done: it ends the pull's
+    lease, and counts the bytes it served, when the reader's FinishRead arrives, sent once the
+    pull was reported (docs/lifetimes.md, "A read's end")."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if value == want or time.monotonic() > deadline:
+            return value
+        time.sleep(0.01)
 
 
 def drain(stream: Any, timeout_s: float) -> list[Any]:

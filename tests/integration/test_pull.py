@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvtest import ShmEngine, engine_pair, llama_spec, metric_value, scrape, small_spec
+from kvtest import ShmEngine, engine_pair, eventually, llama_spec, metric_value, scrape, small_spec
 
 from kvd.bench.cpu import cpu_seconds
 from kvd_client.v1 import common_pb2
@@ -139,7 +139,10 @@ def test_a_pull_between_two_engines_of_one_daemon_reads_in_place(spawn_daemon, t
         text = scrape(a.metrics)
         pulled = metric_value(text, "kvd_transfer_bytes_total", direction="pull")
         assert pulled == sum(s.bytes for s in statuses) > 0
-        assert metric_value(text, "kvd_transfer_bytes_total", direction="serve") == pulled
+        served = eventually(
+            lambda: metric_value(scrape(a.metrics), "kvd_transfer_bytes_total", direction="serve"), pulled
+        )
+        assert served == pulled
         assert metric_value(text, "kvd_remote_agents") == 1  # its own agent's lists, nothing loaded
     finally:
         prefill.close()
@@ -362,7 +365,12 @@ def test_large_reads_copied_by_several_threads_arrive_exact(spawn_daemon, transp
             assert reader.token_bytes(local, num_tokens).equal(expected[i]), f"pull {i} is not byte-exact"
         everyone = [a] if b is a else [a, b]
         pulled = sum(metric_value(scrape(d.metrics), "kvd_transfer_bytes_total", direction="pull") for d in everyone)
-        served = sum(metric_value(scrape(d.metrics), "kvd_transfer_bytes_total", direction="serve") for d in everyone)
+        served = eventually(
+            lambda: sum(
+                metric_value(scrape(d.metrics), "kvd_transfer_bytes_total", direction="serve") for d in everyone
+            ),
+            pulled,
+        )
         assert pulled == served == sum(s.bytes for s in statuses)
         logs = "".join(d.log_path.read_text(errors="replace") for d in everyone)
         assert logs.count("descriptors for 2 copy threads") >= len(pulls), "the READs were not copied in parallel"

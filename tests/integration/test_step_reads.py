@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from kvtest import engine_pair, metric_value, scrape, small_spec
+from kvtest import engine_pair, eventually, metric_value, scrape, small_spec
 
 from kvd_client import errors
 from kvd_client.v1 import common_pb2, router_pb2
@@ -70,9 +70,12 @@ def test_a_step_of_pulls_is_one_transfer_and_every_pull_arrives_exact(spawn_daem
         text = scrape(b.metrics)
         assert metric_value(text, "kvd_step_read_reads_count") >= 2
         assert metric_value(text, "kvd_step_read_reads_sum") >= STEP
-        assert not holder.client.lookup_held(engine_id="holder").held  # every lease ended by its read
-        served = metric_value(scrape(a.metrics), "kvd_transfer_bytes_total", direction="serve")
+        # every lease ended by its read (its FinishRead, a moment after the pull was reported)
+        assert not eventually(lambda: list(holder.client.lookup_held(engine_id="holder").held), [])
         pulled = metric_value(text, "kvd_transfer_bytes_total", direction="pull")
+        served = eventually(
+            lambda: metric_value(scrape(a.metrics), "kvd_transfer_bytes_total", direction="serve"), pulled
+        )
         assert served == pulled > 0
 
 
@@ -102,7 +105,7 @@ def test_a_pull_whose_lease_ended_fails_alone_in_its_step(spawn_daemon, transpor
                 status = reader.client.wait_transfer(transfer_id, timeout_s=30)
                 assert status.state == common_pb2.TRANSFER_STATE_DONE, (rid, status.error_message)
                 assert reader.token_bytes(local[rid], tokens[rid]).equal(holder.token_bytes(held[rid], tokens[rid]))
-        assert not holder.client.lookup_held(engine_id="holder").held
+        assert not eventually(lambda: list(holder.client.lookup_held(engine_id="holder").held), [])
         assert metric_value(scrape(b.metrics), "kvd_step_read_reads_sum") >= 2
 
 
