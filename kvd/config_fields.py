@@ -189,6 +189,14 @@ class KvdConfig:
             "mapped: no byte is touched and nothing is allocated."
         },
     )
+    dataplane_orders_socket: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "Send READ orders to the data-plane worker on a socket of their own, read by its NIXL thread "
+            "itself, instead of on its channel, where its event loop reads them and hands them to that thread: "
+            "a READ then reaches NIXL with no event-loop turn and no thread hand-off (docs/performance.md)."
+        },
+    )
     dataplane_spare_worker: bool = dataclasses.field(
         default=True,
         metadata={

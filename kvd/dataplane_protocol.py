@@ -251,3 +251,49 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[Any, ...]:
     message = pickle.loads(body, buffers=buffers)
     assert isinstance(message, tuple)
     return message
+
+
+class FrameBuffer:
+    """Messages out of a byte stream that arrives in arbitrary pieces (a non-blocking socket read
+    by a thread with no event loop: the NIXL thread's inbox). :func:`read_frame`'s twin for
+    bytes already received; the same limits, the same errors."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[Any, ...]]:
+        """Add received bytes; return every message now complete (in order)."""
+        self._data += data
+        messages = []
+        while (message := self._take()) is not None:
+            messages.append(message)
+        return messages
+
+    def _take(self) -> tuple[Any, ...] | None:
+        data = self._data
+        if len(data) < HEADER.size:
+            return None
+        size, count = HEADER.unpack_from(data, 0)
+        if size > MAX_BODY:
+            raise ValueError(f"data-plane frame of {size} bytes: the channel is corrupt")
+        if count > MAX_BUFFERS:
+            raise ValueError(f"data-plane frame with {count} buffers: the channel is corrupt")
+        offset = HEADER.size + size
+        spans = []
+        for _ in range(count):
+            if len(data) < offset + BUFFER.size:
+                return None
+            (length,) = BUFFER.unpack_from(data, offset)
+            if length > MAX_BUFFER:
+                raise ValueError(f"data-plane buffer of {length} bytes: the channel is corrupt")
+            offset += BUFFER.size
+            spans.append((offset, length))
+            offset += length
+        if len(data) < offset:
+            return None
+        body = bytes(data[HEADER.size : HEADER.size + size])
+        buffers = [bytearray(data[start : start + length]) for start, length in spans]  # writable, as read_frame's
+        del data[:offset]
+        message = pickle.loads(body, buffers=buffers)
+        assert isinstance(message, tuple)
+        return message

@@ -160,7 +160,12 @@ class DataPlane:
             return future
         call_id = next(self._call_ids)
         # frame() raises (nothing sent, nothing recorded) if the message cannot be framed.
-        self._worker.writer.writelines(frame((CALL, call_id, op, args)))
+        parts = frame((CALL, call_id, op, args))
+        orders = self._worker.orders
+        if op == "reads" and orders is not None:
+            orders.writelines(parts)  # read by the worker's NIXL thread itself (kvd.worker.service)
+        else:
+            self._worker.writer.writelines(parts)
         self._calls[call_id] = future  # its reply is read on this loop, after this returns
         return future
 

@@ -135,6 +135,7 @@ class Restarts:
             parallel_read_min_bytes=config.dataplane_parallel_read_min_bytes,
             respawn_backoff_s=config.dataplane_restart_backoff_s,
             respawn_backoff_max_s=config.dataplane_restart_backoff_max_s,
+            orders_socket=config.dataplane_orders_socket,
         )
         dataplane = self.new_dataplane()
         try:

@@ -84,6 +84,8 @@ class WorkerProcess:
     writer: asyncio.StreamWriter
     agent_name: str = ""
     identity: AgentIdentity = AgentIdentity(b"", ())
+    # READ orders, on a socket of their own that the worker's NIXL thread reads (None: on the channel).
+    orders: asyncio.WriteTransport | None = None
     # Seen ending once (see gone()): the kernel dequeues a SIGKILL before it marks the process
     # exiting, so between the two it looks neither killed nor exiting; being doomed is for good.
     doomed: bool = False
@@ -203,6 +205,8 @@ class WorkerProcess:
 
     def close_channel(self) -> None:
         self.writer.close()
+        if self.orders is not None:
+            self.orders.close()
 
 
 def sigkill_pending(status: str) -> bool:
@@ -244,8 +248,10 @@ class WorkerLauncher:
         parallel_read_min_bytes: int = DEFAULT_PARALLEL_READ_MIN_BYTES,
         respawn_backoff_s: float = 0.25,
         respawn_backoff_max_s: float = 4.0,
+        orders_socket: bool = True,
     ) -> None:
         self._agent_base = agent_base
+        self._orders_socket = orders_socket
         self._copying = CopySettings(max_post_bytes, copy_threads, parallel_read_min_bytes)
         self._backends = backends
         self._progress_thread = progress_thread
@@ -373,6 +379,10 @@ class WorkerLauncher:
         if delay_s > 0:
             await asyncio.sleep(delay_s)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        orders_ours, orders_theirs = (
+            socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if self._orders_socket else (None, None)
+        )
+        passed = (theirs.fileno(),) if orders_theirs is None else (theirs.fileno(), orders_theirs.fileno())
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -387,7 +397,8 @@ class WorkerLauncher:
                 "--parent-pid",
                 str(os.getpid()),
                 *(() if self._prefault else ("--no-prefault",)),
-                pass_fds=(theirs.fileno(),),
+                *(() if orders_theirs is None else ("--orders-fd", str(orders_theirs.fileno()))),
+                pass_fds=passed,
                 stdin=asyncio.subprocess.DEVNULL,
                 # The binary this process runs, whatever path led to it: a daemon started as a
                 # service user may not traverse the directories sys.executable names (argv[0]
@@ -396,11 +407,20 @@ class WorkerLauncher:
             )
         except OSError as exc:
             ours.close()
+            if orders_ours is not None:
+                orders_ours.close()
             raise WorkerStartFailed(f"the data-plane worker could not be started: {exc}") from exc
         finally:
             theirs.close()
+            if orders_theirs is not None:
+                orders_theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours, limit=1 << 24)
         worker = WorkerProcess(process, reader, writer)
+        if orders_ours is not None:
+            # Written only (the worker answers on the channel); its end is the channel's.
+            worker.orders, _ = await asyncio.get_running_loop().create_unix_connection(
+                asyncio.Protocol, sock=orders_ours
+            )
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 message = await read_frame(reader)

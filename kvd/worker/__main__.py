@@ -30,18 +30,20 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-async def _serve(fd: int, prefault: bool) -> None:
+async def _serve(fd: int, orders_fd: int | None, prefault: bool) -> None:
     from kvd.worker.service import WorkerService  # noqa: PLC0415 - after logging is set up
 
     sock = socket.socket(fileno=fd)
+    orders = socket.socket(fileno=orders_fd) if orders_fd is not None else None
     reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 24)
-    await WorkerService(reader, writer, prefault=prefault).serve()
+    await WorkerService(reader, writer, prefault=prefault, orders=orders).serve()
     writer.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvd.worker", description=__doc__)
     parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--orders-fd", type=int, default=None, help="READ orders, read by the NIXL thread")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--switch-interval", type=float, default=0.0002)
     parser.add_argument("--parent-pid", type=int, default=0)
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     # it, ~10 ms of CPU each, landing on whatever call allocated at that moment (a first pull's
     # metadata load, say).
     gc.freeze()
-    asyncio.run(_serve(args.channel_fd, args.prefault))
+    asyncio.run(_serve(args.channel_fd, args.orders_fd, args.prefault))
     return 0
 
 

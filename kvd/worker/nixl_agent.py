@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -170,6 +171,11 @@ class NixlAgent:
     def _snapshot(self) -> None:
         """Take the agent's metadata and its regions together (owner thread)."""
         self._identity = AgentIdentity(bytes(self.agent.get_agent_metadata()), tuple(self._regions.values()))
+
+    def attach_inbox(self, sock: socket.socket, read: Callable[[], bool]) -> None:
+        """Have the owner thread read ``sock`` itself (before :meth:`start`; see
+        kvd.worker.nixl_thread): the worker's READ orders reach it with no hop."""
+        self._owner.attach_inbox(sock, read)
 
     def submit(self, fn: Callable[[], T], activity: bool = True) -> concurrent.futures.Future[T]:
         """Run ``fn`` on the owner thread (any thread may call this). ``activity=False``: a
@@ -367,7 +373,8 @@ class NixlAgent:
     def post_reads(self, reads: Sequence[NixlRead], answer: Callable[[list[PostedRead | KvdError]], None]) -> None:
         """Post READs, all in one command on the owner thread, and call ``answer`` there at once
         with, for each, its PostedRead or the error that refused it (then nothing of it was
-        posted). Any thread may call this; a stopped agent answers every READ Unavailable.
+        posted). Any thread may call this (the owner thread posts at once: the orders it reads
+        itself); a stopped agent answers every READ Unavailable.
 
         A READ that NIXL built but failed to post (wholly or in part) is a PostedRead with
         ``error`` set: part of it may be on its way, so it is polled to a final state like any
@@ -393,6 +400,9 @@ class NixlAgent:
                 self._owner.answer_heartbeats()
             answer(out)
 
+        if self._owner.on_thread() and not self._owner.stopping:
+            post_all()  # an order the thread read itself (its inbox): posted now, not queued
+            return
         posting = self.submit(post_all)
         if posting.done() and posting.exception() is not None:  # stopped: nothing was posted
             error = posting.exception()

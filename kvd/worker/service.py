@@ -4,7 +4,16 @@ One asyncio loop reads frames (kvd.dataplane_protocol) and runs each call as a t
 one (preparing a large list, a conversion: both in the thread pool) never holds up the others.
 The two calls on every pull's path, ``reads`` and the heartbeat's ``ping``, skip the task: they
 go to the NIXL thread at once, and it answers them itself, as it sends settled READs and
-notifications (kvd.worker.channel: one hop less each way). Everything goes back on the same
+notifications (kvd.worker.channel: one hop less each way). Where the control process gave the
+worker a second socket for READ orders (``--orders-fd``), the NIXL thread reads ``reads`` calls
+from it itself (kvd.worker.nixl_thread's inbox): no event loop, no thread hand-off, on the way in
+either.
+
+**The two sockets' order.** A READ order on its own socket could overtake, or be overtaken by,
+a call on the channel. Neither can reorder what matters: the control process sends a READ only
+once the lists and memory it names are ready (their calls answered), and releases them only
+once the READ is final (its answer came first). Besides, the NIXL thread takes every order
+waiting on its socket before it runs any command. Everything goes back on the same
 channel, whole frames in the order they happen: a READ's reply always precedes its ``SETTLED``.
 
 **Ids and owners.** Everything the control process names lives here, keyed by ids:
@@ -26,6 +35,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,6 +49,7 @@ from kvd.dataplane_protocol import (
     SETTLED,
     AgentIdentity,
     CopySettings,
+    FrameBuffer,
     MappedRegion,
     ReadOrder,
     RegionRequest,
@@ -57,9 +68,20 @@ logger = logging.getLogger(__name__)
 class WorkerService:
     """Every call the control process may make; see the module docstring."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, prefault: bool = True) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        prefault: bool = True,
+        orders: socket.socket | None = None,
+    ) -> None:
         self._reader = reader
         self._writer = writer
+        # READ orders, read by the NIXL thread itself (the module docstring); None: on the channel.
+        self._orders = orders
+        self._order_frames = FrameBuffer()
+        self._order_bytes = bytearray(1 << 16)  # what one recv of the orders takes (NIXL thread)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._channel: ChannelWriter | None = None  # made when serving starts (it needs the loop)
         self._agent: NixlAgent | None = None
         self._regions = RegionTable(prefault)
@@ -107,7 +129,7 @@ class WorkerService:
 
     async def serve(self) -> None:
         """Say hello, then run calls until the control process closes the channel."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._channel = ChannelWriter(self._writer.get_extra_info("socket"), loop)
         self._send(HELLO, os.getpid())
         try:
@@ -151,6 +173,8 @@ class WorkerService:
             task.cancel()
         if self._agent is not None:
             await self._agent.stop()
+        if self._orders is not None:
+            self._orders.close()  # after the NIXL thread stopped: it reads it
         self._regions.close_all()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._channel is not None:
@@ -177,9 +201,60 @@ class WorkerService:
             copy_threads=copying.copy_threads,
             parallel_min_bytes=copying.parallel_read_min_bytes,
         )
+        if self._orders is not None:
+            self._orders.setblocking(False)
+            agent.attach_inbox(self._orders, self._take_orders)
         await agent.start(self._notifications, self._settled)
         self._agent = agent
         return agent.identity()
+
+    def _take_orders(self) -> bool:
+        """Every READ order waiting on the orders socket, posted now (NIXL thread; never
+        blocks). Once the socket has ended (the control process closed it), broke or is
+        corrupt, or if anything else fails here, the worker ends (False: no longer watched):
+        READs that nobody reads would leave their pulls waiting while the heartbeat passes."""
+        try:
+            if self._read_orders():
+                return True
+        except BaseException:
+            logger.exception("reading READ orders failed: the worker ends")
+        self._end_soon()
+        return False
+
+    def _read_orders(self) -> bool:
+        """True once the socket has nothing more to read now; False at its end."""
+        assert self._orders is not None
+        view = memoryview(self._order_bytes)
+        while True:
+            try:
+                received = self._orders.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as exc:
+                logger.debug("the data-plane orders socket broke: %s", exc)
+                return False
+            if not received:
+                return False
+            for message in self._order_frames.feed(view[:received]):  # raises where corrupt
+                self._take_order(message)
+            if received < len(view):
+                return True
+
+    def _take_order(self, message: tuple[Any, ...]) -> None:
+        if message[0] != CALL or message[2] != "reads":
+            logger.error("unexpected %r on the data-plane orders socket", message[:3])
+            if message[0] == CALL:
+                self._answer(message[1], error=NotFound(f"the orders socket takes no {message[2]!r} call"))
+            return
+        try:
+            self.reads(message[1], *message[3])
+        except Exception as exc:  # noqa: BLE001 - refused before posting: the caller gets why
+            self._answer(message[1], error=exc)
+
+    def _end_soon(self) -> None:
+        """End serving (any thread): the channel's end, as if the control process closed it."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._writer.transport.abort)
 
     def _notifications(self, notifications: dict[str, list[bytes]]) -> None:
         """A poll's notifications (NIXL thread)."""

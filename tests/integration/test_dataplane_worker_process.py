@@ -6,7 +6,10 @@ gets the READ's notification. Then the reader's worker is SIGKILLed with a READ 
 in flight: the DataPlane is lost once ("SIGKILL"), every call fails Unavailable, the READ is final
 with an Unavailable error (the worker's death is the fence). A healthy worker stopped through its
 DataPlane exits 0 and is reaped; a worker that stops answering (SIGSTOP) is found hung by the
-heartbeat, killed and reaped. No daemon runs here: this is the channel and the worker themselves.
+heartbeat, killed and reaped. READ orders go on their own socket, read by the worker's NIXL
+thread (the reading tests run that way and on the channel): a call other than ``reads`` there is
+refused NotFound, and a corrupt stream ends the worker (lost, never left hung). No daemon runs
+here: this is the channel and the worker themselves.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from kvd.core.dataplane import LOCAL, DataPlane, XferState
 from kvd.core.workers import WorkerLauncher, WorkerStartFailed
-from kvd.dataplane_protocol import MappedRegion, MemoryKind, RegionRequest
+from kvd.dataplane_protocol import CALL, HEADER, MAX_BODY, MappedRegion, MemoryKind, RegionRequest, frame
 from kvd_client.errors import NotFound, Unavailable
 from kvd_client.shm import create_shm_tensor, new_shm_name, unlink_shm
 
@@ -63,8 +66,10 @@ def shm_regions() -> Iterator[list[tuple[str, torch.Tensor]]]:
 class Plane:
     """A DataPlane with what the test watches: its notifications and its on_lost calls."""
 
-    def __init__(self, base: str, heartbeat_timeout_s: float = 10.0) -> None:
-        self.launcher = WorkerLauncher(base, ("UCX",), False, "WARNING", 0.0002, spare=False)
+    def __init__(self, base: str, heartbeat_timeout_s: float = 10.0, orders_socket: bool = True) -> None:
+        self.launcher = WorkerLauncher(
+            base, ("UCX",), False, "WARNING", 0.0002, spare=False, orders_socket=orders_socket
+        )
         self.lost: list[tuple[DataPlane, str]] = []
         self.lost_event = asyncio.Event()
         self.notifications: list[dict[str, list[bytes]]] = []
@@ -154,14 +159,15 @@ def stop(pid: int) -> None:
     raise AssertionError(f"process {pid} did not stop within {STEP_S}s of SIGSTOP")
 
 
+@pytest.mark.parametrize("orders_socket", [True, False], ids=["orders-socket", "orders-on-channel"])
 def test_a_read_between_two_workers_then_the_reader_killed_mid_read(
-    shm_regions: list[tuple[str, torch.Tensor]],
+    shm_regions: list[tuple[str, torch.Tensor]], orders_socket: bool
 ) -> None:
     (holder_shm, holder_memory), (reader_shm, reader_memory) = shm_regions
     holder_memory.copy_(torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
 
     async def main() -> None:
-        holder, reader = Plane("dptest-holder"), Plane("dptest-reader")
+        holder, reader = Plane("dptest-holder"), Plane("dptest-reader", orders_socket=orders_socket)
         async with planes(holder, reader):
             assert holder.plane.name == "dptest-holder" and reader.plane.name == "dptest-reader"
             assert holder.plane.pid != reader.plane.pid and holder.plane.alive and reader.plane.alive
@@ -264,6 +270,47 @@ def test_a_read_between_two_workers_then_the_reader_killed_mid_read(
 HEARTBEAT_WAIT_S = 1.5  # three heartbeats
 
 
+def test_a_call_other_than_reads_on_the_orders_socket_is_refused_and_the_worker_serves_on() -> None:
+    """The orders socket takes READ orders only: anything else is answered NotFound, on the
+    channel, and changes nothing."""
+
+    async def main() -> None:
+        plane = Plane("dptest-orders-other")
+        async with planes(plane):
+            worker = plane.plane._worker
+            assert worker is not None and worker.orders is not None
+            answer = asyncio.get_running_loop().create_future()
+            plane.plane._calls[10**9] = answer  # the channel's reply lands here, as any call's
+            worker.orders.writelines(frame((CALL, 10**9, "release_tables", ((1, 2),))))
+            with pytest.raises(NotFound, match="orders socket takes no 'release_tables'"):
+                await step(answer)
+            await step(plane.plane.ping())
+            assert plane.plane.alive and not plane.lost
+
+    asyncio.run(main())
+
+
+def test_a_corrupt_orders_stream_ends_the_worker_and_its_plane_is_lost_not_hung() -> None:
+    """READs that nobody reads would leave their pulls waiting while the heartbeat passes: a
+    worker whose orders socket is corrupt ends at once, and the control process sees it lost."""
+
+    async def main() -> None:
+        plane = Plane("dptest-orders-corrupt", heartbeat_timeout_s=30.0)
+        async with planes(plane):
+            worker = plane.plane._worker
+            assert worker is not None and worker.orders is not None
+            process = plane.process()
+            worker.orders.write(HEADER.pack(MAX_BODY + 1, 0))
+            async with asyncio.timeout(STEP_S):  # well before any heartbeat could call it hung
+                await plane.lost_event.wait()
+            assert len(plane.lost) == 1 and plane.lost[0][1] != "hung"
+            assert process.returncode == 0  # it ended itself, releasing what it held
+            with pytest.raises(Unavailable):
+                await step(plane.plane.ping())
+
+    asyncio.run(main())
+
+
 def test_a_worker_that_stops_answering_is_found_hung_killed_and_reaped() -> None:
     async def main() -> None:
         hung = Plane("dptest-hung", heartbeat_timeout_s=1.0)
@@ -359,8 +406,9 @@ def test_a_worker_registering_memory_gets_time_for_its_size_and_then_no_more(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("orders_socket", [True, False], ids=["orders-socket", "orders-on-channel"])
 def test_reads_asked_for_in_one_loop_turn_are_posted_together_each_with_its_own_outcome(
-    shm_regions: list[tuple[str, torch.Tensor]],
+    shm_regions: list[tuple[str, torch.Tensor]], orders_socket: bool
 ) -> None:
     """READs asked for together travel in one call to the worker and one hop to its NIXL thread;
     each still gets its own Xfer, bytes and notification, and one naming a list the worker does
@@ -369,7 +417,7 @@ def test_reads_asked_for_in_one_loop_turn_are_posted_together_each_with_its_own_
     holder_memory.copy_(torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)))
 
     async def main() -> None:
-        holder, reader = Plane("dptest-holder-many"), Plane("dptest-reader-many")
+        holder, reader = Plane("dptest-holder-many"), Plane("dptest-reader-many", orders_socket=orders_socket)
         async with planes(holder, reader):
             held = await expose(holder.plane, holder_shm)
             landed = await expose(reader.plane, reader_shm)

@@ -1,6 +1,8 @@
 """The control process <-> data-plane worker channel (kvd.dataplane_protocol): frames carry numpy
 arrays out of band and intact, messages follow each other on a real stream, errors come back as
-their exact class, and a corrupt header is refused instead of read.
+their exact class, and a corrupt header is refused instead of read. :class:`FrameBuffer` (bytes
+read by a thread with no event loop) gives exactly what :func:`read_frame` gives, however the
+bytes are cut.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvd.dataplane_protocol import (
     SETTLED,
     AgentIdentity,
     CudaIpcSpec,
+    FrameBuffer,
     MappedRegion,
     MemoryKind,
     NixlRegion,
@@ -251,3 +254,60 @@ def test_a_body_that_is_not_pickle_raises() -> None:
     body = b"this is not a pickle"
     with pytest.raises(pickle.UnpicklingError):
         _decode(HEADER.pack(len(body), 0) + body)
+
+
+def _orders() -> list[tuple[Any, ...]]:
+    """Messages of several shapes: no buffer, two arrays out of band, an empty body's worth."""
+    return [
+        (CALL, 7, "reads", (np.arange(64, dtype=np.int32), np.arange(64, 128, dtype=np.int32), b"notif")),
+        (CALL, 8, "reads", ()),
+        (REPLY, 9, [("posted", XferState.DONE.value, None)], None),
+        (CALL, 10, "reads", (np.zeros(0, dtype=np.int32),)),
+    ]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 12, 100, 1 << 20])
+def test_a_frame_buffer_fed_any_pieces_gives_every_message_whole_in_order_and_writable(piece: int) -> None:
+    """Bytes arrive as a non-blocking socket gives them: cut anywhere, header and buffers too."""
+    sent = _orders()
+    data = b"".join(_bytes(m) for m in sent)
+    decoder = FrameBuffer()
+    got: list[tuple[Any, ...]] = []
+    for start in range(0, len(data), piece):
+        got.extend(decoder.feed(memoryview(data)[start : start + piece]))
+    assert len(got) == len(sent)
+    for message, original in zip(got, sent, strict=True):
+        assert message[:3] == original[:3]
+        if original[0] == REPLY:
+            assert message == original
+            continue
+        for a, b in zip(message[3], original[3], strict=True):
+            if isinstance(b, np.ndarray):
+                assert a.dtype == b.dtype and np.array_equal(a, b)
+                a[...] = 0  # writable, as read_frame's: the worker may hand them to NIXL as they are
+            else:
+                assert a == b
+    assert decoder.feed(b"") == []  # nothing left over
+
+
+def test_a_frame_buffer_keeps_a_partial_frame_until_the_rest_arrives() -> None:
+    whole = _bytes((REPLY, 1, np.arange(100, dtype=np.int64), None))
+    decoder = FrameBuffer()
+    assert decoder.feed(whole[:-1]) == []
+    (message,) = decoder.feed(whole[-1:])
+    assert np.array_equal(message[2], np.arange(100, dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        HEADER.pack(MAX_BODY + 1, 0),
+        HEADER.pack(10, 1 << 20),
+        HEADER.pack(0, 1) + BUFFER.pack(1 << 40),
+    ],
+    ids=["body", "buffer-count", "buffer-length"],
+)
+def test_a_frame_buffer_refuses_a_corrupt_header_at_once_as_read_frame_does(corrupt: bytes) -> None:
+    """Refused from the header alone: a thread never waits for (or keeps) gigabytes."""
+    with pytest.raises(ValueError, match="corrupt"):
+        FrameBuffer().feed(corrupt)
