@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvd.core.fast_poll import FastPollTeller
 from kvd.core.read_batches import READS_PER_CALL, ReadBatcher, StepReadBook, ignore_outcome
 from kvd.core.step_reads import StepPart
 from kvd.core.workers import WorkerLauncher, WorkerProcess, exit_reason
@@ -57,7 +58,6 @@ __all__ = ["LOCAL", "READS_PER_CALL", "AgentIdentity", "DataPlane", "NixlRegion"
 logger = logging.getLogger(__name__)
 
 LOCAL = LOCAL_AGENT
-FAST_POLL_SLACK_S = 1.0  # see DataPlane.fast_poll_until
 DYING_GRACE_S = 0.1  # a worker that missed its heartbeat gets this long to show it is dying, not hung
 DYING_POLL_S = 0.01
 HEARTBEAT_S = 1.0  # how often the worker's NIXL thread is asked to answer (an idle daemon pays for each)
@@ -98,7 +98,7 @@ class DataPlane:
         self._step_reads = StepReadBook(lambda: next(self._xfer_ids), on_step_read)
         self._identity = AgentIdentity(b"", ())
         self._tasks: list[asyncio.Task[None]] = []
-        self._fast_poll_until = 0.0
+        self._fast_poll = FastPollTeller(self._tell_fast_poll)
         # (De)registrations in flight: call token -> until when the heartbeat waits for them.
         self._registering: dict[object, float] = {}
         self._registered_bytes: dict[Any, int] = {}  # registration -> its size (for its deregistration)
@@ -297,6 +297,7 @@ class DataPlane:
                 xfer.settled.set_result(None)
         self._xfers.clear()
         self._step_reads.clear()
+        self._fast_poll.close()
         self._on_reads_in_flight(0)
         if self._worker is not None:
             self._worker.close_channel()  # reaped: its end of the channel is of no more use (an fd per loss)
@@ -320,22 +321,16 @@ class DataPlane:
 
     @property
     def fast_poll_until(self) -> float:
-        return self._fast_poll_until
+        """The worker's fast-poll deadline, as it was last told (kvd.core.fast_poll)."""
+        return self._fast_poll.told
 
     @fast_poll_until.setter
     def fast_poll_until(self, deadline: float) -> None:
-        """Have the worker poll fast until ``deadline`` (CLOCK_MONOTONIC is the same in both).
+        """Have the worker poll fast until ``deadline`` (0.0: none open), told only when it
+        must be (kvd.core.fast_poll.FastPollTeller)."""
+        self._fast_poll.want(deadline)
 
-        Told only when it changes: a later deadline within the one already sent needs no
-        message, and a raised one is sent with FAST_POLL_SLACK_S to spare so the next few
-        admissions need none either (0.0, none open, is always sent: the worker slows down)."""
-        if deadline and deadline <= self._fast_poll_until:
-            return
-        if not deadline and not self._fast_poll_until:
-            return
-        if deadline:
-            deadline += FAST_POLL_SLACK_S
-        self._fast_poll_until = deadline
+    def _tell_fast_poll(self, deadline: float) -> None:
         if self.alive:
             self._submit("fast_poll", deadline).add_done_callback(ignore_outcome)
 
