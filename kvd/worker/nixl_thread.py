@@ -134,11 +134,18 @@ class OwnerThread:
         """Until ``timeout`` passes, a submit or wake, or the inbox has data (then it is read)."""
         if self._commands or self._heartbeats:  # submitted from this thread (no wake): run them now
             timeout = 0.0
+        # select, not epoll: epoll_wait counts whole milliseconds, and the fast poll is 0.2 ms.
+        # Both fds are among the process's first (made before NIXL and UCX open theirs).
         watched: list[Any] = [self._wake_fd] if self._inbox is None else [self._wake_fd, self._inbox]
         try:
-            ready, _, _ = select.select(watched, [], [], timeout)
-        except (OSError, ValueError):  # the inbox was closed under us: stop watching it
-            self._inbox = None
+            ready, _, _ = select.select(watched, [], [], None if timeout is None else max(0.0, timeout))
+        except (OSError, ValueError):
+            # The inbox's socket broke under us: its reader finds out and says so (the worker
+            # ends), never a silent stop that would leave orders unread.
+            logger.exception("waiting on the NIXL thread's inbox failed")
+            if self._inbox is not None:
+                self._take_inbox()
+            time.sleep(0.001)  # never a spin, whatever keeps failing
             return
         if self._wake_fd in ready:
             os.eventfd_read(self._wake_fd)  # resets it (it is readable, so this cannot block)

@@ -155,3 +155,23 @@ def test_a_wake_after_the_thread_ended_does_nothing(started: Callable[[Inbox], O
     owner.wake()  # its event fd is closed: never written (nor a reused fd number)
     assert owner.submit(lambda: None).exception(WAIT_S) is not None  # stopped: refused, not queued
     inbox.close()
+
+
+def test_an_inbox_closed_under_the_sleeping_thread_is_reported_by_its_reader_never_dropped_silently(
+    started: Callable[[Inbox], OwnerThread], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A socket closed under the waiting thread: the reader is asked (and finds it broken, so
+    its owner can end the worker) rather than the inbox quietly going unread."""
+    inbox = Inbox()
+    owner = started(inbox)
+    time.sleep(0.05)
+    inbox.theirs.close()
+    owner.wake()
+    deadline = time.monotonic() + WAIT_S
+    while owner._inbox is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert owner._inbox is None
+    assert inbox.calls >= 1  # its reader was asked, and failed
+    assert "NIXL thread's inbox failed" in caplog.text  # waiting on it, or reading it: either way, said
+    assert owner.submit(lambda: "still serving").result(WAIT_S) == "still serving"
+    inbox.ours.close()
