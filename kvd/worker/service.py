@@ -13,7 +13,7 @@ either.
 a call on the channel. Neither can reorder what matters: the control process sends a READ only
 once the lists and memory it names are ready (their calls answered), and releases them only
 once the READ is final (its answer came first). Besides, the NIXL thread takes every order
-waiting on its socket before it runs any command. Everything goes back on the same
+waiting on its socket before each command it runs. Everything goes back on the same
 channel, whole frames in the order they happen: a READ's reply always precedes its ``SETTLED``.
 
 **Ids and owners.** Everything the control process names lives here, keyed by ids:
