@@ -53,7 +53,7 @@ class BenchConfig:
     router_rounds: int = 3  # the router section's rounds (each path once per round, each first once)
 
 
-QUICK = BenchConfig((2, 8, 32, 128), 5, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5, 3.0, 1.0)
+QUICK = BenchConfig((2, 8, 32, 128), 9, 100, (1, 4, 16, 32, 64), 256, 1, 10, 128, 5, 3.0, 1.0)
 FULL = BenchConfig(
     (2, 8, 32, 128, 512),
     10,

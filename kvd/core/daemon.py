@@ -210,7 +210,7 @@ class Daemon:
         await self.engines.finishing.settle(self.config.fence_timeout_s)
         for rank in list(self.registry):
             await self.engines.unregister(rank, "daemon shutting down")
-        await self.holder.settle()
+        await self.holder.followups.settle(self.config.fence_timeout_s)  # the unpins their ends scheduled
         if self.memories is not None:
             await self.memories.finishing.settle(self.config.fence_timeout_s)
         remote_calls = list(self.holder_calls.tasks)

@@ -29,11 +29,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from kvd.core import notif
 from kvd.core.context import CoreContext
+from kvd.core.finishing import Finishing
 from kvd.core.leases import Admission, AdmissionEnd, Lease
 from kvd.core.local_memory import LocalMemory
 from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult, RemoteEngine
@@ -79,7 +79,7 @@ class Holder:
         self._memories = ctx.memories
         self._require_serving = ctx.require_serving
         self._require_dataplane = ctx.require_dataplane
-        self._followups: set[asyncio.Task[None]] = set()  # unpins scheduled by the lease table's callbacks
+        self.followups = Finishing("holder-unpin")  # unpins scheduled by the lease table's callbacks
         self._loop = ctx.loop
         self._reader_labels: dict[str, str] = {}  # admission id -> reader's address (metrics label)
         # admission id -> (engine, request) of a soft read pinned by the engine (to unpin it when
@@ -87,17 +87,6 @@ class Holder:
         self._soft_pins: dict[str, tuple[str, str]] = {}
         self._connecting_until = 0.0  # a reader may be connecting its NIXL agent until then (handshake_info)
         self._connect_poll_end: asyncio.TimerHandle | None = None
-
-    def _follow_up(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run an async consequence of a synchronous callback (an unpin) as its own task."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._followups.add(task)
-        task.add_done_callback(self._followups.discard)
-
-    async def settle(self) -> None:
-        """Wait for the unpins under way (at shutdown, once every rank is unregistered)."""
-        while self._followups:
-            await asyncio.gather(*list(self._followups), return_exceptions=True)
 
     def admission_over(self, admission: Admission) -> None:
         """LeaseTable callback: an admitted read is over; unpin the holder memory it pinned."""
@@ -132,7 +121,7 @@ class Holder:
                 self._memories().taint(memory, admission.admission_id)
         for memory in pinned:
             assert isinstance(memory, LocalMemory)
-            self._follow_up(self._memories().unpin(memory, holder=True))
+            self.followups.start(self._memories().unpin(memory, holder=True))
         self._poll_fast_while_admitted(unproven=bool(pinned) and not clean)
 
     def _admission_proven(self, admission: Admission, how: str) -> None:

@@ -62,31 +62,38 @@ def encode(notif_tag: str, part: int, parts: int, nbytes: int) -> bytes:
     return f"{notif_tag}|{part}|{parts}|{nbytes}".encode()
 
 
+def _read(lease_id: str, admission_id: str, part: int, parts: int, nbytes: int) -> ReadNotification | None:
+    """The read these fields name, or None where any is not one (every form's one check)."""
+    if not lease_id or not admission_id or not 0 <= part < parts or nbytes < 0:
+        return None
+    return ReadNotification(lease_id, admission_id, part, parts, nbytes)
+
+
+def _numbers(part: str, parts: str, nbytes: str) -> tuple[int, int, int] | None:
+    try:
+        return int(part), int(parts), int(nbytes)
+    except ValueError:
+        return None
+
+
 def read_of(notif_tag: str, part: int, parts: int, nbytes: int) -> ReadNotification | None:
     """What :func:`decode` makes of ``encode(notif_tag, part, parts, nbytes)``, without the bytes
     (a step READ names each of its reads: the reader builds them per pull); None where decode
     would refuse it (a tag that is not a holder's)."""
     fields = notif_tag.split("|")
-    if len(fields) != 3 or fields[0] != PREFIX or not fields[1] or not fields[2]:
+    if len(fields) != 3 or fields[0] != PREFIX or len(notif_tag) + len(f"|{part}|{parts}|{nbytes}") > _MAX_LEN:
         return None
-    if not 0 <= part < parts or nbytes < 0 or len(notif_tag) + len(f"|{part}|{parts}|{nbytes}") > _MAX_LEN:
-        return None
-    return ReadNotification(fields[1], fields[2], part, parts, nbytes)
+    return _read(fields[1], fields[2], part, parts, nbytes)
 
 
 def decode(message: bytes) -> ReadNotification | None:
     if len(message) > _MAX_LEN:
         return None
     fields = message.decode(errors="replace").split("|")
-    if len(fields) != 6 or fields[0] != PREFIX or not fields[1] or not fields[2]:
+    if len(fields) != 6 or fields[0] != PREFIX:
         return None
-    try:
-        part, parts, nbytes = int(fields[3]), int(fields[4]), int(fields[5])
-    except ValueError:
-        return None
-    if not 0 <= part < parts or nbytes < 0:
-        return None
-    return ReadNotification(fields[1], fields[2], part, parts, nbytes)
+    numbers = _numbers(*fields[3:])
+    return None if numbers is None else _read(fields[1], fields[2], *numbers)
 
 
 def encode_many(reads: Sequence[ReadNotification]) -> bytes:
@@ -125,13 +132,9 @@ def decode_all(message: bytes) -> list[ReadNotification]:
     reads = []
     for start in range(2, len(fields), 5):
         lease_id, admission_id, part_s, parts_s, nbytes_s = fields[start : start + 5]
-        if not lease_id or not admission_id:
+        numbers = _numbers(part_s, parts_s, nbytes_s)
+        read = None if numbers is None else _read(lease_id, admission_id, *numbers)
+        if read is None:
             return []
-        try:
-            part, parts, nbytes = int(part_s), int(parts_s), int(nbytes_s)
-        except ValueError:
-            return []
-        if not 0 <= part < parts or nbytes < 0:
-            return []
-        reads.append(ReadNotification(lease_id, admission_id, part, parts, nbytes))
+        reads.append(read)
     return reads

@@ -114,12 +114,13 @@ class PullEnding:
         # Pull resources whose reads were given up before NIXL finished them: handed back by
         # sweep() once final (a staging chunk or a one-off list must not be reused before).
         self._stale: list[PullResources] = []
-        # AbandonPulls (waiting for their reads to be final) and FinishReads, until answered.
-        self._abandons: set[asyncio.Task[None]] = set()
+        # Messages to holders under way: AbandonPulls (waiting for their reads to be final) and
+        # FinishReads, until answered.
+        self._telling_holders: set[asyncio.Task[None]] = set()
 
     def close(self) -> None:
         """Shutting down: the holders end the admissions still abandoned here at their deadlines."""
-        for task in list(self._abandons):
+        for task in list(self._telling_holders):
             task.cancel()
 
     async def fence(self, transfer: Transfer, rank: EngineRank, held: PullResources, fence_s: float) -> None:
@@ -246,15 +247,15 @@ class PullEnding:
         await self.abandon(remote, reader_rank, transfer_id, reason)
 
     def in_background(self, abandon: Coroutine[Any, Any, None]) -> None:
-        """Run an AbandonPull or a FinishRead in the background, kept in ``_abandons`` until done."""
+        """Run an AbandonPull or a FinishRead in the background, kept in ``_telling_holders`` until done."""
         task = asyncio.get_running_loop().create_task(abandon)
-        self._abandons.add(task)
-        task.add_done_callback(self._abandons.discard)
+        self._telling_holders.add(task)
+        task.add_done_callback(self._telling_holders.discard)
 
     @property
     def telling(self) -> tuple[asyncio.Task[None], ...]:
         """The AbandonPulls and FinishReads under way (an AbandonPull waits for its reads first)."""
-        return tuple(self._abandons)
+        return tuple(self._telling_holders)
 
     async def abandon(self, remote: TransferParams, reader_rank: int, transfer_id: str, reason: str) -> None:
         """Tell the holder this read is over (nothing of it can still read its blocks).

@@ -416,12 +416,16 @@ class WorkerLauncher:
                 orders_theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours, limit=1 << 24)
         worker = WorkerProcess(process, reader, writer)
-        if orders_ours is not None:
-            # Written only (the worker answers on the channel); its end is the channel's.
-            worker.orders, _ = await asyncio.get_running_loop().create_unix_connection(
-                asyncio.Protocol, sock=orders_ours
-            )
         try:
+            if orders_ours is not None:
+                # Written only (the worker answers on the channel); its end is the channel's.
+                try:
+                    worker.orders, _ = await asyncio.get_running_loop().create_unix_connection(
+                        asyncio.Protocol, sock=orders_ours
+                    )
+                except BaseException:
+                    orders_ours.close()  # no transport owns it yet
+                    raise
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 message = await read_frame(reader)
                 if message[0] != HELLO:
@@ -446,6 +450,8 @@ class WorkerLauncher:
                 detail = exc.message
             elif isinstance(exc, TimeoutError):
                 detail = f"not ready within {HELLO_TIMEOUT_S:.0f}s"
+            elif isinstance(exc, OSError) and not died:  # ours, not the worker's: say what failed
+                detail = f"its sockets could not be set up ({exc})"
             else:
                 detail = exit_reason(returncode)
             killed = died and returncode < 0 and -returncode in EXTERNAL_SIGNALS

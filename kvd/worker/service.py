@@ -144,16 +144,21 @@ class WorkerService:
                 call_id, op, args = message[1], message[2], message[3]
                 direct = self._direct.get(op)
                 if direct is not None:
-                    try:
-                        direct(call_id, *args)
-                    except Exception as exc:  # noqa: BLE001 - refused before the NIXL thread: the caller gets why
-                        self._answer(call_id, error=exc)
+                    self._run_direct(call_id, direct, args)
                     continue
                 task = loop.create_task(self._run(call_id, op, args))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         finally:
             await self._close()
+
+    def _run_direct(self, call_id: int, direct: Callable[..., None], args: tuple[Any, ...]) -> None:
+        """Run a call answered by the NIXL thread (the event loop's or the NIXL thread's own
+        caller); one refused before it reaches that thread is answered here, with why."""
+        try:
+            direct(call_id, *args)
+        except Exception as exc:  # noqa: BLE001 - refused before the NIXL thread: the caller gets why
+            self._answer(call_id, error=exc)
 
     async def _run(self, call_id: int, op: str, args: tuple[Any, ...]) -> None:
         handler = self._ops.get(op)
@@ -246,10 +251,7 @@ class WorkerService:
             if message[0] == CALL:
                 self._answer(message[1], error=NotFound(f"the orders socket takes no {message[2]!r} call"))
             return
-        try:
-            self.reads(message[1], *message[3])
-        except Exception as exc:  # noqa: BLE001 - refused before posting: the caller gets why
-            self._answer(message[1], error=exc)
+        self._run_direct(message[1], self.reads, message[3])
 
     def _end_soon(self) -> None:
         """End serving (any thread): the channel's end, as if the control process closed it."""

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvtest import ShmEngine, drain, gauges_settle, llama_spec, metric_value, scrape, wait_reading
+from kvtest import ShmEngine, drain, eventually, gauges_settle, llama_spec, metric_value, scrape, wait_reading
 
 from kvd.spawn import child_env
 from kvd_client import KvdClient, errors
@@ -129,6 +129,10 @@ def test_puller_daemon_killed_mid_read(spawn_daemon) -> None:
             deadline_ms=4000,
         )
         wait_reading(reader.client, started.transfer_id)
+        # A READ is posted beside its admission (docs/lifetimes.md), so READING may come before
+        # the holder admitted it: the death this test is about comes once both are under way.
+        admitted = eventually(lambda: metric_value(scrape(holder_daemon.metrics), "kvd_admitted_reads"), 1.0)
+        assert admitted == 1, "the holder never admitted the read"
         reader_daemon.kill()
         reader.registered = False
         text = scrape(holder_daemon.metrics)

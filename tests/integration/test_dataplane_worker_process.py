@@ -504,3 +504,32 @@ def test_a_worker_that_cannot_start_and_one_killed_while_it_starts_are_told_apar
             await killed.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_whose_orders_socket_cannot_be_opened_is_reaped_with_no_socket_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The orders socket is the second of a worker's sockets to be wrapped: should that fail,
+    the start fails as any other (WorkerStartFailed), the process is killed and reaped, and
+    neither of the daemon's ends of the two socketpairs is left open."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise OSError("no orders socket (test)")
+
+        monkeypatch.setattr(loop, "create_unix_connection", refuse)
+        launcher = WorkerLauncher("dptest-orders", ("UCX",), False, "WARNING", 0.0002, spare=False)
+        fds_before = set(os.listdir("/proc/self/fd"))
+        before = children()
+        try:
+            with pytest.raises(WorkerStartFailed, match=r"did not start: its sockets could not be set up \(no orders"):
+                await step(launcher.take())
+            assert not children_running(children() - before)
+            await asyncio.sleep(0)  # the channel's transport closes its socket on the next turn
+            assert set(os.listdir("/proc/self/fd")) - fds_before == set()
+        finally:
+            await launcher.close()
+
+    asyncio.run(main())

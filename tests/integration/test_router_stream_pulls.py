@@ -19,48 +19,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 import pytest
-from kvtest import ShmEngine, metric_value, scrape, small_spec
+from kvtest import ShmEngine, metric_value, scrape
+from watch_kit import DONE, FILL, FINAL, PULLS, TOKENS, RawWatch, engines, hold
 
 from kvd_client import AsyncKvdClient, KvdClient, errors
-from kvd_client.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvd_client.v1 import common_pb2, router_pb2
 
 pytestmark = pytest.mark.integration
-
-TOKENS = 16 + 9  # two blocks, the last partial
-PULLS = 32
-FILL = 0xAB  # every byte of the reader's blocks before a pull
-DONE = common_pb2.TRANSFER_STATE_DONE
-FINAL = (DONE, common_pb2.TRANSFER_STATE_FAILED, common_pb2.TRANSFER_STATE_ABORTED)
 
 
 def _env(transports: str) -> dict[str, str] | None:
     return {**os.environ, "UCX_TLS": "tcp"} if transports == "tcp" else None
-
-
-def _hold(holder: ShmEngine, request_id: str, first_block: int) -> common_pb2.KvTransferParams:
-    return holder.client.hold_blocks(
-        engine_id="holder", request_id=request_id, block_ids=[first_block, first_block + 1], num_tokens=TOKENS
-    ).kv_transfer_params
-
-
-def _engines(holder_daemon, reader_daemon, require_commits: bool = False) -> tuple[ShmEngine, ShmEngine]:
-    spec = small_spec(num_blocks=2 * PULLS + 8)
-    holder = ShmEngine(holder_daemon.unix_target, "holder", spec, require_commits=require_commits)
-    reader = ShmEngine(reader_daemon.unix_target, "reader", spec)
-    holder.register()
-    reader.register()
-    holder.fill_random(seed=41)
-    reader.fill(FILL)
-    return holder, reader
 
 
 def _request(
@@ -108,65 +84,6 @@ def _count_start_pulls(client: AsyncKvdClient | KvdClient) -> Counted:
     return counted
 
 
-class RawWatch:
-    """A WatchTransfers stream opened by hand (no client logic): what the daemon itself answers."""
-
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
-        self._outbox: queue.SimpleQueue[router_pb2.WatchTransfersRequest | None] = queue.SimpleQueue()
-        self.call = router_pb2_grpc.RouterServiceStub(self.channel).WatchTransfers(self._requests(), timeout=60)
-
-    def _requests(self) -> Iterator[router_pb2.WatchTransfersRequest]:
-        while (item := self._outbox.get()) is not None:
-            yield item
-
-    def start(self, *starts: tuple[int, router_pb2.StartPullRequest]) -> None:
-        """One message starting ``starts`` ((seq, pull) each)."""
-        self._outbox.put(
-            router_pb2.WatchTransfersRequest(
-                start_pulls=[router_pb2.WatchedPullStart(seq=seq, pull=pull) for seq, pull in starts]
-            )
-        )
-
-    def half_close(self) -> None:
-        self._outbox.put(None)
-
-    def next(self) -> router_pb2.WatchTransfersResponse:
-        return next(self.call)
-
-    def outcomes(
-        self, seqs: set[int]
-    ) -> tuple[dict[int, router_pb2.StartPullResult], dict[str, common_pb2.TransferStatus]]:
-        """Every start of ``seqs`` answered, and every pull that started ended: the starts' results
-        by seq and the final statuses by transfer id. Each start is answered once, and no pull's
-        end comes before its start's answer (in an earlier message, or the same one)."""
-        started: dict[int, router_pb2.StartPullResult] = {}
-        finished: dict[str, common_pb2.TransferStatus] = {}
-
-        def pending() -> bool:
-            return set(started) != seqs or any(
-                r.transfer_id and r.transfer_id not in finished for r in started.values()
-            )
-
-        while pending():
-            response = self.next()
-            assert not response.refused and not response.incarnation, response
-            for item in response.started:
-                assert item.seq in seqs and item.seq not in started, f"start {item.seq} answered twice or unasked"
-                started[item.seq] = item.result
-            ids = {r.transfer_id for r in started.values() if r.transfer_id}
-            for status in response.finished:
-                assert status.transfer_id in ids, f"{status.transfer_id} ended before its start was answered"
-                assert status.transfer_id not in finished, f"{status.transfer_id} answered twice"
-                assert status.state in FINAL, status
-                finished[status.transfer_id] = status
-        return started, finished
-
-    def close(self) -> None:
-        self.call.cancel()
-        self.channel.close()
-
-
 async def _stream_answered(router: AsyncKvdClient) -> None:
     """Until the client's stream has its first message (a wait on an unknown id rides it)."""
     [result] = await router.wait_transfers(["no-such-transfer"])
@@ -181,9 +98,9 @@ def test_32_concurrent_pulls_ride_the_stream_and_move_exact_bytes(spawn_daemon, 
     pull is DONE and its bytes are the holder's, byte for byte, nothing else written."""
     env = _env(transports)
     a, b = spawn_daemon(name="a", env=env), spawn_daemon(name="b", env=env)
-    holder, reader = _engines(a, b)
+    holder, reader = engines(a, b, seed=41)
     try:
-        params = [_hold(holder, f"r{i}", 2 * i) for i in range(PULLS + 1)]  # the last: the warm-up
+        params = [hold(holder, f"r{i}", 2 * i) for i in range(PULLS + 1)]  # the last: the warm-up
 
         async def route() -> tuple[common_pb2.TransferStatus, list[common_pb2.TransferStatus]]:
             async with AsyncKvdClient(b.tcp, timeout_s=60) as router:
@@ -219,12 +136,12 @@ def test_a_hand_opened_stream_answers_each_start_before_its_end_and_a_bad_one_al
     answer. The bad ones changed nothing (their leases still held, the reader's blocks untouched);
     the good one is the transfer StartPull of the same pull answers; the stream then ends OK."""
     a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
-    holder, reader = _engines(a, b)
+    holder, reader = engines(a, b, seed=41)
     watch: RawWatch | None = None
     try:
-        good = _request("r0", [1, 2], _hold(holder, "r0", 0))
-        unknown_engine = _request("unknown-engine", [3, 4], _hold(holder, "unknown-engine", 2), engine_id="nosuch")
-        too_few = _request("too-few", [5], _hold(holder, "too-few", 4))
+        good = _request("r0", [1, 2], hold(holder, "r0", 0))
+        unknown_engine = _request("unknown-engine", [3, 4], hold(holder, "unknown-engine", 2), engine_id="nosuch")
+        too_few = _request("too-few", [5], hold(holder, "too-few", 4))
         no_remote = router_pb2.StartPullRequest(engine_id="reader", request_id="no-remote", local_block_ids=[7, 8])
         held = _leases(holder)
         assert set(held) == {"r0", "unknown-engine", "too-few"}
@@ -276,10 +193,10 @@ def test_more_than_1024_starts_in_one_message_are_each_refused_and_the_stream_go
     next message of 1024 starts (the bound itself) starts the good pull, its neighbours each
     refused on their own."""
     a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
-    holder, reader = _engines(a, b)
+    holder, reader = engines(a, b, seed=41)
     watch: RawWatch | None = None
     try:
-        params = _hold(holder, "r0", 0)
+        params = hold(holder, "r0", 0)
         good = _nth(0, params)
         held = _leases(holder)
 
@@ -325,9 +242,9 @@ def test_sync_pulls_from_8_threads_at_once_are_done_and_exact(spawn_daemon) -> N
     none does."""
     threads = 8
     a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
-    holder, reader = _engines(a, b)
+    holder, reader = engines(a, b, seed=41)
     try:
-        params = [_hold(holder, f"r{i}", 2 * i) for i in range(3 * threads)]
+        params = [hold(holder, f"r{i}", 2 * i) for i in range(3 * threads)]
         with KvdClient(b.tcp, timeout_s=60) as router:
             start_pull = _count_start_pulls(router)
             barrier = threading.Barrier(threads)
@@ -364,9 +281,9 @@ def test_a_refused_start_raises_its_exact_class_from_pull_and_changes_nothing(sp
     (the others never called it); the lease is held as before, the reader untouched, and the same
     lease then pulls fine on the stream."""
     a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
-    holder, reader = _engines(a, b)
+    holder, reader = engines(a, b, seed=41)
     try:
-        params = _hold(holder, "r0", 0)
+        params = hold(holder, "r0", 0)
         held = _leases(holder)
         no_lease = common_pb2.KvTransferParams()
         no_lease.CopyFrom(params)
@@ -432,9 +349,9 @@ def test_a_pull_past_its_timeout_raises_deadline_exceeded_and_goes_on(spawn_daem
     transfer, and cancelling it raises Aborted there; the reader's blocks are untouched."""
     a = spawn_daemon("--commit-wait-s", "60", name="a")
     b = spawn_daemon(name="b")
-    holder, reader = _engines(a, b, require_commits=True)
+    holder, reader = engines(a, b, seed=41, require_commits=True)
     try:
-        slow = [_nth(i, _hold(holder, f"r{i}", 2 * i)) for i in range(2)]
+        slow = [_nth(i, hold(holder, f"r{i}", 2 * i)) for i in range(2)]
 
         async def route() -> None:
             async with AsyncKvdClient(b.tcp, timeout_s=60) as router:
@@ -495,9 +412,9 @@ def test_a_pull_retried_at_once_after_its_timeout_still_learns_its_end(spawn_dae
     the daemon must not let that unwatch drop the watch the retry's start needs."""
     a = spawn_daemon("--commit-wait-s", "60", name="a")
     b = spawn_daemon(name="b")
-    holder, reader = _engines(a, b, require_commits=True)
+    holder, reader = engines(a, b, seed=41, require_commits=True)
     try:
-        slow = _nth(0, _hold(holder, "r0", 0))
+        slow = _nth(0, hold(holder, "r0", 0))
 
         async def route() -> BaseException | None:
             async with AsyncKvdClient(b.tcp, timeout_s=60) as router:

@@ -15,86 +15,27 @@ committed yet waits in the holder's admission until the test commits them, or en
 from __future__ import annotations
 
 import asyncio
-import queue
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
-from kvtest import ShmEngine, small_spec
+from watch_kit import FILL, PULLS, TOKENS, RawWatch, engines, hold
 
 from kvd_client import AsyncKvdClient, KvdClient, errors
-from kvd_client.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kvd_client.v1 import common_pb2, router_pb2
 
 pytestmark = pytest.mark.integration
-
-TOKENS = 16 + 9  # two blocks, the last partial
-PULLS = 32
-
-
-def _hold(holder: ShmEngine, request_id: str, first_block: int) -> common_pb2.KvTransferParams:
-    return holder.client.hold_blocks(
-        engine_id="holder", request_id=request_id, block_ids=[first_block, first_block + 1], num_tokens=TOKENS
-    ).kv_transfer_params
-
-
-def _engines(holder_daemon, reader_daemon, require_commits: bool = False) -> tuple[ShmEngine, ShmEngine]:
-    spec = small_spec(num_blocks=2 * PULLS + 8)
-    holder = ShmEngine(holder_daemon.unix_target, "holder", spec, require_commits=require_commits)
-    reader = ShmEngine(reader_daemon.unix_target, "reader", spec)
-    holder.register()
-    reader.register()
-    holder.fill_random(seed=40)
-    reader.fill(0xAB)
-    return holder, reader
-
-
-class RawWatch:
-    """A WatchTransfers stream opened by hand (no client logic): what the daemon itself answers."""
-
-    def __init__(self, target: str) -> None:
-        self.channel = grpc.insecure_channel(target)
-        self._outbox: queue.SimpleQueue[router_pb2.WatchTransfersRequest | None] = queue.SimpleQueue()
-        self.call = router_pb2_grpc.RouterServiceStub(self.channel).WatchTransfers(self._requests(), timeout=60)
-
-    def _requests(self) -> Iterator[router_pb2.WatchTransfersRequest]:
-        while (item := self._outbox.get()) is not None:
-            yield item
-
-    def send(self, *ids: str, unwatch: tuple[str, ...] = ()) -> None:
-        self._outbox.put(router_pb2.WatchTransfersRequest(transfer_ids=ids, unwatch_transfer_ids=unwatch))
-
-    def half_close(self) -> None:
-        self._outbox.put(None)
-
-    def next(self) -> router_pb2.WatchTransfersResponse:
-        return next(self.call)
-
-    def answers(self, count: int) -> dict[str, common_pb2.TransferStatus | router_pb2.TransferWatchRefusal]:
-        """The next ``count`` answers, by transfer id (several may come in one message)."""
-        got: dict[str, common_pb2.TransferStatus | router_pb2.TransferWatchRefusal] = {}
-        while len(got) < count:
-            response = self.next()
-            for item in [*response.finished, *response.refused]:
-                assert item.transfer_id not in got, f"{item.transfer_id} answered twice"
-                got[item.transfer_id] = item
-        assert len(got) == count
-        return got
-
-    def close(self) -> None:
-        self.call.cancel()
-        self.channel.close()
 
 
 def test_32_router_pulls_waited_on_one_stream_move_exact_bytes(spawn_daemon) -> None:
     """A router starts 32 pulls at once over TCP and waits on them together: every wait rides the
     client's one stream, each pull is DONE and its bytes are the holder's, byte for byte."""
     a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
-    holder, reader = _engines(a, b)
+    holder, reader = engines(a, b, seed=40)
     try:
-        params = [_hold(holder, f"r{i}", 2 * i) for i in range(PULLS)]
+        params = [hold(holder, f"r{i}", 2 * i) for i in range(PULLS)]
 
         async def route() -> list[common_pb2.TransferStatus]:
             async with AsyncKvdClient(b.tcp, timeout_s=60) as router:
@@ -123,7 +64,7 @@ def test_32_router_pulls_waited_on_one_stream_move_exact_bytes(spawn_daemon) -> 
             assert status.request_id == f"r{i}" and status.bytes > 0
             got = reader.token_bytes([2 * i + 1, 2 * i + 2], TOKENS)
             assert got.equal(holder.token_bytes([2 * i, 2 * i + 1], TOKENS)), f"pull r{i} delivered other bytes"
-        assert reader.buffer[: reader.spec.block_stride].eq(0xAB).all()  # block 0 was never written
+        assert reader.buffer[: reader.spec.block_stride].eq(FILL).all()  # block 0 was never written
     finally:
         holder.close()
         reader.close()
@@ -133,12 +74,12 @@ def test_a_pull_that_ended_before_it_was_watched_is_answered_with_its_outcome(sp
     """Asked after the pull ended, the daemon answers at once with how it ended: DONE with its
     status, or the exact class it failed with; an unknown id is refused alone, on the same stream."""
     a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
-    holder, reader = _engines(a, b)
+    holder, reader = engines(a, b, seed=40)
     try:
         good = reader.client.start_pull(
-            engine_id="reader", request_id="good", local_block_ids=[1, 2], remote=_hold(holder, "good", 0)
+            engine_id="reader", request_id="good", local_block_ids=[1, 2], remote=hold(holder, "good", 0)
         ).transfer_id
-        bogus = _hold(holder, "bad", 2)
+        bogus = hold(holder, "bad", 2)
         bogus.lease_id = "no-such-lease"
         bad = reader.client.start_pull(
             engine_id="reader", request_id="bad", local_block_ids=[3, 4], remote=bogus
@@ -174,10 +115,10 @@ def test_bad_and_hostile_input_is_refused_precisely(spawn_daemon) -> None:
     the bound, or an oversized id, ends that stream INVALID_ARGUMENT; a flood of unknown ids
     from a caller that does not read is answered in full once it reads; the daemon serves on."""
     a, b = spawn_daemon(name="a"), spawn_daemon(name="b")
-    holder, reader = _engines(a, b)
+    holder, reader = engines(a, b, seed=40)
     try:
         pulled = reader.client.start_pull(
-            engine_id="reader", request_id="p", local_block_ids=[1, 2], remote=_hold(holder, "p", 0)
+            engine_id="reader", request_id="p", local_block_ids=[1, 2], remote=hold(holder, "p", 0)
         ).transfer_id
         reader.client.wait_transfer(pulled, timeout_s=30)
 
@@ -235,10 +176,10 @@ def test_a_cancelled_pull_answers_its_waiter_aborted(spawn_daemon) -> None:
     the same id is answered Aborted at once."""
     a = spawn_daemon("--commit-wait-s", "60", name="a")
     b = spawn_daemon(name="b")
-    holder, reader = _engines(a, b, require_commits=True)
+    holder, reader = engines(a, b, seed=40, require_commits=True)
     try:
         started = reader.client.start_pull(
-            engine_id="reader", request_id="c", local_block_ids=[1, 2], remote=_hold(holder, "c", 0)
+            engine_id="reader", request_id="c", local_block_ids=[1, 2], remote=hold(holder, "c", 0)
         ).transfer_id
 
         async def wait_and_cancel() -> BaseException | None:
@@ -259,7 +200,7 @@ def test_a_cancelled_pull_answers_its_waiter_aborted(spawn_daemon) -> None:
         assert type(error) is errors.Aborted and "cancelled by a caller" in str(error)
         with KvdClient(b.tcp, timeout_s=30) as router, pytest.raises(errors.Aborted, match="cancelled"):
             router.wait_transfer(started)
-        assert reader.buffer.eq(0xAB).all(), "a cancelled pull wrote into the engine's blocks"
+        assert reader.buffer.eq(FILL).all(), "a cancelled pull wrote into the engine's blocks"
     finally:
         holder.close()
         reader.close()
@@ -271,14 +212,14 @@ def test_a_daemon_stopped_mid_watch_sends_the_outcomes_then_unavailable(spawn_da
     stream then ends UNAVAILABLE, and a wait on the client once the daemon exited is Unavailable."""
     a = spawn_daemon("--commit-wait-s", "60", name="a")
     b = spawn_daemon("--shutdown-grace-s", "0.5", name="b")
-    holder, reader = _engines(a, b, require_commits=True)
+    holder, reader = engines(a, b, seed=40, require_commits=True)
     try:
         ids = [
             reader.client.start_pull(
                 engine_id="reader",
                 request_id=f"s{i}",
                 local_block_ids=[1 + 2 * i, 2 + 2 * i],
-                remote=_hold(holder, f"s{i}", 2 * i),
+                remote=hold(holder, f"s{i}", 2 * i),
             ).transfer_id
             for i in range(2)
         ]
@@ -321,14 +262,14 @@ def test_a_daemon_killed_mid_watch_leaves_its_waiters_unavailable(spawn_daemon) 
     and every waiter gets Unavailable."""
     a = spawn_daemon("--commit-wait-s", "60", name="a")
     b = spawn_daemon(name="b")
-    holder, reader = _engines(a, b, require_commits=True)
+    holder, reader = engines(a, b, seed=40, require_commits=True)
     try:
         ids = [
             reader.client.start_pull(
                 engine_id="reader",
                 request_id=f"k{i}",
                 local_block_ids=[1 + 2 * i, 2 + 2 * i],
-                remote=_hold(holder, f"k{i}", 2 * i),
+                remote=hold(holder, f"k{i}", 2 * i),
             ).transfer_id
             for i in range(3)
         ]

@@ -156,7 +156,7 @@ async def settle(*nodes: Node) -> None:
         telling = [t for n in node.transport.fabric.nodes.values() for t in n.daemon.puller.ending.telling]
         if telling:  # an AbandonPull whose reads never end keeps waiting: not for it
             await asyncio.wait(telling, timeout=0.2)
-        await node.daemon.holder.settle()
+        await node.daemon.holder.followups.settle(5.0)
         if node.daemon.peers is not None:
             await node.daemon.peers.warmed()
 

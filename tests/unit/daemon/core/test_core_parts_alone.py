@@ -106,7 +106,7 @@ async def built_parts() -> AsyncIterator[Parts]:
     finally:
         for rank in list(ctx.registry):
             await made.engines.unregister(rank, "test over")
-        await holder.settle()
+        await holder.followups.settle(5.0)
         executor.shutdown(wait=True)
         await fabric.close()
 
@@ -183,7 +183,7 @@ def test_holder_alone_admits_a_read_of_a_held_lease_and_refuses_a_wrong_prefix()
         assert result.registration_ids == (rank.registration_id,)
         assert rank.memory.holder_pins == 1 and parts.ctx.leases.open_admissions == 1
         parts.holder.abandon_pull(lease.lease_id, 0, "test", "r1")
-        await parts.holder.settle()
+        await parts.holder.followups.settle(5.0)
         assert rank.memory.holder_pins == 0 and parts.ctx.leases.open_admissions == 0
 
     run(scenario)

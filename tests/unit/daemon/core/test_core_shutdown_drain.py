@@ -62,3 +62,40 @@ def test_shutdown_ends_a_read_still_running_when_its_grace_is_over(fabric: Fabri
         assert p.holder.metric("kvd_admissions_ended_total", reason="timed_out") == 1
 
     run(fabric, scenario)
+
+
+def test_shutdown_waits_for_a_holders_unpin_at_most_fence_timeout(fabric: Fabric) -> None:
+    """The unpin that an admission's end schedules runs in the holder's background work; one that
+    never ends (a hung worker's call) is waited for at most ``fence_timeout_s`` at shutdown, as
+    every owner's background work is, and the shutdown goes on past it."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, holder_config={"fence_timeout_s": 0.2})
+        memories = p.holder.daemon.memories
+        assert memories is not None
+        real_unpin = memories.unpin
+        never = asyncio.Event()
+        hung: list[bool] = []
+
+        async def unpin(memory, *, holder: bool = False, stale=()) -> None:  # type: ignore[no-untyped-def]
+            if holder:
+                hung.append(True)
+                await never.wait()  # never set: this unpin does not end
+            await real_unpin(memory, holder=holder, stale=stale)
+
+        memories.unpin = unpin  # type: ignore[method-assign]
+        transfer, _ = p.pull()
+        for xfer in await p.reading(transfer):
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        assert transfer.state is DONE
+        async with asyncio.timeout(SAFETY_TIMEOUT_S):
+            while not hung:  # the admission's end scheduled its unpin
+                await asyncio.sleep(0.01)
+        started = asyncio.get_running_loop().time()
+        async with asyncio.timeout(SAFETY_TIMEOUT_S):
+            await p.holder.daemon.shutdown(0.05)
+        assert len(p.holder.daemon.holder.followups) == 1, "the hung unpin is left running, not awaited"
+        assert asyncio.get_running_loop().time() - started < SAFETY_TIMEOUT_S
+
+    run(fabric, scenario)
