@@ -414,7 +414,22 @@ class WorkerLauncher:
             theirs.close()
             if orders_theirs is not None:
                 orders_theirs.close()
-        reader, writer = await asyncio.open_connection(sock=ours, limit=1 << 24)
+        try:
+            reader, writer = await asyncio.open_connection(sock=ours, limit=1 << 24)
+        except BaseException as exc:
+            # No transport owns either of our ends yet, and no WorkerProcess the process: end
+            # both here, as the failures below do through the worker.
+            ours.close()
+            if orders_ours is not None:
+                orders_ours.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+            await asyncio.shield(process.wait())
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise WorkerStartFailed(
+                f"the data-plane worker (pid {process.pid}) did not start: its sockets could not be set up ({exc})"
+            ) from exc
         worker = WorkerProcess(process, reader, writer)
         try:
             if orders_ours is not None:

@@ -533,3 +533,29 @@ def test_a_worker_whose_orders_socket_cannot_be_opened_is_reaped_with_no_socket_
             await launcher.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_whose_channel_cannot_be_opened_is_reaped_with_no_socket_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The channel is the first of a worker's sockets to be wrapped, before any WorkerProcess
+    owns the process: should that fail, the start fails as any other (WorkerStartFailed), the
+    process is killed and reaped, and neither of the daemon's socket ends is left open."""
+
+    async def main() -> None:
+        async def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise OSError("no channel (test)")
+
+        monkeypatch.setattr(asyncio, "open_connection", refuse)
+        launcher = WorkerLauncher("dptest-channel", ("UCX",), False, "WARNING", 0.0002, spare=False)
+        fds_before = set(os.listdir("/proc/self/fd"))
+        before = children()
+        try:
+            with pytest.raises(WorkerStartFailed, match=r"did not start: its sockets could not be set up \(no channel"):
+                await step(launcher.take())
+            assert not children_running(children() - before)
+            assert set(os.listdir("/proc/self/fd")) - fds_before == set()
+        finally:
+            await launcher.close()
+
+    asyncio.run(main())
