@@ -34,6 +34,7 @@ import asyncio
 import dataclasses
 import enum
 import pickle
+import signal
 import struct
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -53,6 +54,9 @@ REPLY = "reply"
 SETTLED = "settled"
 NOTIFS = "notifs"
 HELLO = "hello"
+# Sent by the control process to a worker it is about to kill as hung: the worker's faulthandler
+# writes every thread's stack to its stderr (the daemon's log) from the signal handler.
+STACKS_SIGNAL = signal.SIGUSR1
 
 LOCAL_AGENT = "NIXL_INIT_AGENT"  # NIXL's name for the agent's own memory in prepared lists
 # The default bound of the bytes one NIXL call of the worker copies (config

@@ -58,6 +58,7 @@ __all__ = ["LOCAL", "READS_PER_CALL", "AgentIdentity", "DataPlane", "NixlRegion"
 logger = logging.getLogger(__name__)
 
 LOCAL = LOCAL_AGENT
+STACKS_GRACE_S = 0.2  # a hung worker gets this long to write its stacks to the log before its kill
 DYING_GRACE_S = 0.1  # a worker that missed its heartbeat gets this long to show it is dying, not hung
 DYING_POLL_S = 0.01
 HEARTBEAT_S = 1.0  # how often the worker's NIXL thread is asked to answer (an idle daemon pays for each)
@@ -253,14 +254,18 @@ class DataPlane:
                     )
                     continue
                 logger.error(
-                    "data-plane worker %d (agent %s) did not answer within %.1fs: hung, killing it",
+                    "data-plane worker %d (agent %s) did not answer within %.1fs: hung, killing it "
+                    "(its threads' stacks follow)",
                     self._worker.pid,
                     self.name,
                     self._heartbeat_timeout_s,
                 )
                 self.lost_reason = "hung"
-                self._worker.kill()
-                returncode = await self._worker.reap()
+                worker = self._worker
+                worker.dump_stacks()
+                await asyncio.sleep(STACKS_GRACE_S)
+                worker.kill()
+                returncode = await worker.reap()
                 if returncode != -signal.SIGKILL:  # it died of its own cause meanwhile
                     self.lost_reason = exit_reason(returncode)
                 self._lose(self.lost_reason)

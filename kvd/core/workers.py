@@ -38,6 +38,7 @@ from kvd.dataplane_protocol import (
     DEFAULT_PARALLEL_READ_MIN_BYTES,
     HELLO,
     REPLY,
+    STACKS_SIGNAL,
     AgentIdentity,
     CopySettings,
     decode_error,
@@ -106,6 +107,12 @@ class WorkerProcess:
         if self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
+
+    def dump_stacks(self) -> None:
+        """Have it write every thread's stack to its log (its faulthandler; before a hang's kill)."""
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, STACKS_SIGNAL)
 
     def gone(self) -> bool:
         """Whether the process has ended or is ending (reaped, a zombie, exiting, a SIGKILL

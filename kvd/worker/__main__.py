@@ -3,7 +3,8 @@
 Not a command for people: it serves one channel fd it inherited from the control process and
 exits when that channel ends. It configures its own log handler (its stderr is the daemon's, so
 systemd's journal gets both), turns on faulthandler (a crash in NIXL or UCX leaves a Python
-stack in the log) and asks the kernel to kill it if the control process dies first.
+stack in the log, and so does a hang the control process kills it for) and asks the kernel
+to kill it if the control process dies first.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import os
 import signal
 import socket
 import sys
+
+from kvd.dataplane_protocol import STACKS_SIGNAL
 
 PR_SET_PDEATHSIG = 1
 
@@ -52,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
     faulthandler.enable()
+    # The control process asks for every thread's stack before it kills a worker as hung: the
+    # log then names the NIXL call its NIXL thread was in (written from the signal handler,
+    # so a thread blocked in C, the GIL held or not, does not stop it).
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s kvd-worker[{os.getpid()}] %(name)s: %(message)s",

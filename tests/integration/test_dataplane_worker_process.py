@@ -559,3 +559,26 @@ def test_a_worker_whose_channel_cannot_be_opened_is_reaped_with_no_socket_left(
             await launcher.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_asked_for_its_stacks_writes_every_threads_and_serves_on(capfd: pytest.CaptureFixture[str]) -> None:
+    """What the daemon does before it kills a worker as hung (dump_stacks: SIGUSR1, faulthandler):
+    the log gets every thread's Python stack, the NIXL thread's among them, and the signal itself
+    ends nothing (a worker asked while it is merely slow goes on serving)."""
+
+    async def main() -> None:
+        asked = Plane("dptest-stacks")
+        async with planes(asked):
+            worker = asked.plane._worker
+            assert worker is not None
+            worker.dump_stacks()
+            deadline = time.monotonic() + STEP_S
+            written = ""
+            while "nixl_thread.py" not in written and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                written += capfd.readouterr().err
+            assert "Thread 0x" in written and "nixl_thread.py" in written, written  # its NIXL thread
+            await step(asked.plane.ping())
+            assert asked.lost == [] and worker.process.returncode is None
+
+    asyncio.run(main())
