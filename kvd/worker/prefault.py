@@ -11,7 +11,13 @@ fresh mapping costs less (about 10 % more, read faults map 16 pages at once) and
 the same way.
 
 ``MADV_POPULATE_WRITE`` (Linux 5.14) fills the page tables without touching the bytes: about
-0.2 ms per MiB of one core here, paid once per mapping, at the lowest CPU priority. Only pages
+0.2 ms per MiB of one core here, paid once per mapping, at most :data:`DUTY` of one core (the
+thread sleeps between chunks for its own CPU time's worth): the pulls come first. Not at a low
+CPU priority: this is a Python thread, and a thread preempted while it holds the GIL holds up
+every other thread of the worker (its NIXL thread, its event loop) until the kernel runs it
+again, which on a busy machine at the lowest priority was seconds: beside two busy processes on
+two cores a worker re-mapping 512 MiB missed its heartbeat for 5 s and was killed as hung
+(docs/performance.md, "The prefault thread's priority"). Only pages
 already resident are populated (``mincore`` first): a page of a sparse file the engine never
 wrote would be allocated by it, and its first write allocates it anyway. On an older kernel the
 first attempt fails with ``EINVAL`` and the worker stops trying (logged once).
@@ -19,10 +25,10 @@ first attempt fails with ``EINVAL`` and the worker stops trying (logged once).
 Owner, thread and lifetime: one :class:`Prefaulter` per worker, owned by its
 :class:`~kvd.worker.regions.RegionTable` (event loop). Its thread, ``kvd-prefault``, starts when a
 mapping is handed to it and ends once none is left to populate (the next mapping starts another):
-a killed process exits only once each of its threads has run, and a thread at the lowest
-priority waiting on a busy machine held a killed worker's exit up by seconds, and with it the
-daemon's restart (measured: 0.1-2.8 s from a SIGKILL to the worker reaped beside two busy
-processes on two cores, 0.06-0.09 s without a prefault thread). It holds :class:`~kvd.worker.vm.HostMapping`
+a killed process exits only once each of its threads has run, and a thread waiting for the CPU
+holds a killed worker's exit up, and with it the daemon's restart (measured when it ran at the
+lowest priority: 0.1-2.8 s from a SIGKILL to the worker reaped beside two busy processes on two
+cores, 0.06-0.09 s without a prefault thread). It holds :class:`~kvd.worker.vm.HostMapping`
 objects only, and populates each in chunks under the mapping's own lock, so a mapping that is
 retired or closed meanwhile stops within one chunk (:data:`CHUNK_BYTES`, about a millisecond)
 and nothing is ever populated in a range after it was retired or unmapped.
@@ -33,7 +39,6 @@ from __future__ import annotations
 import collections
 import errno
 import logging
-import os
 import threading
 import time
 
@@ -44,7 +49,9 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
 """Populated per step: short enough that closing or retiring a mapping waits ~1 ms at most."""
 
-_LOWEST_PRIORITY = 19
+DUTY = 0.25
+"""The most of one core the thread takes: after each chunk it sleeps ``(1 - DUTY) / DUTY`` times
+the CPU time that chunk took."""
 
 
 class Prefaulter:
@@ -85,15 +92,16 @@ class Prefaulter:
             return self._queue.popleft()
 
     def _run(self) -> None:
-        try:  # this thread only (Linux: a thread id is a PRIO_PROCESS target): the pulls come first
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOWEST_PRIORITY)
-        except OSError as exc:
-            logger.debug("could not lower the prefault thread's priority: %s", exc)
+        pause_per_cpu_s = (1.0 - DUTY) / DUTY
         while (mapping := self._next()) is not None:
             started = time.perf_counter()
             try:
-                while mapping.populate_next(self._chunk_bytes):
-                    pass
+                while True:
+                    cpu_before = time.thread_time()
+                    more = mapping.populate_next(self._chunk_bytes)
+                    if not more:
+                        break
+                    time.sleep((time.thread_time() - cpu_before) * pause_per_cpu_s)
             except OSError as exc:
                 if exc.errno == errno.EINVAL and mapping.populated == 0:
                     with self._condition:

@@ -19,7 +19,7 @@ from kvd.worker.regions import RegionTable
 from kvd_client.shm import create_shm_tensor, unlink_shm
 
 SIZE = 32 << 20
-WAIT_S = 60.0  # the thread runs at the lowest priority: a loaded machine may leave it waiting
+WAIT_S = 60.0  # the thread takes a quarter of a core at most: a loaded machine may leave it waiting
 
 
 @pytest.fixture
@@ -183,9 +183,10 @@ def _prefault_threads() -> list[threading.Thread]:
 def test_the_thread_ends_once_nothing_is_left_to_populate_and_the_next_mapping_starts_another(
     engine_shm,
 ) -> None:
-    """A killed worker exits only once each of its threads has run, and a thread at the lowest
-    priority waits long on a busy machine: an idle prefault thread held a killed worker's exit,
-    and the daemon's restart, up by seconds. So none is left waiting between mappings."""
+    """A killed worker exits only once each of its threads has run, and a thread waits for the
+    CPU on a busy machine: an idle prefault thread (then at the lowest priority) held a killed
+    worker's exit, and the daemon's restart, up by seconds. So none is left waiting between
+    mappings."""
     (name, _), (other_name, _) = engine_shm(), engine_shm()
     table = RegionTable(prefault=True)
     try:
@@ -196,4 +197,30 @@ def test_the_thread_ends_once_nothing_is_left_to_populate_and_the_next_mapping_s
         _wait_for(lambda: _mapped_kb(second.address)[0] == SIZE // 1024, "the next mapping was never populated")
         _wait_for(lambda: not _prefault_threads(), "the second prefault thread outlived its work")
     finally:
+        table.close_all()
+
+
+def test_the_thread_runs_at_the_workers_own_priority_never_lowered(engine_shm, monkeypatch) -> None:
+    """A Python thread preempted while it holds the GIL holds every other thread of the worker
+    up until the kernel runs it again: at the lowest priority, on a busy machine, that was
+    hundreds of milliseconds at a time and a worker killed as hung. It is paced instead (DUTY)."""
+    name, _ = engine_shm()
+    populating, go = threading.Event(), threading.Event()
+    real_populate = vm.populate_writable
+
+    def held(address: int, size: int) -> None:
+        populating.set()
+        assert go.wait(WAIT_S)
+        real_populate(address, size)
+
+    monkeypatch.setattr(vm, "populate_writable", held)
+    table = RegionTable(prefault=True)
+    try:
+        table.open(_request(name))
+        assert populating.wait(WAIT_S), "the mapping was never populated"
+        (thread,) = _prefault_threads()
+        assert thread.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        go.set()
         table.close_all()
