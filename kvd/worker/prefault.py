@@ -15,9 +15,8 @@ the same way.
 thread sleeps between chunks for its own CPU time's worth): the pulls come first. Not at a low
 CPU priority: this is a Python thread, and a thread preempted while it holds the GIL holds up
 every other thread of the worker (its NIXL thread, its event loop) until the kernel runs it
-again, which on a busy machine at the lowest priority was seconds: beside two busy processes on
-two cores a worker re-mapping 512 MiB missed its heartbeat for 5 s and was killed as hung
-(docs/performance.md, "The prefault thread's priority"). Only pages
+again: beside two busy processes on two cores, stalls of 310-360 ms at a time while 512 MiB was
+populated (docs/performance.md, "The prefault thread's priority"). Only pages
 already resident are populated (``mincore`` first): a page of a sparse file the engine never
 wrote would be allocated by it, and its first write allocates it anyway. On an older kernel the
 first attempt fails with ``EINVAL`` and the worker stops trying (logged once).

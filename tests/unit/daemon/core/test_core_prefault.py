@@ -203,7 +203,7 @@ def test_the_thread_ends_once_nothing_is_left_to_populate_and_the_next_mapping_s
 def test_the_thread_runs_at_the_workers_own_priority_never_lowered(engine_shm, monkeypatch) -> None:
     """A Python thread preempted while it holds the GIL holds every other thread of the worker
     up until the kernel runs it again: at the lowest priority, on a busy machine, that was
-    hundreds of milliseconds at a time and a worker killed as hung. It is paced instead (DUTY)."""
+    hundreds of milliseconds at a time. It is paced instead (DUTY)."""
     name, _ = engine_shm()
     populating, go = threading.Event(), threading.Event()
     real_populate = vm.populate_writable
