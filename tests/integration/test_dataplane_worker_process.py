@@ -506,54 +506,32 @@ def test_a_worker_that_cannot_start_and_one_killed_while_it_starts_are_told_apar
     asyncio.run(main())
 
 
-def test_a_worker_whose_orders_socket_cannot_be_opened_is_reaped_with_no_socket_left(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("socket_name", ["channel", "orders"])
+def test_a_worker_whose_socket_cannot_be_opened_is_reaped_with_no_socket_left(
+    monkeypatch: pytest.MonkeyPatch, socket_name: str
 ) -> None:
-    """The orders socket is the second of a worker's sockets to be wrapped: should that fail,
-    the start fails as any other (WorkerStartFailed), the process is killed and reaped, and
-    neither of the daemon's ends of the two socketpairs is left open."""
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-
-        async def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise OSError("no orders socket (test)")
-
-        monkeypatch.setattr(loop, "create_unix_connection", refuse)
-        launcher = WorkerLauncher("dptest-orders", ("UCX",), False, "WARNING", 0.0002, spare=False)
-        fds_before = set(os.listdir("/proc/self/fd"))
-        before = children()
-        try:
-            with pytest.raises(WorkerStartFailed, match=r"did not start: its sockets could not be set up \(no orders"):
-                await step(launcher.take())
-            assert not children_running(children() - before)
-            await asyncio.sleep(0)  # the channel's transport closes its socket on the next turn
-            assert set(os.listdir("/proc/self/fd")) - fds_before == set()
-        finally:
-            await launcher.close()
-
-    asyncio.run(main())
-
-
-def test_a_worker_whose_channel_cannot_be_opened_is_reaped_with_no_socket_left(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The channel is the first of a worker's sockets to be wrapped, before any WorkerProcess
-    owns the process: should that fail, the start fails as any other (WorkerStartFailed), the
-    process is killed and reaped, and neither of the daemon's socket ends is left open."""
+    """A worker's two sockets are wrapped after its exec: the channel first (before any
+    WorkerProcess owns the process), then the orders socket. Should either fail, the start fails
+    as any other (WorkerStartFailed), the process is killed and reaped, and neither of the
+    daemon's ends of the two socketpairs is left open."""
 
     async def main() -> None:
         async def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise OSError("no channel (test)")
+            raise OSError(f"no {socket_name} socket (test)")
 
-        monkeypatch.setattr(asyncio, "open_connection", refuse)
-        launcher = WorkerLauncher("dptest-channel", ("UCX",), False, "WARNING", 0.0002, spare=False)
+        if socket_name == "channel":
+            monkeypatch.setattr(asyncio, "open_connection", refuse)
+        else:
+            monkeypatch.setattr(asyncio.get_running_loop(), "create_unix_connection", refuse)
+        launcher = WorkerLauncher(f"dptest-{socket_name}", ("UCX",), False, "WARNING", 0.0002, spare=False)
         fds_before = set(os.listdir("/proc/self/fd"))
         before = children()
         try:
-            with pytest.raises(WorkerStartFailed, match=r"did not start: its sockets could not be set up \(no channel"):
+            failed = rf"did not start: its sockets could not be set up \(no {socket_name} socket"
+            with pytest.raises(WorkerStartFailed, match=failed):
                 await step(launcher.take())
             assert not children_running(children() - before)
+            await asyncio.sleep(0)  # the channel's transport (once made) closes its socket on the next turn
             assert set(os.listdir("/proc/self/fd")) - fds_before == set()
         finally:
             await launcher.close()
