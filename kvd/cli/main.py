@@ -24,6 +24,7 @@ from kvd.cli.health import add_health_arguments
 from kvd.cli.status import add_status_arguments
 from kvd.cli.tls import add_tls_arguments
 from kvd.config import add_config_flags, format_config, resolve_from_args
+from kvd.dataplane_protocol import STACKS_SIGNAL
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # A crash in native code (NIXL, UCX, torch) must not pass for a plain exit: SIGSEGV, SIGBUS,
     # SIGFPE, SIGABRT and SIGILL write every thread's Python stack to the log before the process dies.
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    # An operator's `kill -USR1` (or `systemctl kill -s USR1 --kill-whom=main kvd`) asks a daemon
+    # that seems stuck where each thread is, without ending it: the same signal asks a worker.
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
     for warning in resolved.warnings:
         logger.warning("%s", warning)
     from kvd.server.notify import Notifier  # noqa: PLC0415

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kvd.dataplane_protocol import STACKS_SIGNAL
 from kvd.spawn import start_daemon
+from kvd_client import KvdClient
 
 pytestmark = pytest.mark.integration
 
@@ -38,3 +40,24 @@ def test_a_daemon_killed_on_purpose_or_stopped_cleanly_is_no_crash(tmp_path: Pat
     while killed.process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert killed.process.returncode == -signal.SIGKILL and killed.crash() == ""
+
+
+def test_a_daemon_asked_for_its_stacks_writes_every_threads_and_serves_on(tmp_path: Path) -> None:
+    """An operator's `kill -USR1` on a daemon that seems stuck: its log gets every thread's Python
+    stack (the event loop's among them), and the daemon neither dies nor stops answering."""
+    daemon = start_daemon(tmp_path, "asked")
+    try:
+        daemon.process.send_signal(STACKS_SIGNAL)
+        deadline = time.monotonic() + 10
+        written = ""
+        while "asyncio" not in written and time.monotonic() < deadline:
+            time.sleep(0.05)
+            written = daemon.log_path.read_text(errors="replace")
+        assert "Thread 0x" in written and "asyncio" in written, written
+        assert "Fatal Python error" not in written, written
+        with KvdClient(daemon.unix_target) as client:
+            assert client.get_status(timeout_s=10).incarnation == daemon.incarnation
+        assert daemon.process.poll() is None and daemon.crash() == ""
+        assert daemon.terminate() == 0  # and it still stops cleanly
+    finally:
+        daemon.terminate()
