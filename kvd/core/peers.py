@@ -87,13 +87,25 @@ class PeerSession:
     # Forgotten because this daemon's data-plane worker was lost (the peer is fine): its pulls'
     # READs are final (the worker's death fenced them), so the holder is still told they are over.
     plane_lost: bool = False
+    # engine_ranks' index and the ``engines`` dict it was built from.
+    _ranks_index: tuple[dict[tuple[str, int], RemoteEngine], dict[str, dict[int, RemoteEngine]]] | None = (
+        dataclasses.field(default=None, repr=False)
+    )
 
     @property
     def agent_name(self) -> str:
         return self.agent.name
 
     def engine_ranks(self, engine_id: str) -> dict[int, RemoteEngine]:
-        return {rank: engine for (eid, rank), engine in self.engines.items() if eid == engine_id}
+        """The engine's ranks on this peer, by rank: every pull asks, so the index is built once
+        per ``engines`` (a re-handshake assigns a new dict, which rebuilds it). Read-only to callers."""
+        index = self._ranks_index
+        if index is None or index[0] is not self.engines:
+            by_engine: dict[str, dict[int, RemoteEngine]] = {}
+            for (eid, rank), engine in self.engines.items():
+                by_engine.setdefault(eid, {})[rank] = engine
+            index = self._ranks_index = (self.engines, by_engine)
+        return index[1].get(engine_id) or {}
 
     def may_read_early(self, now: float) -> bool:
         """Whether a READ planned on this view may be posted before its admission: only within the

@@ -5,7 +5,6 @@ answer per pull, the same checks whichever way the pulls came."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
 from kvd.core.daemon import Daemon, PullOrder
@@ -35,13 +34,14 @@ async def let_started_pulls_run() -> None:
         await asyncio.sleep(0)
 
 
-def pull_order(request: router_pb2.StartPullRequest) -> PullOrder:
-    """The core's arguments of one pull (StartPull, an item of StartPulls or of a stream's pulls)."""
+def pull_order(request: router_pb2.StartPullRequest, rank: EngineRank | None = None) -> PullOrder:
+    """The core's arguments of one pull (StartPull, an item of StartPulls or of a stream's pulls),
+    for the engine rank the request names, or for ``rank`` (a stream's own: its items may leave it out)."""
     if not request.HasField("remote"):
         raise InvalidArgument("remote kv_transfer_params are required")
     return PullOrder(
-        engine_id=request.engine_id,
-        tp_rank=request.tp_rank,
+        engine_id=request.engine_id if rank is None else rank.engine_id,
+        tp_rank=request.tp_rank if rank is None else rank.tp_rank,
         request_id=request.request_id,
         local_block_ids=list(request.local_block_ids),
         remote=convert.params_from_pb(request.remote),
@@ -97,7 +97,7 @@ def _stream_order(rank: EngineRank, request: router_pb2.StartPullRequest) -> Pul
             f"a pull on the engine stream of {rank.engine_id!r} rank {rank.tp_rank} names engine "
             f"{clip(request.engine_id)!r} rank {request.tp_rank}: leave engine_id empty, or start it with StartPull"
         )
-    return dataclasses.replace(pull_order(request), engine_id=rank.engine_id, tp_rank=rank.tp_rank)
+    return pull_order(request, rank)
 
 
 def start_pulls_on_stream(
