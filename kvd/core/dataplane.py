@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import signal
@@ -423,7 +424,7 @@ class DataPlane:
 
     # --- transfers ----------------------------------------------------------------------------
 
-    async def read(
+    def read(
         self,
         local_table: Any,
         local_indices: np.ndarray,
@@ -433,12 +434,16 @@ class DataPlane:
         peer: str,
         nbytes: int,
         step: StepPart | None = None,
-    ) -> Xfer:
-        """Post a READ. Raises if NIXL refused to build it (then nothing was posted).
+    ) -> asyncio.Future[Xfer]:
+        """Queue a READ (sent at the end of this loop turn, or at :meth:`flush_reads`); the future
+        is its Xfer once the worker answered the post, or raises if NIXL refused to build it (then
+        nothing was posted). Not a coroutine: the READ is queued when this returns, so a caller
+        records the future before anything can cancel it, and StartPulls posts a step's READs
+        before any of its pulls' tasks runs (kvd.core.start_posts).
 
-        A READ that NIXL built but failed to post (wholly or in part) is returned with ``error``
-        set: part of it may be on its way, so it is polled to a final state like any other.
-        With ``step``, the READ may go out within a step READ with others of this loop turn
+        A READ that NIXL built but failed to post (wholly or in part) has ``error`` set: part of
+        it may be on its way, so it is polled to a final state like any other. With ``step``,
+        the READ may go out within a step READ with others of this loop turn
         (:mod:`kvd.core.step_reads`; ``notif`` is then ``step.notification`` encoded alone): it
         gets that READ's outcome, and is final when it is.
         """
@@ -460,20 +465,39 @@ class DataPlane:
             ),
             step,
         )
-        try:
-            state, error = await asyncio.shield(post)
-        except KvdError:
-            if xfer.final:  # the worker died with it posted or not: its death is the fence
-                return xfer
-            self._xfers.pop(xfer_id, None)  # nothing was posted
-            raise
+        posted: asyncio.Future[Xfer] = self._loop.create_future()
+        post.add_done_callback(functools.partial(self._answered, xfer, posted))
+        return posted
+
+    def _answered(self, xfer: Xfer, posted: asyncio.Future[Xfer], post: asyncio.Future[Any]) -> None:
+        """The worker answered a READ's post (or could not be asked): its Xfer, or why nothing was posted."""
+        if posted.done():
+            return
+        if post.cancelled():
+            posted.cancel()
+            return
+        error = post.exception()
+        if error is not None:
+            if isinstance(error, KvdError):
+                if xfer.final:  # the worker died with it posted or not: its death is the fence
+                    posted.set_result(xfer)
+                    return
+                self._xfers.pop(xfer.handle, None)  # nothing was posted
+            posted.set_exception(error)
+            return
+        state, wire_error = post.result()
         if state == XferState.DONE.value:
-            self._settle(xfer_id, XferState.DONE, error)  # finished within the post: no SETTLED follows
-            return xfer
-        if error is not None and xfer.error is None:
-            xfer.error = decode_error(error)
-        self._on_reads_in_flight(len(self._xfers))
-        return xfer
+            self._settle(xfer.handle, XferState.DONE, wire_error)  # finished within the post: no SETTLED follows
+        else:
+            if wire_error is not None and xfer.error is None:
+                xfer.error = decode_error(wire_error)
+            self._on_reads_in_flight(len(self._xfers))
+        posted.set_result(xfer)
+
+    def flush_reads(self) -> None:
+        """Send the READs queued so far now, not at the end of this loop turn."""
+        if self._batcher is not None:
+            self._batcher.flush()
 
     async def wait(self, xfers: Sequence[Xfer]) -> None:
         """Wait until every read is final; raise the first error. Cancelling the wait leaves the

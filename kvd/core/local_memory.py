@@ -107,6 +107,10 @@ class LocalMemory:
         """A peer's read out of it ended unproven and is not proven over yet (see ``taints``)."""
         return bool(self.taints)
 
+    def ready_table(self, geometry: DescGeometry) -> Any | None:
+        """The list :meth:`table` would return, if it is prepared already."""
+        return self.tables.ready(self.registration_id, geometry)
+
     async def table(self, geometry: DescGeometry, executor: concurrent.futures.Executor) -> Any:
         return await self.tables.get(
             self.registration_id, geometry, self.addresses, self.device_index, self.mem_type, executor

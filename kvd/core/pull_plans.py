@@ -89,33 +89,62 @@ class PullPlanner:
     async def plan_layout(
         self, session: PeerSession, transfer: Transfer, rank: EngineRank, remote: TransferParams
     ) -> tuple[PullPlan, dict[int, RemoteEngine]]:
-        """Plan the pull against one handshake (StaleHandshake where that handshake cannot serve it)."""
+        """Plan the pull against one handshake (StaleHandshake where that handshake cannot serve it).
+        Planning is vectorised numpy: small pulls plan inline, large ones off the event loop."""
+        if len(transfer.local_block_ids) <= INLINE_PLAN_BLOCKS:
+            return self.plan_layout_now(session, transfer, rank, remote)
+        remote_ranks, plan = self._planner_of(session, transfer, rank, remote)
+        try:
+            pull_plan = await asyncio.get_running_loop().run_in_executor(self._executor, plan)
+        except KvdError as exc:
+            raise StaleHandshake("cached layout refused", exc) from exc
+        return self._planned(session, transfer, remote, pull_plan, remote_ranks)
+
+    def plan_layout_now(
+        self, session: PeerSession, transfer: Transfer, rank: EngineRank, remote: TransferParams
+    ) -> tuple[PullPlan, dict[int, RemoteEngine]]:
+        """:meth:`plan_layout` on the caller's thread, whatever the pull's size (a pull that starts
+        its READs within StartPulls itself plans only small pulls so: kvd.core.start_posts)."""
+        remote_ranks, plan = self._planner_of(session, transfer, rank, remote)
+        try:
+            pull_plan = plan()
+        except KvdError as exc:
+            raise StaleHandshake("cached layout refused", exc) from exc
+        return self._planned(session, transfer, remote, pull_plan, remote_ranks)
+
+    def _planner_of(
+        self, session: PeerSession, transfer: Transfer, rank: EngineRank, remote: TransferParams
+    ) -> tuple[dict[int, RemoteEngine], Callable[[], PullPlan]]:
         remote_ranks = session.engine_ranks(remote.engine_id)
         try:
             if not remote_ranks:
                 raise UnknownEngine(f"the daemon at {remote.daemon_address} serves no engine {remote.engine_id!r}")
-
             remote_groups = split_groups(remote.group_block_ids, remote.group_block_counts, "kv_transfer_params")
-
-            def plan() -> PullPlan:
-                return plan_groups_pull(
-                    {r: e.groups for r, e in remote_ranks.items()},
-                    rank.groups,
-                    (remote.block_ids, *remote_groups),
-                    (transfer.local_block_ids, *transfer.local_group_block_ids),
-                    remote.num_tokens,
-                    max_run_blocks=self.config.max_run_blocks,
-                    direct_read_min_bytes=self.config.direct_read_min_bytes,
-                    costs=self._costs,
-                )
-
-            # Planning is vectorised numpy: small pulls plan inline, large ones off the event loop.
-            if len(transfer.local_block_ids) <= INLINE_PLAN_BLOCKS:
-                pull_plan = plan()
-            else:
-                pull_plan = await asyncio.get_running_loop().run_in_executor(self._executor, plan)
         except KvdError as exc:
             raise StaleHandshake("cached layout refused", exc) from exc
+
+        def plan() -> PullPlan:
+            return plan_groups_pull(
+                {r: e.groups for r, e in remote_ranks.items()},
+                rank.groups,
+                (remote.block_ids, *remote_groups),
+                (transfer.local_block_ids, *transfer.local_group_block_ids),
+                remote.num_tokens,
+                max_run_blocks=self.config.max_run_blocks,
+                direct_read_min_bytes=self.config.direct_read_min_bytes,
+                costs=self._costs,
+            )
+
+        return remote_ranks, plan
+
+    @staticmethod
+    def _planned(
+        session: PeerSession,
+        transfer: Transfer,
+        remote: TransferParams,
+        pull_plan: PullPlan,
+        remote_ranks: dict[int, RemoteEngine],
+    ) -> tuple[PullPlan, dict[int, RemoteEngine]]:
         transfer.mark("planned")
         unnamed = [r for r in pull_plan.remote_ranks if not session.agent.names(remote_ranks[r])]
         if unnamed:  # never prepare a list over memory the loaded metadata does not name

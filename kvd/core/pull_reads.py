@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import time
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from kvd.config import KvdConfig
 from kvd.core import notif
-from kvd.core.dataplane import DataPlane
+from kvd.core.dataplane import DataPlane, Xfer
 from kvd.core.local_memory import LocalMemory
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
@@ -36,6 +37,18 @@ from kvd.core.step_reads import StepPart
 from kvd.core.transfers import Transfer, TransferState
 from kvd.layout.plan import PullPlan, Target
 from kvd_client.errors import FailedPrecondition, KvdError, PeerUnavailable
+
+
+@dataclasses.dataclass(eq=False)
+class StartedReads:
+    """A pull whose READs were queued as it started (kvd.core.start_posts): what its task goes on
+    with. Its engine's mapping and the peer's agent are pinned (``held``), its READs recorded in
+    ``held.posts``."""
+
+    held: PullResources
+    session: PeerSession
+    plan: PullPlan
+    remote_ranks: dict[int, RemoteEngine]
 
 
 class PullReads:
@@ -67,7 +80,12 @@ class PullReads:
         self._staging.clear()
 
     async def beside_admission(
-        self, transfer: Transfer, rank: EngineRank, remote: TransferParams, held: PullResources
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        held: PullResources,
+        started: StartedReads | None = None,
     ) -> bool:
         """The pull with its READs posted beside the holder's admission, not after it: True once
         its reads are done (and verified); False, having posted nothing or with what it posted
@@ -79,7 +97,14 @@ class PullReads:
         fails, its blocks recomputed, never reported loaded). Only where every holder rank says
         its leased blocks are final when leased (no commit to wait for) and it counts early
         notifications (RemoteEngine.early_reads), and the pull needs no staging. docs/lifetimes.md.
+
+        ``started``: the READs were queued as the pull started (kvd.core.start_posts), planned
+        and pinned as below; only the admission is left to ask.
         """
+        if started is not None:
+            return await self._admitted(
+                transfer, rank, remote, held, started.session, started.plan, started.remote_ranks, posted=True
+            )
         if not lease_unexpired(remote):
             return False
         asked_at = time.monotonic()
@@ -113,15 +138,33 @@ class PullReads:
         except StaleView:
             return False
         held.session = session  # from here a failed pull tells the holder, once its READs are final
-        read_id = transfer.transfer_id
+        return await self._admitted(transfer, rank, remote, held, session, plan, remote_ranks, posted=False)
+
+    async def _admitted(
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        held: PullResources,
+        session: PeerSession,
+        plan: PullPlan,
+        remote_ranks: dict[int, RemoteEngine],
+        *,
+        posted: bool,
+    ) -> bool:
+        """The admission asked beside the pull's READs (posted here, or already as it started:
+        ``posted``)."""
         admission = asyncio.ensure_future(
-            self._planner.admit(session, transfer, rank, remote, plan, remote_ranks, read_id=read_id)
+            self._planner.admit(session, transfer, rank, remote, plan, remote_ranks, read_id=transfer.transfer_id)
         )
         admission.add_done_callback(_retrieved)  # a pull cancelled while posting never awaits it
         posting: KvdError | None = None
         try:
-            self.begin_reading(transfer, plan)
-            await self.post_reads(plan, remote_ranks, held, session, notif.tag(remote.lease_id, read_id))
+            if posted:  # queued as the pull started
+                await self._posted(held)
+            else:
+                self.begin_reading(transfer, plan)
+                await self.post_reads(plan, remote_ranks, held, session, self.notif_tag(remote, transfer))
         except KvdError as exc:  # the admission's answer decides: a stale view is retried, not failed
             posting = exc
         except BaseException:
@@ -169,21 +212,15 @@ class PullReads:
         ``read_notifications`` is off: no READ carries a notification, so UCX reports it done
         without waiting for the holder's worker, and the read ends with a FinishRead instead (the
         pull's end sends it: Puller._finish). Otherwise each notifies the holder under ``notif_tag``."""
-        dataplane = held.plane
         memory = held.memory
-        label = f"{session.address} (agent {session.agent_name})"
-        parts = len(plan.reads)
+        held.quiet_reads = quiet = self.quiet(plan, remote_ranks)
         assert held.agent is not None
-        quiet = not self.config.read_notifications and all(
-            remote_ranks[group.remote_rank].finish_read_ends_reads for group in plan.reads
-        )
-        held.quiet_reads = quiet
         for index, group in enumerate(plan.reads):
             holder = remote_ranks[group.remote_rank]
             remote_table = await held.agent.table(holder, group.remote_geometry, self._executor)
             if group.local_target is Target.ENGINE:
                 local_table = await memory.table(group.local_geometry, self._executor)
-                local_indices = group.local_indices
+                local_indices = None
             else:
                 staging = held.staging
                 assert staging is not None
@@ -191,27 +228,78 @@ class PullReads:
                     group.local_indices, [staging.address + group.staging_offset], staging.device_index
                 )
                 one_off = asyncio.get_running_loop().run_in_executor(
-                    self._executor, dataplane.prepare_table, "NIXL_INIT_AGENT", rows, staging.mem_type
+                    self._executor, held.plane.prepare_table, "NIXL_INIT_AGENT", rows, staging.mem_type
                 )
                 held.one_off_tables.append(one_off)  # released with the pull's buffers, even if cancelled now
                 local_table = await asyncio.shield(one_off)
                 local_indices = np.arange(rows.shape[0], dtype=np.int32)
-            message = b"" if quiet else notif.encode(notif_tag, index, parts, group.nbytes)
-            step = None
-            if group.local_target is Target.ENGINE and self.config.step_reads and (quiet or holder.step_notifications):
-                # May share one NIXL transfer with the READs of this step's other pulls from the
-                # same lists (kvd.core.step_reads); the holder decodes the step's notification.
-                notification = None if quiet else notif.read_of(notif_tag, index, parts, group.nbytes)
-                assert quiet or notification is not None  # a tag the holder gave or the reader built
-                step = StepPart(group.local_geometry, group.remote_geometry, notification)
-            post = asyncio.ensure_future(
-                dataplane.read(
-                    local_table, local_indices, remote_table, group.remote_indices, message, label, group.nbytes, step
-                )
+            post = self.queue_read(
+                held, session, plan, index, holder, local_table, remote_table, notif_tag, quiet, local_indices
             )
-            held.posts.append(post)  # before awaiting it: a cancel here must not lose the READ
             xfer = await asyncio.shield(post)
             if xfer.error is not None:  # NIXL refused part of it: the rest is polled to its end
+                raise xfer.error
+
+    def quiet(self, plan: PullPlan, remote_ranks: dict[int, RemoteEngine]) -> bool:
+        """Whether the plan's READs carry no notification (every holder rank ends reads on a
+        FinishRead, and ``read_notifications`` is off)."""
+        return not self.config.read_notifications and all(
+            remote_ranks[group.remote_rank].finish_read_ends_reads for group in plan.reads
+        )
+
+    @staticmethod
+    def notif_tag(remote: TransferParams, transfer: Transfer) -> str:
+        """What a notifying READ of the pull names: the lease and the read's id (its transfer's)."""
+        return notif.tag(remote.lease_id, transfer.transfer_id)
+
+    def queue_read(
+        self,
+        held: PullResources,
+        session: PeerSession,
+        plan: PullPlan,
+        index: int,
+        holder: RemoteEngine,
+        local_table: Any,
+        remote_table: Any,
+        notif_tag: str,
+        quiet: bool,
+        local_indices: np.ndarray | None = None,
+    ) -> asyncio.Future[Xfer]:
+        """Queue the plan's READ ``index`` on the pull's data plane, recorded in ``held.posts``
+        before anything can cancel its waiter (its bytes may land whatever happens to the pull).
+        ``local_indices``: into a staging chunk's one-off list (None: the engine's own)."""
+        group = plan.reads[index]
+        parts = len(plan.reads)
+        message = b"" if quiet else notif.encode(notif_tag, index, parts, group.nbytes)
+        step = None
+        if local_indices is None and self.config.step_reads and (quiet or holder.step_notifications):
+            # May share one NIXL transfer with the READs of this step's other pulls from the
+            # same lists (kvd.core.step_reads); the holder decodes the step's notification.
+            notification = None if quiet else notif.read_of(notif_tag, index, parts, group.nbytes)
+            assert quiet or notification is not None  # a tag the holder gave or the reader built
+            step = StepPart(group.local_geometry, group.remote_geometry, notification)
+        post = asyncio.ensure_future(
+            held.plane.read(
+                local_table,
+                group.local_indices if local_indices is None else local_indices,
+                remote_table,
+                group.remote_indices,
+                message,
+                f"{session.address} (agent {session.agent_name})",
+                group.nbytes,
+                step,
+            )
+        )
+        held.posts.append(post)
+        return post
+
+    @staticmethod
+    async def _posted(held: PullResources) -> None:
+        """Wait until the worker answered every READ queued as the pull started; raise the first
+        one NIXL refused (the rest is polled to its end)."""
+        for post in list(held.posts):
+            xfer = await asyncio.shield(post)
+            if xfer.error is not None:
                 raise xfer.error
 
     async def reads_done(

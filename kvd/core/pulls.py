@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -39,9 +40,10 @@ from kvd.core.local_memory import Memories, MemoryState
 from kvd.core.params import TransferParams
 from kvd.core.peers import Peers, PeerSession, PeerTransport, StaleView
 from kvd.core.pull_plans import PullPlanner
-from kvd.core.pull_reads import PullReads
+from kvd.core.pull_reads import PullReads, StartedReads
 from kvd.core.pull_resources import PullEnding, PullResources
 from kvd.core.registry import EngineRank
+from kvd.core.start_posts import StartPosts
 from kvd.core.transfers import RequestKey, Transfer, TransferState
 from kvd.layout import groups as kv_groups
 from kvd.layout.plan import block_geometry
@@ -106,6 +108,7 @@ class Puller:
         self.ending = PullEnding(config, metrics, peers, transport, memories, registry.current, next_registration_id)
         self.planner = PullPlanner(config, peers, transport, executor, self._abandon_later)
         self.reads = PullReads(config, metrics, dataplane, peers, transport, executor, self.planner)
+        self.start_posts = StartPosts(config, peers, self.planner, self.reads, memories)
 
     # --- 1. StartPulls: a pull starts ------------------------------------------------------------
 
@@ -124,17 +127,22 @@ class Puller:
             )
         self._require_serving()
         results: list[Transfer | KvdError] = []
-        for order in orders:
-            if isinstance(order, KvdError):
-                results.append(order)
-                continue
-            try:
-                results.append(self.start_order(order))
-            except KvdError as exc:
-                results.append(exc)
-            except Exception:  # a bug in one item must not fail its neighbours
-                logger.exception("internal error starting pull %r of a batch", order.request_id)
-                results.append(Internal(f"internal error starting pull {order.request_id!r}; see the daemon's log"))
+        try:
+            for order in orders:
+                if isinstance(order, KvdError):
+                    results.append(order)
+                    continue
+                try:
+                    results.append(self.start_order(order))
+                except KvdError as exc:
+                    results.append(exc)
+                except Exception:  # a bug in one item must not fail its neighbours
+                    logger.exception("internal error starting pull %r of a batch", order.request_id)
+                    results.append(Internal(f"internal error starting pull {order.request_id!r}; see the daemon's log"))
+        finally:
+            # The step's READs queued as its pulls started go to the worker now, before any of
+            # their tasks runs (kvd.core.start_posts).
+            self._dataplane.flush_reads()
         return results
 
     def start_order(self, order: PullOrder) -> Transfer:
@@ -215,8 +223,33 @@ class Puller:
             remote=held,
         )
         self.metrics.in_flight.inc()
-        transfer.task = asyncio.get_running_loop().create_task(self.run(transfer, rank, remote))
+        started = self.start_posts.post(transfer, rank, remote, self._dataplane)
+        transfer.task = task = asyncio.get_running_loop().create_task(self.run(transfer, rank, remote, started))
+        task.add_done_callback(functools.partial(self._never_ran, transfer, rank, remote, started))
         return transfer
+
+    def _never_ran(
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        started: StartedReads | None,
+        task: asyncio.Task[None],
+    ) -> None:
+        """A pull whose task was cancelled before its first step (a cancel in the very turn it
+        started): asyncio drops a coroutine that never began, so the pull's end is run here, as
+        its own cancel would have run it (its READs may already be queued: kvd.core.start_posts)."""
+        if transfer.began or not task.cancelled():
+            return
+        error = Aborted(f"pull of request {transfer.request_id!r} from {remote.daemon_address} aborted before it began")
+        if started is None:
+            self._report(transfer, rank, remote, error)
+            return
+        fence_s = min(self.config.fence_timeout_s, transfer.deadline_s / 4)
+        # The pull's task from now on: what shutdown and an unregistration wait for, or cancel.
+        transfer.task = asyncio.get_running_loop().create_task(
+            self._finish_whole(transfer, rank, remote, started.held, error, fence_s)
+        )
 
     def _repeated_pull(
         self,
@@ -266,27 +299,34 @@ class Puller:
 
     # --- 2-5. a pull runs, ends, is reported -----------------------------------------------------
 
-    async def run(self, transfer: Transfer, rank: EngineRank, remote: TransferParams) -> None:
-        """The pull task: never raises; ends the transfer and tells the engine exactly once."""
-        memory = rank.memory
-        if not memory.usable:
-            lost = memory.state is MemoryState.LOST
-            self._report(
-                transfer,
-                rank,
-                remote,
-                Unavailable("this daemon's data plane is restarting (its worker was lost): retry")
-                if lost
-                else Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} is unregistering"),
-            )
-            return
-        self._memories.pin(memory)
-        held = PullResources(memory, plane=self._dataplane)
+    async def run(
+        self, transfer: Transfer, rank: EngineRank, remote: TransferParams, started: StartedReads | None = None
+    ) -> None:
+        """The pull task: never raises; ends the transfer and tells the engine exactly once.
+        ``started``: its READs were queued as it started (kvd.core.start_posts)."""
+        transfer.began = True
+        if started is not None:
+            held = started.held
+        else:
+            memory = rank.memory
+            if not memory.usable:
+                lost = memory.state is MemoryState.LOST
+                self._report(
+                    transfer,
+                    rank,
+                    remote,
+                    Unavailable("this daemon's data plane is restarting (its worker was lost): retry")
+                    if lost
+                    else Aborted(f"engine {rank.engine_id} rank {rank.tp_rank} is unregistering"),
+                )
+                return
+            self._memories.pin(memory)
+            held = PullResources(memory, plane=self._dataplane, posts=transfer.posts)
         fence_s = min(self.config.fence_timeout_s, transfer.deadline_s / 4)
         error: KvdError | None = None
         try:
             async with asyncio.timeout(transfer.deadline_s - fence_s):
-                await self._pull(transfer, rank, remote, held)
+                await self._pull(transfer, rank, remote, held, started)
         except TimeoutError:
             error = DeadlineExceeded(
                 f"pull of request {transfer.request_id!r} from {remote.daemon_address} did not finish within "
@@ -300,9 +340,20 @@ class Puller:
         except Exception:  # a bug: the engine must still learn its blocks are not loaded
             logger.exception("pull %s failed unexpectedly", transfer.transfer_id)
             error = Internal("the pull failed on an internal error; see the daemon's log")
-        # From here on the pull only finishes: a second cancel (an unregister) does not stop it,
-        # and the task ends only once the pull has (its waiters see it final). At shutdown a
-        # cancel ends the wait (the finish goes on, bounded by the worker's stop).
+        await self._finish_whole(transfer, rank, remote, held, error, fence_s)
+
+    async def _finish_whole(
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        held: PullResources,
+        error: KvdError | None,
+        fence_s: float,
+    ) -> None:
+        """From here on the pull only finishes: a second cancel (an unregister) does not stop it,
+        and the task ends only once the pull has (its waiters see it final). At shutdown a cancel
+        ends the wait (the finish goes on, bounded by the worker's stop)."""
         finishing = asyncio.ensure_future(self._finish(transfer, rank, remote, held, error, fence_s))
         while not finishing.done():
             try:
@@ -315,8 +366,17 @@ class Puller:
         if not finishing.cancelled() and finishing.exception() is not None:
             logger.error("pull %s did not finish cleanly", transfer.transfer_id, exc_info=finishing.exception())
 
-    async def _pull(self, transfer: Transfer, rank: EngineRank, remote: TransferParams, held: PullResources) -> None:
-        if self.config.read_beside_admission and await self.reads.beside_admission(transfer, rank, remote, held):
+    async def _pull(
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        held: PullResources,
+        started: StartedReads | None,
+    ) -> None:
+        if (started is not None or self.config.read_beside_admission) and await self.reads.beside_admission(
+            transfer, rank, remote, held, started
+        ):
             return
         for _ in range(PLAN_ATTEMPTS):
             session, plan, remote_ranks, prepared = await self.planner.plan(transfer, rank, remote)

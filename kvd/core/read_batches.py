@@ -81,6 +81,12 @@ class ReadBatcher:
         self._queued.append(Queued(read, future, part if self._book is not None else None))
         return future
 
+    def flush(self) -> None:
+        """Send what is queued now rather than at the end of the turn (an engine step's pulls,
+        all queued by StartPulls itself: their READs leave before anything else of the step runs)."""
+        if self._queued:
+            self._send()
+
     def _send(self) -> None:
         """Send the READs queued this turn: one "reads" call per READS_PER_CALL of them."""
         queued, self._queued = self._queued, []

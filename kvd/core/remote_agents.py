@@ -119,6 +119,13 @@ class RemoteAgent:
         if self.load is not None and not self.load.done():
             await asyncio.wait([self.load])
 
+    def ready_table(self, engine: RemoteEngine, geometry: DescGeometry) -> Any | None:
+        """The list :meth:`table` would return, if it needs no wait: metadata loaded, list prepared."""
+        load = self.load
+        if load is not None and (not load.done() or load.cancelled() or load.exception() is not None):
+            return None
+        return self.tables.ready(engine.registration_id, geometry)
+
     async def table(self, engine: RemoteEngine, geometry: DescGeometry, executor: concurrent.futures.Executor) -> Any:
         await self.wait_loaded()  # NIXL resolves a list against the agent's loaded metadata
         return await self.tables.get(

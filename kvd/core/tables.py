@@ -66,6 +66,10 @@ class TableCache:
             self._preparing[full_key] = pending
         return await asyncio.shield(pending)
 
+    def ready(self, key: Hashable, geometry: DescGeometry) -> Any | None:
+        """The list of ``geometry`` over ``key`` if it is prepared already (None otherwise: :meth:`get`)."""
+        return None if self._closed else self._tables.get((key, geometry))
+
     async def _prepare_and_keep(
         self,
         full_key: tuple[Hashable, DescGeometry],

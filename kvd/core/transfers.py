@@ -11,6 +11,7 @@ import enum
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from kvd.core.params import TransferParams
 from kvd_client.errors import KvdError, UnknownTransfer
@@ -87,6 +88,12 @@ class Transfer:
     started: float = dataclasses.field(default_factory=time.monotonic)
     finished: float = 0.0
     task: asyncio.Task[None] | None = None
+    # Whether the pull's task began: one cancelled before its first step never runs its body
+    # (asyncio drops a coroutine that never started), so its end is run for it (Puller._never_ran).
+    began: bool = False
+    # Every READ the pull asked its data plane to post, as its PullResources records them (the same
+    # list): which READs are the pull's, final or not, for as long as the transfer is kept.
+    posts: list[asyncio.Future[Any]] = dataclasses.field(default_factory=list, repr=False)
     # Seconds since start at which each phase ended (planned, prepared, posted, read, converted):
     # logged at DEBUG when the transfer ends, to see where a slow pull spent its time.
     phases: dict[str, float] = dataclasses.field(default_factory=dict)

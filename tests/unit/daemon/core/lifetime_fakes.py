@@ -129,7 +129,6 @@ class FakeRead:
     message: bytes
     local_indices: np.ndarray
     remote_indices: np.ndarray
-    task: Any = None  # the task that posted it (a pull's: how a READ with no notification is told apart)
 
 
 class FakeDataPlane:
@@ -422,7 +421,7 @@ class FakeDataPlane:
 
     # --- transfers ----------------------------------------------------------------------------
 
-    async def read(
+    def read(
         self,
         local_table: FakeTable,
         local_indices: np.ndarray,
@@ -432,6 +431,24 @@ class FakeDataPlane:
         peer: str,
         nbytes: int,
         step: Any = None,  # a fake posts every READ alone (step READs: test_core_step_reads.py)
+    ) -> asyncio.Future[Xfer]:
+        """As DataPlane.read: the READ is on its way when this returns (its post answers later)."""
+        return asyncio.ensure_future(
+            self._post(local_table, local_indices, remote_table, remote_indices, notif_message, peer, nbytes)
+        )
+
+    def flush_reads(self) -> None:
+        """As DataPlane.flush_reads (a fake posts each READ as it is asked for)."""
+
+    async def _post(
+        self,
+        local_table: FakeTable,
+        local_indices: np.ndarray,
+        remote_table: FakeTable,
+        remote_indices: np.ndarray,
+        notif_message: bytes,
+        peer: str,
+        nbytes: int,
     ) -> Xfer:
         self._require_started()
         assert self._loop is not None
@@ -456,7 +473,6 @@ class FakeDataPlane:
             notif_message,
             np.array(local_indices),
             np.array(remote_indices),
-            asyncio.current_task(),
         )
         self.posted.append(xfer)
         self._on_reads_in_flight(self.in_flight())
@@ -570,20 +586,23 @@ class FakePeerTransport:
             raise self.reply_lost
         return result
 
-    def _live_reads_of(self, reader_transfer_id: str) -> list[Xfer]:
-        """The reader's READs of that pull still in flight: those notifying under a tag it was
-        given or built, and those its task posted (a READ with no notification)."""
+    def _live_reads_of(self, reader_transfer_id: str) -> list[object]:
+        """The reader's READs of that pull not final: those notifying under a tag it was given
+        or built, and those the pull recorded as its own (``Transfer.posts``: a READ with no
+        notification too), a post not answered yet among them (its bytes may land all the same)."""
         node = self.fabric.node_at(self.own_address)
         own = node.dataplane
         tags = tuple(f"{t}|".encode() for t in self._tags.get(reader_transfer_id, []))
         try:
-            task = node.daemon.transfers.get(reader_transfer_id).task
+            posts = node.daemon.transfers.get(reader_transfer_id).posts
         except KvdError:
-            task = None
-        return [
+            posts = []
+        pending: list[object] = [p for p in posts if not p.done()]
+        mine = {id(p.result()) for p in posts if p.done() and not p.cancelled() and p.exception() is None}
+        return pending + [
             x
             for x, read in own.reads.items()
-            if not x.final and ((tags and read.message.startswith(tags)) or (task is not None and read.task is task))
+            if not x.final and ((tags and read.message.startswith(tags)) or id(x) in mine)
         ]
 
     async def abandon_pull(

@@ -220,6 +220,11 @@ def test_the_daemons_bound_on_pulls_per_message_fails_every_item_and_starts_noth
         def _require_serving(self) -> None:
             pass
 
+        class _dataplane:  # noqa: N801 - stands in for Puller._dataplane: the step's READs are flushed
+            @staticmethod
+            def flush_reads() -> None:
+                pass
+
         def start_order(self, order: PullOrder) -> Any:
             return FakeTransfer(f"xfer-{order.request_id}")
 

@@ -1,0 +1,261 @@
+"""A warm pull's READs queued by the StartPull(s) that starts it, before any task of its step runs
+(kvd.core.start_posts), then admitted beside them: every interleaving that matters, by hand.
+
+Two real daemons over the fake data planes and peer transport of lifetime_fakes.py. Each test
+warms the pair with one whole pull first (the handshake cached, the lists prepared): only then
+does a pull qualify. The fakes flag every lifetime violation (an AbandonPull or a FinishRead sent
+with a READ of its pull not final among them). The rules: docs/lifetimes.md, "A READ beside its
+admission" (the same), and the module docstring of kvd.core.start_posts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvtest import small_spec
+from lifetime_fakes import Fabric, Gate
+from test_core_lifetimes import (
+    ABORTED,
+    DONE,
+    FAILED,
+    HOLD_BLOCKS,
+    LOCAL_BLOCKS,
+    NUM_TOKENS,
+    READING,
+    Pair,
+    assert_settled,
+    ended,
+    engine_events,
+    make_pair,
+    run,
+    settle,
+)
+
+from kvd.core.daemon import PullOrder
+from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
+from kvd.core.transfers import Transfer, TransferState
+
+
+async def warm_pair(fabric: Fabric, **reader_config: Any) -> Pair:
+    """A pair whose reader has pulled once, to the end: its next pulls qualify."""
+    p = await make_pair(fabric, read_beside_admission=True, **reader_config)
+    transfer, _ = p.pull("warm-up")
+    await p.reading(transfer)
+    for xfer in p.reader.dataplane.live():
+        p.reader.dataplane.finish(xfer)
+    await ended(transfer)
+    await settle(p.reader, p.holder)
+    assert transfer.state is DONE
+    return p
+
+
+def start_warm(p: Pair, request_id: str) -> tuple[Transfer, str]:
+    """Start a pull and check, before anything else runs, that its READs are already queued
+    and nothing has been asked of the holder yet."""
+    asked = len(p.reader.transport.prepares)
+    transfer, lease_id = p.pull(request_id)
+    assert transfer.state is READING and len(transfer.posts) == 2, "a warm pull queues its READs as it starts"
+    assert len(p.reader.transport.prepares) == asked, "the admission is asked after the READs, by the pull's task"
+    return transfer, lease_id
+
+
+def test_a_warm_pull_queues_its_reads_as_it_starts_and_ends_done_with_one_finish_read(fabric: Fabric) -> None:
+    async def scenario() -> None:
+        p = await warm_pair(fabric)
+        transfer, lease_id = start_warm(p, "req-2")
+        xfers = await asyncio.gather(*transfer.posts)
+        await asyncio.sleep(0.01)
+        assert not transfer.state.final, "a pull is never reported before its READs are final"
+        for xfer in xfers:
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        await p.reader.transport.finished.reach(2)
+        await settle(p.holder)
+        assert transfer.state is DONE
+        assert [e.request_id for e in engine_events(p.rrank, FinishedRecving)] == ["warm-up", "req-2"]
+        finish = p.reader.transport.finishes[-1]
+        assert finish["lease_id"] == lease_id and finish["nbytes"] == transfer.nbytes > 0
+        assert [e.lease_id for e in engine_events(p.hrank, FinishedSending)][-1] == lease_id
+        assert p.reader.transport.abandons == []
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_lease_released_before_the_admission_fails_the_pull_never_done(fabric: Fabric) -> None:
+    """The lease ends after the READs were queued and before the holder is asked: the admission
+    is refused, the bytes are discarded (FAILED, one LoadFailed, no FinishedRecving), and the
+    AbandonPull goes only once the READs are final."""
+
+    async def scenario() -> None:
+        p = await warm_pair(fabric)
+        transfer, lease_id = start_warm(p, "req-2")
+        p.holder.daemon.release_lease(lease_id)
+        xfers = await asyncio.gather(*transfer.posts)
+        async with asyncio.timeout(5):
+            while len(p.reader.transport.prepares) < 2:
+                await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        assert not transfer.state.final, "a failed pull waits for its READs (the fence)"
+        assert p.reader.transport.abandons == []
+        for xfer in xfers:
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        await p.reader.transport.abandoned.reach(1)
+        await settle(p.reader, p.holder)
+        assert transfer.state is FAILED
+        assert [e.request_id for e in engine_events(p.rrank, FinishedRecving)] == ["warm-up"]
+        (failed,) = engine_events(p.rrank, LoadFailed)
+        assert failed.request_id == "req-2" and failed.error_class == "UnknownLease"
+        assert p.reader.transport.abandons[-1]["lease_id"] == lease_id
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_refused_admission_with_reads_in_flight_fences_and_reports_failed_once(fabric: Fabric) -> None:
+    """The holder refuses while the READs still run: the pull is FENCING until they are final
+    (never reported while a byte can land), then FAILED once."""
+
+    async def scenario() -> None:
+        p = await warm_pair(fabric)
+        gate = p.reader.transport.prepare_gate = Gate()
+        transfer, lease_id = start_warm(p, "req-2")
+        await gate.arrived.reach(1)
+        p.holder.daemon.release_lease(lease_id)
+        gate.open()
+        xfers = await asyncio.gather(*transfer.posts)
+        await asyncio.sleep(0.02)
+        assert transfer.state is TransferState.FENCING and not engine_events(p.rrank, LoadFailed)
+        for xfer in xfers:
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        await settle(p.reader, p.holder)
+        assert transfer.state is FAILED and len(engine_events(p.rrank, LoadFailed)) == 1
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_pull_cancelled_before_its_task_began_still_fences_reports_once_and_hands_back(fabric: Fabric) -> None:
+    """A cancel in the very turn the pull started: asyncio never runs the task's body, yet the
+    READs were queued. The pull's end runs all the same: ABORTED once its READs are final,
+    one LoadFailed, every pin handed back, the holder told AbandonPull after the READs."""
+
+    async def scenario() -> None:
+        p = await warm_pair(fabric)
+        transfer, lease_id = start_warm(p, "req-2")
+        assert transfer.task is not None
+        transfer.task.cancel()  # before it ever ran
+        xfers = await asyncio.gather(*transfer.posts)
+        await asyncio.sleep(0.01)
+        assert not transfer.began and not transfer.state.final, "reported only once its READs are final"
+        for xfer in xfers:
+            p.reader.dataplane.finish(xfer)
+        async with asyncio.timeout(5):
+            while not transfer.state.final:
+                await asyncio.sleep(0.001)
+        await settle(p.reader, p.holder)
+        assert transfer.state is ABORTED
+        (failed,) = engine_events(p.rrank, LoadFailed)
+        assert failed.request_id == "req-2"
+        assert [e.request_id for e in engine_events(p.rrank, FinishedRecving)] == ["warm-up"]
+        await p.reader.transport.abandoned.reach(1)
+        assert p.reader.transport.abandons[-1]["lease_id"] == lease_id
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_cold_pull_cancelled_before_its_task_began_is_reported_aborted_once(fabric: Fabric) -> None:
+    """The same cancel for a pull that queued nothing (a first contact): ABORTED, one LoadFailed."""
+
+    async def scenario() -> None:
+        p = await make_pair(fabric, read_beside_admission=True)
+        transfer, _ = p.pull("cold")
+        assert transfer.posts == [] and transfer.task is not None
+        transfer.task.cancel()
+        async with asyncio.timeout(5):
+            while not transfer.state.final:
+                await asyncio.sleep(0.001)
+        await settle(p.reader, p.holder)
+        assert transfer.state is ABORTED and len(engine_events(p.rrank, LoadFailed)) == 1
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_step_queues_every_read_before_any_admission_and_each_pull_ends_on_its_own(fabric: Fabric) -> None:
+    """StartPulls of four warm pulls: all eight READs queued before any PreparePull is built;
+    one lease released meanwhile fails that pull alone (FAILED), the others end DONE."""
+
+    async def scenario() -> None:
+        p = await warm_pair(fabric)
+        asked = len(p.reader.transport.prepares)
+        orders, leases = [], []
+        for i in range(4):
+            lease, params = p.holder.daemon.hold("eng-h", f"step-{i}", HOLD_BLOCKS, NUM_TOKENS)
+            orders.append(PullOrder("eng-r", 0, f"step-{i}", [(b + 2 * i) % 8 for b in LOCAL_BLOCKS], params))
+            leases.append(lease.lease_id)
+        transfers = p.reader.daemon.start_pulls(orders)
+        assert all(isinstance(t, Transfer) and len(t.posts) == 2 for t in transfers)
+        assert len(p.reader.transport.prepares) == asked
+        p.holder.daemon.release_lease(leases[2])
+        posted = [await asyncio.gather(*t.posts) for t in transfers]  # type: ignore[union-attr]
+        for xfers in posted:
+            for xfer in xfers:
+                p.reader.dataplane.finish(xfer)
+        for t in transfers:
+            await ended(t)  # type: ignore[arg-type]
+        await settle(p.reader, p.holder)
+        states = [t.state for t in transfers]  # type: ignore[union-attr]
+        assert states == [DONE, DONE, FAILED, DONE], states
+        assert sorted(e.request_id for e in engine_events(p.rrank, FinishedRecving)) == [
+            "step-0",
+            "step-1",
+            "step-3",
+            "warm-up",
+        ]
+        assert [e.request_id for e in engine_events(p.rrank, LoadFailed)] == ["step-2"]
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_pull_whose_holder_registered_again_queues_nothing_and_goes_the_usual_way(fabric: Fabric) -> None:
+    """The lease names a registration the cached handshake does not (the holder's engine
+    registered again): nothing is queued at the start; the pull handshakes again and ends DONE."""
+
+    async def scenario() -> None:
+        p = await warm_pair(fabric)
+        await p.holder.daemon.unregister_engine("eng-h", 0)
+        p.hrank = await fabric.register(p.holder, "eng-h", small_spec(8))
+        transfer, _ = p.pull("req-2")
+        assert transfer.posts == [] and not transfer.state.final
+        await p.reading(transfer)
+        for xfer in p.reader.dataplane.live():
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        await settle(p.reader, p.holder)
+        assert transfer.state is DONE
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_a_reader_worker_lost_with_reads_queued_at_the_start_fails_the_pull_unavailable(fabric: Fabric) -> None:
+    """The reader's data-plane worker dies with the READs queued as the pull started: they are
+    final with it (a dead process delivers nothing), the pull FAILED once, nothing left pinned."""
+
+    async def scenario() -> None:
+        p = await warm_pair(fabric)
+        transfer, _ = start_warm(p, "req-2")
+        await asyncio.gather(*transfer.posts)
+        p.reader.dataplane.lose()
+        await ended(transfer)
+        await settle(p.reader, p.holder)
+        assert transfer.state is FAILED and len(engine_events(p.rrank, LoadFailed)) == 1
+        assert [e.request_id for e in engine_events(p.rrank, FinishedRecving)] == ["warm-up"]
+
+    run(fabric, scenario)
