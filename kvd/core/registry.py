@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Iterator
@@ -58,11 +59,14 @@ class EngineRank:
     def key(self) -> tuple[str, int]:
         return (self.engine_id, self.spec.tp_rank)
 
-    @property
+    @functools.cached_property
     def view(self) -> EngineView:
+        """Group 0 as the planner sees it: one object for the rank's life (its spec, placements and
+        groups never change; a re-registration is a new rank), so the planner's caches find it by
+        identity. A new view per pull was hashed whole, every placement, on each of its lookups."""
         return EngineView(self.spec, self.placements)
 
-    @property
+    @functools.cached_property
     def groups(self) -> tuple[EngineView, ...]:
         """Every KV cache group, group 0 (``view``) first (kvd.layout.groups)."""
         return (self.view, *self.extra_groups)
