@@ -5,6 +5,9 @@ Same contract as :class:`kvd_client.EngineStream`: sends are plain (non-async) q
 never wait on the daemon, a background task collects what the daemon sends, :attr:`closed` and
 :attr:`error` report the end of the RPC. ``poll`` and ``close`` are coroutines, and the stream is an
 async iterator of the daemon's messages. Use it from the event loop that created it.
+
+With ``stream_socket`` (the client passes its daemon's: kvd_client._frames) the stream runs over
+the daemon's framed socket, without gRPC, where the daemon serves one; over gRPC otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -35,6 +39,7 @@ from ._engine_messages import (
     to_message,
     unpacked,
 )
+from ._frames import AsyncFramedCall
 from .grpc_errors import to_kvd_error
 
 logger = logging.getLogger(__name__)
@@ -50,6 +55,7 @@ class AsyncEngineStream:
         tp_rank: int,
         *,
         wait_for_ready: bool = False,
+        stream_socket: str | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
@@ -62,7 +68,10 @@ class AsyncEngineStream:
         self._dropped = 0
         self._takes_pulls = False  # the daemon said so (its ready): pulls may start here
         self._seqs = itertools.count(1)
-        self._call = stub.EngineStream(self._requests(), wait_for_ready=wait_for_ready)
+        self._stub = stub
+        self._wait_for_ready = wait_for_ready
+        self._stream_socket = stream_socket
+        self._call: Any = None  # the framed call or the gRPC call, once connected (in the background)
         self._background = AsyncBackground(self._receive, f"kvd-engine-stream-{engine_id}-{tp_rank}")
 
     # -- the engine's side -------------------------------------------------------------------
@@ -141,6 +150,12 @@ class AsyncEngineStream:
                 await self._arrived.wait()
 
     @property
+    def framed(self) -> bool:
+        """Whether the stream runs over the daemon's framed socket (False: over gRPC, or not yet
+        connected)."""
+        return isinstance(self._call, AsyncFramedCall)
+
+    @property
     def closed(self) -> bool:
         """Whether the RPC is over (closed by us, ended by the daemon, or failed)."""
         return self._ended
@@ -169,7 +184,8 @@ class AsyncEngineStream:
                 self.tp_rank,
                 timeout_s,
             )
-            self._call.cancel()
+            if self._call is not None:
+                self._call.cancel()
             await self._background.join(timeout_s)
 
     async def __aenter__(self) -> AsyncEngineStream:
@@ -198,9 +214,21 @@ class AsyncEngineStream:
             else:
                 yield message
 
+    async def _connect(self) -> Any:
+        """The daemon's framed socket where it serves one (kvd_client._frames), else the gRPC call."""
+        if self._stream_socket:
+            framed = AsyncFramedCall(self._stream_socket, self._requests())
+            try:
+                await framed.connect()
+                return framed
+            except OSError as exc:  # an older daemon, or one that serves no framed socket
+                logger.debug("engine stream over gRPC: %s: %s", self._stream_socket, exc)
+        return self._stub.EngineStream(self._requests(), wait_for_ready=self._wait_for_ready)
+
     async def _receive(self) -> None:
         """Background body: collect the daemon's messages until the RPC ends, then record why."""
         try:
+            self._call = await self._connect()
             async for message in self._call:
                 events = unpacked(message)
                 if not self._takes_pulls and any(map(takes_pulls, events)):  # the daemon's first word
@@ -216,6 +244,9 @@ class AsyncEngineStream:
                 err = to_kvd_error(rpc_error)
                 err.__cause__ = rpc_error
                 self._error = err
+        except errors.KvdError as ended:  # how a framed stream ended (its status), or that it broke
+            if not (self._closing and isinstance(ended, errors.Cancelled)):
+                self._error = ended
         except asyncio.CancelledError:  # asyncio only
             # grpc.aio raises CancelledError for a locally cancelled call: expected after close().
             if not self._closing:

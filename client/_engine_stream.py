@@ -8,6 +8,10 @@ grpc's request thread, and nothing ever waits on the daemon. A background thread
 daemon sends into a deque that :meth:`poll` drains without blocking. When the RPC ends for any
 reason, :attr:`closed` turns true and :attr:`error` says why (None after a clean :meth:`close`),
 so the engine notices a dead daemon at its next poll.
+
+With ``stream_socket`` (the client passes its daemon's: kvd_client._frames) the stream runs over
+the daemon's framed socket, without gRPC, where the daemon serves one (a writer thread of its own
+sends what the queue holds); over gRPC otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from types import TracebackType
+from typing import Any
 
 import grpc
 
@@ -39,6 +44,7 @@ from ._engine_messages import (
     to_message,
     unpacked,
 )
+from ._frames import FramedCall
 from .grpc_errors import to_kvd_error
 
 logger = logging.getLogger(__name__)
@@ -58,6 +64,7 @@ class EngineStream:
         tp_rank: int,
         *,
         wait_for_ready: bool = False,
+        stream_socket: str | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.tp_rank = tp_rank
@@ -70,7 +77,10 @@ class EngineStream:
         self._dropped = 0
         self._takes_pulls = False  # the daemon said so (its ready): pulls may start here
         self._seqs = itertools.count(1)
-        self._call = stub.EngineStream(self._requests(), wait_for_ready=wait_for_ready)
+        self._stub = stub
+        self._wait_for_ready = wait_for_ready
+        self._stream_socket = stream_socket
+        self._call: Any = None  # the framed call or the gRPC call, once connected (in the background)
         self._background = Background(self._receive, f"kvd-engine-stream-{engine_id}-{tp_rank}")
 
     # -- the engine's side -------------------------------------------------------------------
@@ -135,6 +145,12 @@ class EngineStream:
             return out
 
     @property
+    def framed(self) -> bool:
+        """Whether the stream runs over the daemon's framed socket (False: over gRPC, or not yet
+        connected)."""
+        return isinstance(self._call, FramedCall)
+
+    @property
     def closed(self) -> bool:
         """Whether the RPC is over (closed by us, ended by the daemon, or failed)."""
         return self._ended
@@ -163,7 +179,8 @@ class EngineStream:
                 self.tp_rank,
                 timeout_s,
             )
-            self._call.cancel()
+            if self._call is not None:
+                self._call.cancel()
             self._background.join(timeout_s)
 
     def __enter__(self) -> EngineStream:
@@ -192,9 +209,21 @@ class EngineStream:
             else:
                 yield message
 
+    def _connect(self) -> Any:
+        """The daemon's framed socket where it serves one (kvd_client._frames), else the gRPC call."""
+        if self._stream_socket:
+            framed = FramedCall(self._stream_socket, self._requests())
+            try:
+                framed.connect()
+                return framed
+            except OSError as exc:  # an older daemon, or one that serves no framed socket
+                logger.debug("engine stream over gRPC: %s: %s", self._stream_socket, exc)
+        return self._stub.EngineStream(self._requests(), wait_for_ready=self._wait_for_ready)
+
     def _receive(self) -> None:
         """Background body: collect the daemon's messages until the RPC ends, then record why."""
         try:
+            self._call = self._connect()
             for message in self._call:
                 events = unpacked(message)
                 if not self._takes_pulls and any(map(takes_pulls, events)):  # the daemon's first word
@@ -210,6 +239,9 @@ class EngineStream:
                 err = to_kvd_error(rpc_error)
                 err.__cause__ = rpc_error
                 self._error = err
+        except errors.KvdError as ended:  # how a framed stream ended (its status), or that it broke
+            if not (self._closing and isinstance(ended, errors.Cancelled)):
+                self._error = ended
         except Exception as exc:  # background work must record what killed it
             logger.exception("engine stream of %s rank %d failed", self.engine_id, self.tp_rank)
             err = errors.Internal(f"engine stream failed: {exc!r}")

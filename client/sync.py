@@ -20,6 +20,7 @@ from kvd_client.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, r
 
 from . import _base, _health, errors
 from ._engine_stream import EngineStream
+from ._frames import stream_socket_path
 from ._transfer_watch import TransferWatch
 from .channel import ChannelOptions, TlsConfig, create_channel
 from .grpc_errors import rpc_error_code, to_kvd_error, translate, translate_iter
@@ -138,13 +139,20 @@ class KvdClient:
         )
         return self._engine.HoldBlocks(req, timeout=self._timeout(timeout_s))
 
-    def open_engine_stream(self, engine_id: str, tp_rank: int, *, wait_for_ready: bool = False) -> EngineStream:
+    def open_engine_stream(
+        self, engine_id: str, tp_rank: int, *, wait_for_ready: bool = False, framed: bool = True
+    ) -> EngineStream:
         """Open the rank's long-lived stream (commits and post-forward up, completions down).
 
         No deadline applies: the stream lives as long as the engine. ``wait_for_ready`` makes the
         RPC wait for a daemon that is still starting instead of failing UNAVAILABLE at once.
+        Over a Unix socket the stream runs on the daemon's framed socket beside it, without gRPC,
+        where the daemon serves one (kvd_client._frames); ``framed=False`` keeps it on gRPC.
         """
-        stream = EngineStream(self._engine, engine_id, tp_rank, wait_for_ready=wait_for_ready)
+        stream_socket = stream_socket_path(self.target) if framed and self._owns_channel else None
+        stream = EngineStream(
+            self._engine, engine_id, tp_rank, wait_for_ready=wait_for_ready, stream_socket=stream_socket
+        )
         self._streams.add(stream)
         return stream
 

@@ -33,6 +33,14 @@ class KvdConfig:
         default_factory=_default_unix_socket,
         metadata={"help": "Unix socket engines connect to (0600 in a 0700 directory unless engine_group is set)."},
     )
+    engine_stream_socket: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "Also serve the engine stream, without gRPC, on <unix_socket>.stream (same owner, group and "
+            "mode): engines use it where it is served, gRPC's EngineStream otherwise. On its hop a message costs "
+            "a fraction of a gRPC stream message's time, and a pull crosses it twice. False: gRPC only."
+        },
+    )
     engine_group: str = dataclasses.field(
         default="",
         metadata={

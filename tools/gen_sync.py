@@ -24,7 +24,9 @@ Where the twins genuinely differ in code, the asyncio source is written so the d
 of these tokens (``contextlib.aclosing`` -> ``contextlib.closing``) or lives in a helper both
 call: ``kvd_client._base``, ``kvd_client.channel``, ``kvd_client.grpc_errors``, and
 ``kvd_client._background`` for where background work runs (``AsyncBackground``, a task of the
-loop, -> ``Background``, a daemon thread; ``wait_event_async`` -> ``wait_event``). The engine
+loop, -> ``Background``, a daemon thread; ``wait_event_async`` -> ``wait_event``), and
+``kvd_client._frames`` for the engine stream over a framed socket (``AsyncFramedCall``, asyncio
+streams, -> ``FramedCall``, a blocking socket and a writer thread). The engine
 stream's hot path (``send_commit``, ``poll``) is written in the asyncio source as the thread
 twin needs it: a plain queue put, a deque drained without a lock.
 
@@ -95,6 +97,9 @@ Same contract as :class:`kvd_client.EngineStream`: sends are plain (non-async) q
 never wait on the daemon, a background task collects what the daemon sends, :attr:`closed` and
 :attr:`error` report the end of the RPC. ``poll`` and ``close`` are coroutines, and the stream is an
 async iterator of the daemon's messages. Use it from the event loop that created it.
+
+With ``stream_socket`` (the client passes its daemon's: kvd_client._frames) the stream runs over
+the daemon's framed socket, without gRPC, where the daemon serves one; over gRPC otherwise.
 """''',
         '''"""The engine's long-lived stream to its daemon (sync front end).
 
@@ -105,6 +110,10 @@ grpc's request thread, and nothing ever waits on the daemon. A background thread
 daemon sends into a deque that :meth:`poll` drains without blocking. When the RPC ends for any
 reason, :attr:`closed` turns true and :attr:`error` says why (None after a clean :meth:`close`),
 so the engine notices a dead daemon at its next poll.
+
+With ``stream_socket`` (the client passes its daemon's: kvd_client._frames) the stream runs over
+the daemon's framed socket, without gRPC, where the daemon serves one (a writer thread of its own
+sends what the queue holds); over gRPC otherwise.
 """''',
     ),
     (
@@ -166,6 +175,7 @@ TOKENS: tuple[tuple[str, str], ...] = (
     (r"\b_aio_transfer_watch\b", "_transfer_watch"),
     (r"\bcreate_aio_channel\b", "create_channel"),
     (r"\bAsyncBackground\b", "Background"),
+    (r"\bAsyncFramedCall\b", "FramedCall"),
     (r"\bwait_event_async\b", "wait_event"),
     (r"\btranslate_async\b", "translate"),
     (r"\btranslate_aiter\b", "translate_iter"),

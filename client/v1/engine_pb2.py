@@ -26,15 +26,15 @@ from kvd_client.v1 import common_pb2 as kvd_dot_v1_dot_common__pb2
 from kvd_client.v1 import router_pb2 as kvd_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvd/v1/engine.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\x1a\x13kvd/v1/router.proto\"\xf3\x01\n\x16RegisterKvCacheRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12%\n\x07regions\x18\x03 \x03(\x0b\x32\x14.kvd.v1.MemoryRegion\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.kvd.v1.LayerPlacement\x12\x17\n\x0frequire_commits\x18\x05 \x01(\x08\x12\x12\n\nengine_pid\x18\x06 \x01(\r\x12$\n\x06groups\x18\x32 \x03(\x0b\x32\x14.kvd.v1.KvCacheGroup\"b\n\x17RegisterKvCacheResponse\x12\x1a\n\x12\x64\x61\x65mon_incarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\">\n\x18UnregisterKvCacheRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\x1b\n\x19UnregisterKvCacheResponse\"6\n\x06\x43ommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_tokens\x18\x02 \x01(\x04\"9\n\x0bPostForward\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\"`\n\x0b\x45ngineHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pts_batches\x18\x03 \x01(\x08\x12\x14\n\x0cstarts_pulls\x18\x04 \x01(\x08\"J\n\x12StartPullsOnStream\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05pulls\x18\x02 \x03(\x0b\x32\x18.kvd.v1.StartPullRequest\"\xbf\x01\n\rEngineMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.kvd.v1.EngineHelloH\x00\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x0e.kvd.v1.CommitH\x00\x12+\n\x0cpost_forward\x18\x03 \x01(\x0b\x32\x13.kvd.v1.PostForwardH\x00\x12\x31\n\x0bstart_pulls\x18\x04 \x01(\x0b\x32\x1a.kvd.v1.StartPullsOnStreamH\x00\x42\x06\n\x04kind\"H\n\x0f\x46inishedSending\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0f\n\x07\x65xpired\x18\x03 \x01(\x08\":\n\x0f\x46inishedRecving\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"\x88\x01\n\nLoadFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x65rror_class\x18\x1e \x01(\t\"\xae\x02\n\rDaemonMessage\x12\x33\n\x10\x66inished_sending\x18\x01 \x01(\x0b\x32\x17.kvd.v1.FinishedSendingH\x00\x12\x33\n\x10\x66inished_recving\x18\x02 \x01(\x0b\x32\x17.kvd.v1.FinishedRecvingH\x00\x12)\n\x0bload_failed\x18\x03 \x01(\x0b\x32\x12.kvd.v1.LoadFailedH\x00\x12+\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x1a.kvd.v1.DaemonMessageBatchH\x00\x12$\n\x05ready\x18\x05 \x01(\x0b\x32\x13.kvd.v1.StreamReadyH\x00\x12-\n\rpulls_started\x18\x06 \x01(\x0b\x32\x14.kvd.v1.PullsStartedH\x00\x42\x06\n\x04kind\"\"\n\x0bStreamReady\x12\x13\n\x0btakes_pulls\x18\x01 \x01(\x08\"E\n\x0cPullsStarted\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.kvd.v1.StartPullResult\"=\n\x12\x44\x61\x65monMessageBatch\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.kvd.v1.DaemonMessage\"\xb4\x01\n\x11HoldBlocksRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12\x17\n\x0fgroup_block_ids\x18\x32 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x33 \x03(\r\x12\x0c\n\x04soft\x18\x14 \x01(\x08\"l\n\x12HoldBlocksResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvd.v1.LeaseInfo\x12\x34\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x18.kvd.v1.KvTransferParams\"#\n\x0eSchedulerHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\"w\n\tHoldCheck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x0e\n\x06pin_id\x18\x04 \x01(\t\x12\'\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x17.kvd.v1.HoldCheckAction\"A\n\tHoldEnded\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"g\n\x10SchedulerCommand\x12\"\n\x05\x63heck\x18\x01 \x01(\x0b\x32\x11.kvd.v1.HoldCheckH\x00\x12\'\n\nhold_ended\x18\x02 \x01(\x0b\x32\x11.kvd.v1.HoldEndedH\x00\x42\x06\n\x04kind\":\n\x0fHoldCheckResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"7\n\x0bRemoteLease\x12\x16\n\x0e\x64\x61\x65mon_address\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"8\n\x11RenewRemoteLeases\x12#\n\x06leases\x18\x01 \x03(\x0b\x32\x13.kvd.v1.RemoteLease\"J\n\x13ReleaseRemoteLeases\x12#\n\x06leases\x18\x01 \x03(\x0b\x32\x13.kvd.v1.RemoteLease\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd0\x01\n\x10SchedulerMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.kvd.v1.SchedulerHelloH\x00\x12/\n\x0c\x63heck_result\x18\x02 \x01(\x0b\x32\x17.kvd.v1.HoldCheckResultH\x00\x12*\n\x05renew\x18\x03 \x01(\x0b\x32\x19.kvd.v1.RenewRemoteLeasesH\x00\x12.\n\x07release\x18\x04 \x01(\x0b\x32\x1b.kvd.v1.ReleaseRemoteLeasesH\x00\x42\x06\n\x04kind*\x90\x01\n\x0fHoldCheckAction\x12!\n\x1dHOLD_CHECK_ACTION_UNSPECIFIED\x10\x00\x12\x19\n\x15HOLD_CHECK_ACTION_PIN\x10\x01\x12\"\n\x1eHOLD_CHECK_ACTION_VERIFY_UNPIN\x10\x02\x12\x1b\n\x17HOLD_CHECK_ACTION_UNPIN\x10\x03\x32\x8f\x03\n\rEngineService\x12R\n\x0fRegisterKvCache\x12\x1e.kvd.v1.RegisterKvCacheRequest\x1a\x1f.kvd.v1.RegisterKvCacheResponse\x12X\n\x11UnregisterKvCache\x12 .kvd.v1.UnregisterKvCacheRequest\x1a!.kvd.v1.UnregisterKvCacheResponse\x12@\n\x0c\x45ngineStream\x12\x15.kvd.v1.EngineMessage\x1a\x15.kvd.v1.DaemonMessage(\x01\x30\x01\x12\x43\n\nHoldBlocks\x12\x19.kvd.v1.HoldBlocksRequest\x1a\x1a.kvd.v1.HoldBlocksResponse\x12I\n\x0fSchedulerStream\x12\x18.kvd.v1.SchedulerMessage\x1a\x18.kvd.v1.SchedulerCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvd/v1/engine.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\x1a\x13kvd/v1/router.proto\"\xf3\x01\n\x16RegisterKvCacheRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12%\n\x07regions\x18\x03 \x03(\x0b\x32\x14.kvd.v1.MemoryRegion\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.kvd.v1.LayerPlacement\x12\x17\n\x0frequire_commits\x18\x05 \x01(\x08\x12\x12\n\nengine_pid\x18\x06 \x01(\r\x12$\n\x06groups\x18\x32 \x03(\x0b\x32\x14.kvd.v1.KvCacheGroup\"b\n\x17RegisterKvCacheResponse\x12\x1a\n\x12\x64\x61\x65mon_incarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x17\n\x0fregistration_id\x18\x03 \x01(\x04\">\n\x18UnregisterKvCacheRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\x1b\n\x19UnregisterKvCacheResponse\"6\n\x06\x43ommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_tokens\x18\x02 \x01(\x04\"9\n\x0bPostForward\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\"t\n\x0b\x45ngineHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pts_batches\x18\x03 \x01(\x08\x12\x14\n\x0cstarts_pulls\x18\x04 \x01(\x08\x12\x12\n\nuser_agent\x18\x05 \x01(\t\"J\n\x12StartPullsOnStream\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x05pulls\x18\x02 \x03(\x0b\x32\x18.kvd.v1.StartPullRequest\"\xbf\x01\n\rEngineMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.kvd.v1.EngineHelloH\x00\x12 \n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x0e.kvd.v1.CommitH\x00\x12+\n\x0cpost_forward\x18\x03 \x01(\x0b\x32\x13.kvd.v1.PostForwardH\x00\x12\x31\n\x0bstart_pulls\x18\x04 \x01(\x0b\x32\x1a.kvd.v1.StartPullsOnStreamH\x00\x42\x06\n\x04kind\"H\n\x0f\x46inishedSending\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0f\n\x07\x65xpired\x18\x03 \x01(\x08\":\n\x0f\x46inishedRecving\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\"\x88\x01\n\nLoadFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x13\n\x0b\x65rror_class\x18\x1e \x01(\t\"\xae\x02\n\rDaemonMessage\x12\x33\n\x10\x66inished_sending\x18\x01 \x01(\x0b\x32\x17.kvd.v1.FinishedSendingH\x00\x12\x33\n\x10\x66inished_recving\x18\x02 \x01(\x0b\x32\x17.kvd.v1.FinishedRecvingH\x00\x12)\n\x0bload_failed\x18\x03 \x01(\x0b\x32\x12.kvd.v1.LoadFailedH\x00\x12+\n\x05\x62\x61tch\x18\x04 \x01(\x0b\x32\x1a.kvd.v1.DaemonMessageBatchH\x00\x12$\n\x05ready\x18\x05 \x01(\x0b\x32\x13.kvd.v1.StreamReadyH\x00\x12-\n\rpulls_started\x18\x06 \x01(\x0b\x32\x14.kvd.v1.PullsStartedH\x00\x42\x06\n\x04kind\"\"\n\x0bStreamReady\x12\x13\n\x0btakes_pulls\x18\x01 \x01(\x08\"E\n\x0cPullsStarted\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12(\n\x07results\x18\x02 \x03(\x0b\x32\x17.kvd.v1.StartPullResult\"=\n\x12\x44\x61\x65monMessageBatch\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.kvd.v1.DaemonMessage\"a\n\x0b\x44\x61\x65monFrame\x12(\n\x07message\x18\x01 \x01(\x0b\x32\x15.kvd.v1.DaemonMessageH\x00\x12 \n\x03\x65nd\x18\x02 \x01(\x0b\x32\x11.kvd.v1.StreamEndH\x00\x42\x06\n\x04kind\"?\n\tStreamEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x03 \x01(\t\"\xb4\x01\n\x11HoldBlocksRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12\x17\n\x0fgroup_block_ids\x18\x32 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x33 \x03(\r\x12\x0c\n\x04soft\x18\x14 \x01(\x08\"l\n\x12HoldBlocksResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.kvd.v1.LeaseInfo\x12\x34\n\x12kv_transfer_params\x18\x02 \x01(\x0b\x32\x18.kvd.v1.KvTransferParams\"#\n\x0eSchedulerHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\"w\n\tHoldCheck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x0e\n\x06pin_id\x18\x04 \x01(\t\x12\'\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x17.kvd.v1.HoldCheckAction\"A\n\tHoldEnded\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"g\n\x10SchedulerCommand\x12\"\n\x05\x63heck\x18\x01 \x01(\x0b\x32\x11.kvd.v1.HoldCheckH\x00\x12\'\n\nhold_ended\x18\x02 \x01(\x0b\x32\x11.kvd.v1.HoldEndedH\x00\x42\x06\n\x04kind\":\n\x0fHoldCheckResult\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"7\n\x0bRemoteLease\x12\x16\n\x0e\x64\x61\x65mon_address\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\"8\n\x11RenewRemoteLeases\x12#\n\x06leases\x18\x01 \x03(\x0b\x32\x13.kvd.v1.RemoteLease\"J\n\x13ReleaseRemoteLeases\x12#\n\x06leases\x18\x01 \x03(\x0b\x32\x13.kvd.v1.RemoteLease\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xd0\x01\n\x10SchedulerMessage\x12\'\n\x05hello\x18\x01 \x01(\x0b\x32\x16.kvd.v1.SchedulerHelloH\x00\x12/\n\x0c\x63heck_result\x18\x02 \x01(\x0b\x32\x17.kvd.v1.HoldCheckResultH\x00\x12*\n\x05renew\x18\x03 \x01(\x0b\x32\x19.kvd.v1.RenewRemoteLeasesH\x00\x12.\n\x07release\x18\x04 \x01(\x0b\x32\x1b.kvd.v1.ReleaseRemoteLeasesH\x00\x42\x06\n\x04kind*\x90\x01\n\x0fHoldCheckAction\x12!\n\x1dHOLD_CHECK_ACTION_UNSPECIFIED\x10\x00\x12\x19\n\x15HOLD_CHECK_ACTION_PIN\x10\x01\x12\"\n\x1eHOLD_CHECK_ACTION_VERIFY_UNPIN\x10\x02\x12\x1b\n\x17HOLD_CHECK_ACTION_UNPIN\x10\x03\x32\x8f\x03\n\rEngineService\x12R\n\x0fRegisterKvCache\x12\x1e.kvd.v1.RegisterKvCacheRequest\x1a\x1f.kvd.v1.RegisterKvCacheResponse\x12X\n\x11UnregisterKvCache\x12 .kvd.v1.UnregisterKvCacheRequest\x1a!.kvd.v1.UnregisterKvCacheResponse\x12@\n\x0c\x45ngineStream\x12\x15.kvd.v1.EngineMessage\x1a\x15.kvd.v1.DaemonMessage(\x01\x30\x01\x12\x43\n\nHoldBlocks\x12\x19.kvd.v1.HoldBlocksRequest\x1a\x1a.kvd.v1.HoldBlocksResponse\x12I\n\x0fSchedulerStream\x12\x18.kvd.v1.SchedulerMessage\x1a\x18.kvd.v1.SchedulerCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvd.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_HOLDCHECKACTION']._serialized_start=2829
-  _globals['_HOLDCHECKACTION']._serialized_end=2973
+  _globals['_HOLDCHECKACTION']._serialized_start=3013
+  _globals['_HOLDCHECKACTION']._serialized_end=3157
   _globals['_REGISTERKVCACHEREQUEST']._serialized_start=74
   _globals['_REGISTERKVCACHEREQUEST']._serialized_end=317
   _globals['_REGISTERKVCACHERESPONSE']._serialized_start=319
@@ -48,47 +48,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POSTFORWARD']._serialized_start=568
   _globals['_POSTFORWARD']._serialized_end=625
   _globals['_ENGINEHELLO']._serialized_start=627
-  _globals['_ENGINEHELLO']._serialized_end=723
-  _globals['_STARTPULLSONSTREAM']._serialized_start=725
-  _globals['_STARTPULLSONSTREAM']._serialized_end=799
-  _globals['_ENGINEMESSAGE']._serialized_start=802
-  _globals['_ENGINEMESSAGE']._serialized_end=993
-  _globals['_FINISHEDSENDING']._serialized_start=995
-  _globals['_FINISHEDSENDING']._serialized_end=1067
-  _globals['_FINISHEDRECVING']._serialized_start=1069
-  _globals['_FINISHEDRECVING']._serialized_end=1127
-  _globals['_LOADFAILED']._serialized_start=1130
-  _globals['_LOADFAILED']._serialized_end=1266
-  _globals['_DAEMONMESSAGE']._serialized_start=1269
-  _globals['_DAEMONMESSAGE']._serialized_end=1571
-  _globals['_STREAMREADY']._serialized_start=1573
-  _globals['_STREAMREADY']._serialized_end=1607
-  _globals['_PULLSSTARTED']._serialized_start=1609
-  _globals['_PULLSSTARTED']._serialized_end=1678
-  _globals['_DAEMONMESSAGEBATCH']._serialized_start=1680
-  _globals['_DAEMONMESSAGEBATCH']._serialized_end=1741
-  _globals['_HOLDBLOCKSREQUEST']._serialized_start=1744
-  _globals['_HOLDBLOCKSREQUEST']._serialized_end=1924
-  _globals['_HOLDBLOCKSRESPONSE']._serialized_start=1926
-  _globals['_HOLDBLOCKSRESPONSE']._serialized_end=2034
-  _globals['_SCHEDULERHELLO']._serialized_start=2036
-  _globals['_SCHEDULERHELLO']._serialized_end=2071
-  _globals['_HOLDCHECK']._serialized_start=2073
-  _globals['_HOLDCHECK']._serialized_end=2192
-  _globals['_HOLDENDED']._serialized_start=2194
-  _globals['_HOLDENDED']._serialized_end=2259
-  _globals['_SCHEDULERCOMMAND']._serialized_start=2261
-  _globals['_SCHEDULERCOMMAND']._serialized_end=2364
-  _globals['_HOLDCHECKRESULT']._serialized_start=2366
-  _globals['_HOLDCHECKRESULT']._serialized_end=2424
-  _globals['_REMOTELEASE']._serialized_start=2426
-  _globals['_REMOTELEASE']._serialized_end=2481
-  _globals['_RENEWREMOTELEASES']._serialized_start=2483
-  _globals['_RENEWREMOTELEASES']._serialized_end=2539
-  _globals['_RELEASEREMOTELEASES']._serialized_start=2541
-  _globals['_RELEASEREMOTELEASES']._serialized_end=2615
-  _globals['_SCHEDULERMESSAGE']._serialized_start=2618
-  _globals['_SCHEDULERMESSAGE']._serialized_end=2826
-  _globals['_ENGINESERVICE']._serialized_start=2976
-  _globals['_ENGINESERVICE']._serialized_end=3375
+  _globals['_ENGINEHELLO']._serialized_end=743
+  _globals['_STARTPULLSONSTREAM']._serialized_start=745
+  _globals['_STARTPULLSONSTREAM']._serialized_end=819
+  _globals['_ENGINEMESSAGE']._serialized_start=822
+  _globals['_ENGINEMESSAGE']._serialized_end=1013
+  _globals['_FINISHEDSENDING']._serialized_start=1015
+  _globals['_FINISHEDSENDING']._serialized_end=1087
+  _globals['_FINISHEDRECVING']._serialized_start=1089
+  _globals['_FINISHEDRECVING']._serialized_end=1147
+  _globals['_LOADFAILED']._serialized_start=1150
+  _globals['_LOADFAILED']._serialized_end=1286
+  _globals['_DAEMONMESSAGE']._serialized_start=1289
+  _globals['_DAEMONMESSAGE']._serialized_end=1591
+  _globals['_STREAMREADY']._serialized_start=1593
+  _globals['_STREAMREADY']._serialized_end=1627
+  _globals['_PULLSSTARTED']._serialized_start=1629
+  _globals['_PULLSSTARTED']._serialized_end=1698
+  _globals['_DAEMONMESSAGEBATCH']._serialized_start=1700
+  _globals['_DAEMONMESSAGEBATCH']._serialized_end=1761
+  _globals['_DAEMONFRAME']._serialized_start=1763
+  _globals['_DAEMONFRAME']._serialized_end=1860
+  _globals['_STREAMEND']._serialized_start=1862
+  _globals['_STREAMEND']._serialized_end=1925
+  _globals['_HOLDBLOCKSREQUEST']._serialized_start=1928
+  _globals['_HOLDBLOCKSREQUEST']._serialized_end=2108
+  _globals['_HOLDBLOCKSRESPONSE']._serialized_start=2110
+  _globals['_HOLDBLOCKSRESPONSE']._serialized_end=2218
+  _globals['_SCHEDULERHELLO']._serialized_start=2220
+  _globals['_SCHEDULERHELLO']._serialized_end=2255
+  _globals['_HOLDCHECK']._serialized_start=2257
+  _globals['_HOLDCHECK']._serialized_end=2376
+  _globals['_HOLDENDED']._serialized_start=2378
+  _globals['_HOLDENDED']._serialized_end=2443
+  _globals['_SCHEDULERCOMMAND']._serialized_start=2445
+  _globals['_SCHEDULERCOMMAND']._serialized_end=2548
+  _globals['_HOLDCHECKRESULT']._serialized_start=2550
+  _globals['_HOLDCHECKRESULT']._serialized_end=2608
+  _globals['_REMOTELEASE']._serialized_start=2610
+  _globals['_REMOTELEASE']._serialized_end=2665
+  _globals['_RENEWREMOTELEASES']._serialized_start=2667
+  _globals['_RENEWREMOTELEASES']._serialized_end=2723
+  _globals['_RELEASEREMOTELEASES']._serialized_start=2725
+  _globals['_RELEASEREMOTELEASES']._serialized_end=2799
+  _globals['_SCHEDULERMESSAGE']._serialized_start=2802
+  _globals['_SCHEDULERMESSAGE']._serialized_end=3010
+  _globals['_ENGINESERVICE']._serialized_start=3160
+  _globals['_ENGINESERVICE']._serialized_end=3559
 # @@protoc_insertion_point(module_scope)

@@ -77,16 +77,18 @@ class PostForward(_message.Message):
     def __init__(self, step: _Optional[int] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineHello(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "accepts_batches", "starts_pulls")
+    __slots__ = ("engine_id", "tp_rank", "accepts_batches", "starts_pulls", "user_agent")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_BATCHES_FIELD_NUMBER: _ClassVar[int]
     STARTS_PULLS_FIELD_NUMBER: _ClassVar[int]
+    USER_AGENT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     accepts_batches: bool
     starts_pulls: bool
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., accepts_batches: _Optional[bool] = ..., starts_pulls: _Optional[bool] = ...) -> None: ...
+    user_agent: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., accepts_batches: _Optional[bool] = ..., starts_pulls: _Optional[bool] = ..., user_agent: _Optional[str] = ...) -> None: ...
 
 class StartPullsOnStream(_message.Message):
     __slots__ = ("seq", "pulls")
@@ -177,6 +179,24 @@ class DaemonMessageBatch(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[DaemonMessage]
     def __init__(self, messages: _Optional[_Iterable[_Union[DaemonMessage, _Mapping]]] = ...) -> None: ...
+
+class DaemonFrame(_message.Message):
+    __slots__ = ("message", "end")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    message: DaemonMessage
+    end: StreamEnd
+    def __init__(self, message: _Optional[_Union[DaemonMessage, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("code", "message", "error_class")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    error_class: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., error_class: _Optional[str] = ...) -> None: ...
 
 class HoldBlocksRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "ttl_ms", "group_block_ids", "group_block_counts", "soft")

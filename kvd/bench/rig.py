@@ -127,6 +127,7 @@ class Engine:
         self._reader: asyncio.Task[None] | None = None
         self.last_transfer_id = ""
         self.block_bytes = BLOCK_BYTES
+        self.framed = False  # whether its engine stream runs over the framed socket (set by open)
 
     @property
     def capacity_blocks(self) -> int:
@@ -147,6 +148,7 @@ class Engine:
         self._stream = self.client.open_engine_stream(self.engine_id, 0)
         self._reader = asyncio.get_running_loop().create_task(self._receive())
         await self.wait_takes_pulls()
+        self.framed = bool(self._stream.framed)  # over the daemon's framed socket, or gRPC
 
     async def close(self) -> None:
         from kvd_client.shm import unlink_shm  # noqa: PLC0415

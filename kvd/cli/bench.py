@@ -170,10 +170,13 @@ def machine() -> dict[str, Any]:
     # threads change the large-pull figures, so they are part of what was measured.
     from kvd.config import load_config  # noqa: PLC0415
 
-    copy_threads = load_config().copy_threads
+    daemon_config = load_config()
+    copy_threads = daemon_config.copy_threads
+    # Likewise the engine stream's transport: the framed socket, or gRPC (engine_stream_socket).
+    engine_stream = "framed socket" if daemon_config.engine_stream_socket else "gRPC"
     summary = (
         f"{cores} cores ({cpu}), load {load[0]:.1f} at start, host memory, "
-        f"{copy_threads} copy thread{'s' if copy_threads > 1 else ''} per READ"
+        f"{copy_threads} copy thread{'s' if copy_threads > 1 else ''} per READ, engine stream over {engine_stream}"
     )
     return {
         "summary": summary,
@@ -186,6 +189,7 @@ def machine() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": bool(torch.cuda.is_available()),
         "copy_threads": copy_threads,
+        "engine_stream": engine_stream,
     }
 
 
@@ -222,6 +226,7 @@ async def _daemon_runs(config: BenchConfig, workdir: Path, bar: report.ProgressB
         ):
             engine = Engine(local, capacity)
             await engine.open()
+            result["engine_stream_framed"] = engine.framed
             raw = RawReader(capacity * BLOCK_BYTES)  # a slot per block: a raw step of the largest batch
             logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL's import set it to INFO
             try:

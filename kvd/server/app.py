@@ -50,6 +50,7 @@ from kvd.core.metrics import Metrics
 from kvd.server import startup, warmup
 from kvd.server.authz import TCP, UNIX, AuthInterceptor, Policy
 from kvd.server.client_versions import ClientVersionInterceptor
+from kvd.server.engine_frames import EngineFrames
 from kvd.server.notify import Notifier, watchdog
 from kvd.server.peer_client import GrpcPeerTransport
 from kvd.server.servicers import EngineServicer, PeerServicer, RouterServicer
@@ -94,6 +95,8 @@ class Running:
     metrics_server: _MetricsHttpServer | None
     health_server: grpc.aio.Server | None = None
     health_address: str = ""
+    # The engine stream without gRPC on <unix_socket>.stream (engine_stream_socket), or None.
+    engine_frames: EngineFrames | None = None
     # The TCP listener's first call, made by the daemon itself (kvd.server.warmup); cancelled at stop.
     warmup: asyncio.Task[bool] | None = None
     # Sets health from whether a data-plane worker serves (_follow_dataplane); cancelled at stop.
@@ -208,6 +211,11 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
             "check the directory's permissions and --unix-socket",
         ) from exc
     undo.push("engine server", lambda: unix_server.stop(None))
+    frames = None
+    if config.engine_stream_socket:  # the engine stream without gRPC, beside the gRPC socket
+        frames = EngineFrames(startup.stream_socket(config.unix_socket), engine, metrics, versions.log)
+        startup.clear_socket(frames.path)
+        undo.push("engine stream socket", frames.stop)
 
     tcp_server = grpc.aio.server(
         options=SERVER_CHANNEL_OPTIONS, interceptors=[versions, AuthInterceptor(policy, TCP, denied)]
@@ -234,6 +242,9 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         undo.push("health server", lambda: health_server.stop(None))
         health_address = f"{config.health_host}:{health_port}"
 
+    if frames is not None:
+        await frames.start()
+        startup.share_socket(frames.path, gid)
     await unix_server.start()
     startup.share_socket(config.unix_socket, gid)
     await tcp_server.start()
@@ -265,6 +276,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         metrics_server,
         health_server,
         health_address,
+        frames,
     )
     running.warmup = warmup.start(daemon.advertise_address, channel_creds)
     running.health_follower = _follow_dataplane(daemon, health, metrics)
@@ -373,6 +385,7 @@ def _write_ready_file(path: str, running: Running) -> None:
         "tcp": running.tcp_address,
         "advertise": running.daemon.advertise_address,
         "unix": running.unix_socket,
+        "engine_stream": running.engine_frames.path if running.engine_frames is not None else "",
         "metrics": running.metrics_address,
         "health": running.health_address,
         "dataplane_pid": running.daemon.status().dataplane_pid,  # the worker at start (it may be replaced)
@@ -396,6 +409,8 @@ async def stop(running: Running, grace_s: float) -> None:
     if running.health_server is not None:
         servers.append(running.health_server)
     await asyncio.gather(*(server.stop(1.0) for server in servers))
+    if running.engine_frames is not None:
+        await running.engine_frames.stop()
     if running.metrics_server is not None:
         _stop_metrics_server(running.metrics_server)
     startup.remove_socket(running.unix_socket)

@@ -25,6 +25,7 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 from kvd.config import KvdConfig
+from kvd_client._frames import SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,9 @@ def preflight(config: KvdConfig) -> None:
         raise _dir_error(existing, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
     if existing == sock_path.parent:
         check_socket_dir(existing)
-        if sock_path.is_symlink() or sock_path.exists():
-            _refuse_live_or_foreign(sock_path)
+        for path in (sock_path, *((Path(stream_socket(config.unix_socket)),) if config.engine_stream_socket else ())):
+            if path.is_symlink() or path.exists():
+                _refuse_live_or_foreign(path)
 
 
 def check_ports(config: KvdConfig) -> None:
@@ -285,9 +287,20 @@ def prepare_socket_dir(path: str, gid: int | None, undo: Undo) -> None:
                 stat.S_IMODE(info.st_mode),
                 info.st_gid,
             )
+    clear_socket(path)
+
+
+def stream_socket(unix_socket: str) -> str:
+    """Where the engine stream is served without gRPC, beside the gRPC socket (kvd_client._frames)."""
+    return unix_socket + SUFFIX
+
+
+def clear_socket(path: str) -> None:
+    """Remove a stale socket at ``path`` (its daemon is gone); refuse a live or foreign one."""
+    sock_path = Path(path)
     if sock_path.is_symlink() or sock_path.exists():
         _refuse_live_or_foreign(sock_path)
-        sock_path.unlink()  # stale: its daemon is gone
+        sock_path.unlink()
 
 
 def check_socket_dir(directory: Path) -> None:

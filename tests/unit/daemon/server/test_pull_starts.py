@@ -220,7 +220,7 @@ def test_the_daemons_bound_on_pulls_per_message_fails_every_item_and_starts_noth
         def _require_serving(self) -> None:
             pass
 
-        class _dataplane:  # noqa: N801 - stands in for Puller._dataplane: the step's READs are flushed
+        class _dataplane:  # stands in for Puller._dataplane: the step's READs are flushed
             @staticmethod
             def flush_reads() -> None:
                 pass
