@@ -24,9 +24,9 @@ import struct
 import threading
 from collections.abc import AsyncIterator, Iterator
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
-from kvd_client.v1 import engine_pb2
+from kvd_client.v1 import common_pb2, engine_pb2
 
 from . import errors
 from .channel import MAX_MESSAGE_BYTES, is_unix_target, normalize_target
@@ -54,7 +54,7 @@ def stream_socket_path(target: str) -> str | None:
     return path + SUFFIX if path else None
 
 
-def encode(message: engine_pb2.EngineMessage | engine_pb2.DaemonFrame) -> bytes:
+def encode(message: Message) -> bytes:
     """One frame: the message's length, then its bytes (ValueError past MAX_FRAME_BYTES)."""
     body = message.SerializeToString()
     if len(body) > MAX_FRAME_BYTES:
@@ -70,7 +70,7 @@ def frame_length(header: bytes) -> int:
     return length
 
 
-def end_error(end: engine_pb2.StreamEnd) -> errors.KvdError | None:
+def end_error(end: common_pb2.StreamEnd) -> errors.KvdError | None:
     """The error a stream's end frame names (its exact class), or None for a clean end."""
     if not end.code:
         return None

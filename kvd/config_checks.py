@@ -24,6 +24,8 @@ def problems(config: KvdConfig) -> list[str]:
         found.append("unix_socket must not be empty")
     if not 0 <= config.port <= 65535:
         found.append(f"port {config.port} is not in 0..65535")
+    if not -1 <= config.peer_stream_port <= 65535:
+        found.append(f"peer_stream_port {config.peer_stream_port} is not in -1..65535")
     if not -1 <= config.metrics_port <= 65535:
         found.append(f"metrics_port {config.metrics_port} is not in -1..65535")
     if not -1 <= config.health_port <= 65535:

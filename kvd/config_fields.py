@@ -273,6 +273,15 @@ class KvdConfig:
             "(what kvd did before; kept to measure the two side by side). Handshakes are unary either way."
         },
     )
+    peer_stream_port: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "TCP port (on host) of the peer stream without gRPC: the same calls, TLS and roles as PeerStream, "
+            "named to readers in every handshake; readers call on it once connected (a message there costs a "
+            "fraction of a gRPC one, and every pull's admission crosses it). 0: any free port; -1: neither "
+            "serve it nor use peers' (the peer stream over gRPC only)."
+        },
+    )
     gil_switch_interval_s: float = dataclasses.field(
         default=0.0002,
         metadata={

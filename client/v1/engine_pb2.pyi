@@ -185,18 +185,8 @@ class DaemonFrame(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     message: DaemonMessage
-    end: StreamEnd
-    def __init__(self, message: _Optional[_Union[DaemonMessage, _Mapping]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
-
-class StreamEnd(_message.Message):
-    __slots__ = ("code", "message", "error_class")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
-    code: int
-    message: str
-    error_class: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., error_class: _Optional[str] = ...) -> None: ...
+    end: _common_pb2.StreamEnd
+    def __init__(self, message: _Optional[_Union[DaemonMessage, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.StreamEnd, _Mapping]] = ...) -> None: ...
 
 class HoldBlocksRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "block_ids", "num_tokens", "ttl_ms", "group_block_ids", "group_block_counts", "soft")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvd_client.v1 import common_pb2 as kvd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kvd/v1/peer.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\"\xcd\x02\n\x08PeerCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x01(\x08\x12\x32\n\x0cprepare_pull\x18\n \x01(\x0b\x32\x1a.kvd.v1.PreparePullRequestH\x00\x12\x32\n\x0c\x61\x62\x61ndon_pull\x18\x0b \x01(\x0b\x32\x1a.kvd.v1.AbandonPullRequestH\x00\x12\x30\n\x0b\x66inish_read\x18\x0c \x01(\x0b\x32\x19.kvd.v1.FinishReadRequestH\x00\x12\x32\n\x0crenew_leases\x18\r \x01(\x0b\x32\x1a.kvd.v1.RenewLeasesRequestH\x00\x12\x36\n\x0erelease_leases\x18\x0e \x01(\x0b\x32\x1c.kvd.v1.ReleaseLeasesRequestH\x00\x42\x06\n\x04\x63\x61ll\",\n\tPeerCalls\x12\x1f\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x10.kvd.v1.PeerCall\"\xea\x02\n\tPeerReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x04 \x01(\t\x12\x33\n\x0cprepare_pull\x18\n \x01(\x0b\x32\x1b.kvd.v1.PreparePullResponseH\x00\x12\x33\n\x0c\x61\x62\x61ndon_pull\x18\x0b \x01(\x0b\x32\x1b.kvd.v1.AbandonPullResponseH\x00\x12\x31\n\x0b\x66inish_read\x18\x0c \x01(\x0b\x32\x1a.kvd.v1.FinishReadResponseH\x00\x12\x33\n\x0crenew_leases\x18\r \x01(\x0b\x32\x1b.kvd.v1.RenewLeasesResponseH\x00\x12\x37\n\x0erelease_leases\x18\x0e \x01(\x0b\x32\x1d.kvd.v1.ReleaseLeasesResponseH\x00\x42\x07\n\x05reply\"1\n\x0bPeerReplies\x12\"\n\x07replies\x18\x01 \x03(\x0b\x32\x11.kvd.v1.PeerReply\"F\n\x10HandshakeRequest\x12\x1a\n\x12\x63\x61ller_incarnation\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61ller_address\x18\x02 \x01(\t\"x\n\x10RegionDescriptor\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04vram\x18\x03 \x01(\x08\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\r\x12\x1b\n\x13registration_serial\x18\x05 \x01(\x04\"\xae\x02\n\x10\x45ngineDescriptor\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12)\n\x07regions\x18\x03 \x03(\x0b\x32\x18.kvd.v1.RegionDescriptor\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.kvd.v1.LayerPlacement\x12\x17\n\x0fregistration_id\x18\x05 \x01(\x04\x12\x13\n\x0b\x65\x61rly_reads\x18\x06 \x01(\x08\x12\x1a\n\x12step_notifications\x18\x07 \x01(\x08\x12\x1e\n\x16\x66inish_read_ends_reads\x18\x08 \x01(\x08\x12$\n\x06groups\x18\x32 \x03(\x0b\x32\x14.kvd.v1.KvCacheGroup\"\xce\x01\n\x11HandshakeResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12)\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x18.kvd.v1.EngineDescriptor\x12/\n\ragent_regions\x18\x05 \x03(\x0b\x32\x18.kvd.v1.RegionDescriptor\x12\x1c\n\x14\x65\x61rly_read_window_ms\x18\x06 \x01(\r\"\xf2\x02\n\x12PreparePullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12reader_incarnation\x18\x05 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x06 \x01(\r\x12\x16\n\x0ereader_tp_size\x18\x07 \x01(\r\x12\x17\n\x0fremote_tp_ranks\x18\x08 \x03(\r\x12\x16\n\x0ereader_address\x18\t \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\n \x01(\t\x12\x17\n\x0fread_timeout_ms\x18\x0b \x01(\r\x12\x0f\n\x07read_id\x18\x0c \x01(\t\x12\x18\n\x10registration_ids\x18\r \x03(\x04\x12\x17\n\x0fgroup_block_ids\x18\x32 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x33 \x03(\r\"]\n\x13PreparePullResponse\x12\x18\n\x10registration_ids\x18\x01 \x03(\x04\x12\x11\n\tnotif_tag\x18\x02 \x01(\t\x12\x19\n\x11verify_after_read\x18\x14 \x01(\x08\"\x86\x01\n\x12\x41\x62\x61ndonPullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x12reader_incarnation\x18\x04 \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\x05 \x01(\t\"\x15\n\x13\x41\x62\x61ndonPullResponse\"\x85\x01\n\x11\x46inishReadRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x02 \x01(\r\x12\x1a\n\x12reader_incarnation\x18\x03 \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\x14\n\x12\x46inishReadResponse\"\'\n\x12RenewLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"0\n\x13RenewLeasesResponse\x12\x19\n\x11unknown_lease_ids\x18\x01 \x03(\t\"9\n\x14ReleaseLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x17\n\x15ReleaseLeasesResponse2\xf4\x03\n\x0bPeerService\x12@\n\tHandshake\x12\x18.kvd.v1.HandshakeRequest\x1a\x19.kvd.v1.HandshakeResponse\x12\x46\n\x0bPreparePull\x12\x1a.kvd.v1.PreparePullRequest\x1a\x1b.kvd.v1.PreparePullResponse\x12\x46\n\x0b\x41\x62\x61ndonPull\x12\x1a.kvd.v1.AbandonPullRequest\x1a\x1b.kvd.v1.AbandonPullResponse\x12\x43\n\nFinishRead\x12\x19.kvd.v1.FinishReadRequest\x1a\x1a.kvd.v1.FinishReadResponse\x12\x46\n\x0bRenewLeases\x12\x1a.kvd.v1.RenewLeasesRequest\x1a\x1b.kvd.v1.RenewLeasesResponse\x12L\n\rReleaseLeases\x12\x1c.kvd.v1.ReleaseLeasesRequest\x1a\x1d.kvd.v1.ReleaseLeasesResponse\x12\x38\n\nPeerStream\x12\x11.kvd.v1.PeerCalls\x1a\x13.kvd.v1.PeerReplies(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kvd/v1/peer.proto\x12\x06kvd.v1\x1a\x13kvd/v1/common.proto\"\xcd\x02\n\x08PeerCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61ncel\x18\x03 \x01(\x08\x12\x32\n\x0cprepare_pull\x18\n \x01(\x0b\x32\x1a.kvd.v1.PreparePullRequestH\x00\x12\x32\n\x0c\x61\x62\x61ndon_pull\x18\x0b \x01(\x0b\x32\x1a.kvd.v1.AbandonPullRequestH\x00\x12\x30\n\x0b\x66inish_read\x18\x0c \x01(\x0b\x32\x19.kvd.v1.FinishReadRequestH\x00\x12\x32\n\x0crenew_leases\x18\r \x01(\x0b\x32\x1a.kvd.v1.RenewLeasesRequestH\x00\x12\x36\n\x0erelease_leases\x18\x0e \x01(\x0b\x32\x1c.kvd.v1.ReleaseLeasesRequestH\x00\x42\x06\n\x04\x63\x61ll\",\n\tPeerCalls\x12\x1f\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x10.kvd.v1.PeerCall\"\xea\x02\n\tPeerReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12\x13\n\x0b\x65rror_class\x18\x04 \x01(\t\x12\x33\n\x0cprepare_pull\x18\n \x01(\x0b\x32\x1b.kvd.v1.PreparePullResponseH\x00\x12\x33\n\x0c\x61\x62\x61ndon_pull\x18\x0b \x01(\x0b\x32\x1b.kvd.v1.AbandonPullResponseH\x00\x12\x31\n\x0b\x66inish_read\x18\x0c \x01(\x0b\x32\x1a.kvd.v1.FinishReadResponseH\x00\x12\x33\n\x0crenew_leases\x18\r \x01(\x0b\x32\x1b.kvd.v1.RenewLeasesResponseH\x00\x12\x37\n\x0erelease_leases\x18\x0e \x01(\x0b\x32\x1d.kvd.v1.ReleaseLeasesResponseH\x00\x42\x07\n\x05reply\"1\n\x0bPeerReplies\x12\"\n\x07replies\x18\x01 \x03(\x0b\x32\x11.kvd.v1.PeerReply\"]\n\tPeerFrame\x12&\n\x07replies\x18\x01 \x01(\x0b\x32\x13.kvd.v1.PeerRepliesH\x00\x12 \n\x03\x65nd\x18\x02 \x01(\x0b\x32\x11.kvd.v1.StreamEndH\x00\x42\x06\n\x04kind\"F\n\x10HandshakeRequest\x12\x1a\n\x12\x63\x61ller_incarnation\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61ller_address\x18\x02 \x01(\t\"x\n\x10RegionDescriptor\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0c\n\x04vram\x18\x03 \x01(\x08\x12\x14\n\x0c\x64\x65vice_index\x18\x04 \x01(\r\x12\x1b\n\x13registration_serial\x18\x05 \x01(\x04\"\xae\x02\n\x10\x45ngineDescriptor\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.kvd.v1.KvLayoutSpec\x12)\n\x07regions\x18\x03 \x03(\x0b\x32\x18.kvd.v1.RegionDescriptor\x12&\n\x06layers\x18\x04 \x03(\x0b\x32\x16.kvd.v1.LayerPlacement\x12\x17\n\x0fregistration_id\x18\x05 \x01(\x04\x12\x13\n\x0b\x65\x61rly_reads\x18\x06 \x01(\x08\x12\x1a\n\x12step_notifications\x18\x07 \x01(\x08\x12\x1e\n\x16\x66inish_read_ends_reads\x18\x08 \x01(\x08\x12$\n\x06groups\x18\x32 \x03(\x0b\x32\x14.kvd.v1.KvCacheGroup\"\xe8\x01\n\x11HandshakeResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12)\n\x07\x65ngines\x18\x04 \x03(\x0b\x32\x18.kvd.v1.EngineDescriptor\x12/\n\ragent_regions\x18\x05 \x03(\x0b\x32\x18.kvd.v1.RegionDescriptor\x12\x1c\n\x14\x65\x61rly_read_window_ms\x18\x06 \x01(\r\x12\x18\n\x10peer_stream_port\x18\x07 \x01(\r\"\xf2\x02\n\x12PreparePullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12reader_incarnation\x18\x05 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x06 \x01(\r\x12\x16\n\x0ereader_tp_size\x18\x07 \x01(\r\x12\x17\n\x0fremote_tp_ranks\x18\x08 \x03(\r\x12\x16\n\x0ereader_address\x18\t \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\n \x01(\t\x12\x17\n\x0fread_timeout_ms\x18\x0b \x01(\r\x12\x0f\n\x07read_id\x18\x0c \x01(\t\x12\x18\n\x10registration_ids\x18\r \x03(\x04\x12\x17\n\x0fgroup_block_ids\x18\x32 \x03(\r\x12\x1a\n\x12group_block_counts\x18\x33 \x03(\r\"]\n\x13PreparePullResponse\x12\x18\n\x10registration_ids\x18\x01 \x03(\x04\x12\x11\n\tnotif_tag\x18\x02 \x01(\t\x12\x19\n\x11verify_after_read\x18\x14 \x01(\x08\"\x86\x01\n\x12\x41\x62\x61ndonPullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1a\n\x12reader_incarnation\x18\x04 \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\x05 \x01(\t\"\x15\n\x13\x41\x62\x61ndonPullResponse\"\x85\x01\n\x11\x46inishReadRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0ereader_tp_rank\x18\x02 \x01(\r\x12\x1a\n\x12reader_incarnation\x18\x03 \x01(\t\x12\x1a\n\x12reader_transfer_id\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\x14\n\x12\x46inishReadResponse\"\'\n\x12RenewLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"0\n\x13RenewLeasesResponse\x12\x19\n\x11unknown_lease_ids\x18\x01 \x03(\t\"9\n\x14ReleaseLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x17\n\x15ReleaseLeasesResponse2\xf4\x03\n\x0bPeerService\x12@\n\tHandshake\x12\x18.kvd.v1.HandshakeRequest\x1a\x19.kvd.v1.HandshakeResponse\x12\x46\n\x0bPreparePull\x12\x1a.kvd.v1.PreparePullRequest\x1a\x1b.kvd.v1.PreparePullResponse\x12\x46\n\x0b\x41\x62\x61ndonPull\x12\x1a.kvd.v1.AbandonPullRequest\x1a\x1b.kvd.v1.AbandonPullResponse\x12\x43\n\nFinishRead\x12\x19.kvd.v1.FinishReadRequest\x1a\x1a.kvd.v1.FinishReadResponse\x12\x46\n\x0bRenewLeases\x12\x1a.kvd.v1.RenewLeasesRequest\x1a\x1b.kvd.v1.RenewLeasesResponse\x12L\n\rReleaseLeases\x12\x1c.kvd.v1.ReleaseLeasesRequest\x1a\x1d.kvd.v1.ReleaseLeasesResponse\x12\x38\n\nPeerStream\x12\x11.kvd.v1.PeerCalls\x1a\x13.kvd.v1.PeerReplies(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,34 +40,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PEERREPLY']._serialized_end=795
   _globals['_PEERREPLIES']._serialized_start=797
   _globals['_PEERREPLIES']._serialized_end=846
-  _globals['_HANDSHAKEREQUEST']._serialized_start=848
-  _globals['_HANDSHAKEREQUEST']._serialized_end=918
-  _globals['_REGIONDESCRIPTOR']._serialized_start=920
-  _globals['_REGIONDESCRIPTOR']._serialized_end=1040
-  _globals['_ENGINEDESCRIPTOR']._serialized_start=1043
-  _globals['_ENGINEDESCRIPTOR']._serialized_end=1345
-  _globals['_HANDSHAKERESPONSE']._serialized_start=1348
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1554
-  _globals['_PREPAREPULLREQUEST']._serialized_start=1557
-  _globals['_PREPAREPULLREQUEST']._serialized_end=1927
-  _globals['_PREPAREPULLRESPONSE']._serialized_start=1929
-  _globals['_PREPAREPULLRESPONSE']._serialized_end=2022
-  _globals['_ABANDONPULLREQUEST']._serialized_start=2025
-  _globals['_ABANDONPULLREQUEST']._serialized_end=2159
-  _globals['_ABANDONPULLRESPONSE']._serialized_start=2161
-  _globals['_ABANDONPULLRESPONSE']._serialized_end=2182
-  _globals['_FINISHREADREQUEST']._serialized_start=2185
-  _globals['_FINISHREADREQUEST']._serialized_end=2318
-  _globals['_FINISHREADRESPONSE']._serialized_start=2320
-  _globals['_FINISHREADRESPONSE']._serialized_end=2340
-  _globals['_RENEWLEASESREQUEST']._serialized_start=2342
-  _globals['_RENEWLEASESREQUEST']._serialized_end=2381
-  _globals['_RENEWLEASESRESPONSE']._serialized_start=2383
-  _globals['_RENEWLEASESRESPONSE']._serialized_end=2431
-  _globals['_RELEASELEASESREQUEST']._serialized_start=2433
-  _globals['_RELEASELEASESREQUEST']._serialized_end=2490
-  _globals['_RELEASELEASESRESPONSE']._serialized_start=2492
-  _globals['_RELEASELEASESRESPONSE']._serialized_end=2515
-  _globals['_PEERSERVICE']._serialized_start=2518
-  _globals['_PEERSERVICE']._serialized_end=3018
+  _globals['_PEERFRAME']._serialized_start=848
+  _globals['_PEERFRAME']._serialized_end=941
+  _globals['_HANDSHAKEREQUEST']._serialized_start=943
+  _globals['_HANDSHAKEREQUEST']._serialized_end=1013
+  _globals['_REGIONDESCRIPTOR']._serialized_start=1015
+  _globals['_REGIONDESCRIPTOR']._serialized_end=1135
+  _globals['_ENGINEDESCRIPTOR']._serialized_start=1138
+  _globals['_ENGINEDESCRIPTOR']._serialized_end=1440
+  _globals['_HANDSHAKERESPONSE']._serialized_start=1443
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1675
+  _globals['_PREPAREPULLREQUEST']._serialized_start=1678
+  _globals['_PREPAREPULLREQUEST']._serialized_end=2048
+  _globals['_PREPAREPULLRESPONSE']._serialized_start=2050
+  _globals['_PREPAREPULLRESPONSE']._serialized_end=2143
+  _globals['_ABANDONPULLREQUEST']._serialized_start=2146
+  _globals['_ABANDONPULLREQUEST']._serialized_end=2280
+  _globals['_ABANDONPULLRESPONSE']._serialized_start=2282
+  _globals['_ABANDONPULLRESPONSE']._serialized_end=2303
+  _globals['_FINISHREADREQUEST']._serialized_start=2306
+  _globals['_FINISHREADREQUEST']._serialized_end=2439
+  _globals['_FINISHREADRESPONSE']._serialized_start=2441
+  _globals['_FINISHREADRESPONSE']._serialized_end=2461
+  _globals['_RENEWLEASESREQUEST']._serialized_start=2463
+  _globals['_RENEWLEASESREQUEST']._serialized_end=2502
+  _globals['_RENEWLEASESRESPONSE']._serialized_start=2504
+  _globals['_RENEWLEASESRESPONSE']._serialized_end=2552
+  _globals['_RELEASELEASESREQUEST']._serialized_start=2554
+  _globals['_RELEASELEASESREQUEST']._serialized_end=2611
+  _globals['_RELEASELEASESRESPONSE']._serialized_start=2613
+  _globals['_RELEASELEASESRESPONSE']._serialized_end=2636
+  _globals['_PEERSERVICE']._serialized_start=2639
+  _globals['_PEERSERVICE']._serialized_end=3139
 # @@protoc_insertion_point(module_scope)

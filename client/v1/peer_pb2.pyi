@@ -61,6 +61,14 @@ class PeerReplies(_message.Message):
     replies: _containers.RepeatedCompositeFieldContainer[PeerReply]
     def __init__(self, replies: _Optional[_Iterable[_Union[PeerReply, _Mapping]]] = ...) -> None: ...
 
+class PeerFrame(_message.Message):
+    __slots__ = ("replies", "end")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    replies: PeerReplies
+    end: _common_pb2.StreamEnd
+    def __init__(self, replies: _Optional[_Union[PeerReplies, _Mapping]] = ..., end: _Optional[_Union[_common_pb2.StreamEnd, _Mapping]] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ("caller_incarnation", "caller_address")
     CALLER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -106,20 +114,22 @@ class EngineDescriptor(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., layers: _Optional[_Iterable[_Union[_common_pb2.LayerPlacement, _Mapping]]] = ..., registration_id: _Optional[int] = ..., early_reads: _Optional[bool] = ..., step_notifications: _Optional[bool] = ..., finish_read_ends_reads: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[_common_pb2.KvCacheGroup, _Mapping]]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("incarnation", "agent_name", "agent_metadata", "engines", "agent_regions", "early_read_window_ms")
+    __slots__ = ("incarnation", "agent_name", "agent_metadata", "engines", "agent_regions", "early_read_window_ms", "peer_stream_port")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     AGENT_REGIONS_FIELD_NUMBER: _ClassVar[int]
     EARLY_READ_WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
+    PEER_STREAM_PORT_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     agent_name: str
     agent_metadata: bytes
     engines: _containers.RepeatedCompositeFieldContainer[EngineDescriptor]
     agent_regions: _containers.RepeatedCompositeFieldContainer[RegionDescriptor]
     early_read_window_ms: int
-    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., agent_regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., early_read_window_ms: _Optional[int] = ...) -> None: ...
+    peer_stream_port: int
+    def __init__(self, incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., engines: _Optional[_Iterable[_Union[EngineDescriptor, _Mapping]]] = ..., agent_regions: _Optional[_Iterable[_Union[RegionDescriptor, _Mapping]]] = ..., early_read_window_ms: _Optional[int] = ..., peer_stream_port: _Optional[int] = ...) -> None: ...
 
 class PreparePullRequest(_message.Message):
     __slots__ = ("lease_id", "engine_id", "block_ids", "num_tokens", "reader_incarnation", "reader_tp_rank", "reader_tp_size", "remote_tp_ranks", "reader_address", "reader_transfer_id", "read_timeout_ms", "read_id", "registration_ids", "group_block_ids", "group_block_counts")

@@ -196,16 +196,18 @@ class EngineSummary(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., stream_connected: _Optional[bool] = ..., layout: _Optional[_Union[_common_pb2.KvLayoutSpec, _Mapping]] = ..., held_bytes: _Optional[int] = ..., soft_held_bytes: _Optional[int] = ..., draining_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerSummary(_message.Message):
-    __slots__ = ("address", "incarnation", "agent_name", "last_contact_s_ago")
+    __slots__ = ("address", "incarnation", "agent_name", "last_contact_s_ago", "framed_stream")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAST_CONTACT_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    FRAMED_STREAM_FIELD_NUMBER: _ClassVar[int]
     address: str
     incarnation: str
     agent_name: str
     last_contact_s_ago: float
-    def __init__(self, address: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., last_contact_s_ago: _Optional[float] = ...) -> None: ...
+    framed_stream: bool
+    def __init__(self, address: _Optional[str] = ..., incarnation: _Optional[str] = ..., agent_name: _Optional[str] = ..., last_contact_s_ago: _Optional[float] = ..., framed_stream: _Optional[bool] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("incarnation", "agent_name", "peer_address", "engines", "peers", "transfers_in_flight", "leases_held", "serving", "uptime_s", "leases_draining", "metrics_address", "admitted_reads", "quarantined_bytes", "remote_agents", "version", "holds_ended", "dataplane_pid", "dataplane_restarts", "dataplane_last_restart", "finishing_calls")

@@ -242,9 +242,10 @@ def _layout(spec: Any) -> str:
 def _peers(s: router_pb2.GetStatusResponse) -> list[str]:
     if not s.peers:
         return ["peers: none contacted", ""]
-    rows = [["PEER", "INCARNATION", "LAST CONTACT", "AGENT"]]
+    rows = [["PEER", "INCARNATION", "LAST CONTACT", "STREAM", "AGENT"]]
     for p in sorted(s.peers, key=lambda p: p.address):
-        rows.append([p.address, p.incarnation[:8], f"{_duration(p.last_contact_s_ago)} ago", p.agent_name])
+        stream = "framed" if p.framed_stream else "gRPC"
+        rows.append([p.address, p.incarnation[:8], f"{_duration(p.last_contact_s_ago)} ago", stream, p.agent_name])
     return [f"peers: {len(s.peers)}", *_table(rows), ""]
 
 

@@ -30,6 +30,7 @@ import os
 import selectors
 import signal
 import socket
+import ssl
 import sys
 import threading
 from pathlib import Path
@@ -53,6 +54,8 @@ from kvd.server.client_versions import ClientVersionInterceptor
 from kvd.server.engine_frames import EngineFrames
 from kvd.server.notify import Notifier, watchdog
 from kvd.server.peer_client import GrpcPeerTransport
+from kvd.server.peer_frames import PeerFrames
+from kvd.server.peer_frames import tls_contexts as peer_frames_tls
 from kvd.server.servicers import EngineServicer, PeerServicer, RouterServicer
 from kvd.server.startup import CONFIG_ERROR, StartupError, Undo
 from kvd_client.channel import SERVER_OPTIONS
@@ -97,6 +100,8 @@ class Running:
     health_address: str = ""
     # The engine stream without gRPC on <unix_socket>.stream (engine_stream_socket), or None.
     engine_frames: EngineFrames | None = None
+    # The peer stream without gRPC on its own TCP port (peer_stream_port), or None.
+    peer_frames: PeerFrames | None = None
     # The TCP listener's first call, made by the daemon itself (kvd.server.warmup); cancelled at stop.
     warmup: asyncio.Task[bool] | None = None
     # Sets health from whether a data-plane worker serves (_follow_dataplane); cancelled at stop.
@@ -117,6 +122,18 @@ def _credentials(config: KvdConfig) -> tuple[grpc.ServerCredentials | None, grpc
             f"the TLS files are not usable: {exc}", "check tls_cert, tls_key and tls_ca", CONFIG_ERROR
         ) from exc
     return server, channel
+
+
+def _frames_tls(config: KvdConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """The framed peer port's TLS (server, client), from the gRPC port's files (kvd.server.peer_frames)."""
+    try:
+        return peer_frames_tls(config)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise StartupError(
+            f"the TLS files are not usable for the peer stream: {exc}",
+            "check tls_cert, tls_key and tls_ca",
+            CONFIG_ERROR,
+        ) from exc
 
 
 def _policy(config: KvdConfig) -> Policy:
@@ -178,11 +195,14 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     metrics = Metrics()
     metrics.build_info.labels(__version__).set(1)
     holder: list[Daemon] = []
+    frames_server_tls, frames_client_tls = _frames_tls(config)
     transport = GrpcPeerTransport(
         lambda: holder[0].advertise_address,
         lambda: holder[0].incarnation,
         channel_creds,
         calls_on_stream=config.peer_calls_on_stream,
+        frames_tls=frames_client_tls,
+        use_frames=config.peer_stream_port >= 0,
     )
     daemon = Daemon(config, transport, metrics)
     holder.append(daemon)
@@ -190,7 +210,11 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     await daemon.start()
 
     health = HealthServicer()
-    engine, peer, router = EngineServicer(daemon), PeerServicer(daemon), RouterServicer(daemon, transport.last_contact)
+    engine, peer, router = (
+        EngineServicer(daemon),
+        PeerServicer(daemon),
+        RouterServicer(daemon, transport.last_contact, transport.framed),
+    )
 
     def denied(method: str, code: str) -> None:
         metrics.errors.labels(method.rsplit("/", 1)[-1], code).inc()
@@ -230,6 +254,16 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     port = _add_port(tcp_server, "TCP", "", config.host, config.port, server_creds)
     policy.tcp_port = port
     undo.push("TCP server", lambda: tcp_server.stop(None))
+    peer_frames = None
+    if config.peer_stream_port >= 0 and config.peer_calls_on_stream:  # the peer stream without gRPC
+        peer_frames = PeerFrames(
+            config.host, config.peer_stream_port, policy, lambda: peer.handlers, metrics, frames_server_tls, denied
+        )
+        try:
+            peer.peer_stream_port = await peer_frames.start()
+        except OSError as exc:
+            raise startup.bind_error("peer stream", "peer-stream-", config.host, config.peer_stream_port, exc) from exc
+        undo.push("peer stream port", peer_frames.stop)
     tcp_address = f"{config.host}:{port}"
     daemon.advertise_address = config.advertise_address or tcp_address
 
@@ -277,6 +311,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
         health_server,
         health_address,
         frames,
+        peer_frames,
     )
     running.warmup = warmup.start(daemon.advertise_address, channel_creds)
     running.health_follower = _follow_dataplane(daemon, health, metrics)
@@ -383,6 +418,7 @@ def _write_ready_file(path: str, running: Running) -> None:
         "incarnation": running.daemon.incarnation,
         "agent_name": running.daemon.agent_name,
         "tcp": running.tcp_address,
+        "peer_stream_port": running.peer_frames.port if running.peer_frames is not None else 0,
         "advertise": running.daemon.advertise_address,
         "unix": running.unix_socket,
         "engine_stream": running.engine_frames.path if running.engine_frames is not None else "",
@@ -409,8 +445,9 @@ async def stop(running: Running, grace_s: float) -> None:
     if running.health_server is not None:
         servers.append(running.health_server)
     await asyncio.gather(*(server.stop(1.0) for server in servers))
-    if running.engine_frames is not None:
-        await running.engine_frames.stop()
+    for frames in (running.engine_frames, running.peer_frames):
+        if frames is not None:
+            await frames.stop()
     if running.metrics_server is not None:
         _stop_metrics_server(running.metrics_server)
     startup.remove_socket(running.unix_socket)

@@ -41,7 +41,7 @@ import hmac
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,18 +205,25 @@ class Policy:
     def principal(self, listener: str, context: grpc.aio.ServicerContext, metadata: Iterable[Any]) -> Principal:
         if listener == UNIX:
             return Principal("an engine-socket caller", frozenset({ENGINE, ROUTER, OPERATOR}), True)
+        return self.tcp_principal(context.auth_context() or {}, context.peer() or "", metadata, self.tcp_port)
+
+    def tcp_principal(
+        self, auth: Mapping[str, Iterable[bytes]], peer: str, metadata: Iterable[Any], server_port: int
+    ) -> Principal:
+        """A TCP caller's roles from what gRPC's auth context says of it (``auth``: the SANs of a
+        verified client certificate), its address, its metadata (a bearer token), and the port it
+        called (whose loopback connections name their uid): the gRPC port's callers, and the
+        framed peer port's (kvd.server.peer_frames), by one rule."""
         roles: set[Role] = set()
         what: list[str] = []
         identified = False
-        auth = context.auth_context() or {}
-        peer = context.peer() or ""
         names = [v.decode("utf-8", "replace") for k in ("peer_dns", "peer_uri") for v in auth.get(k, [])]
         if auth.get("transport_security_type") == [b"ssl"] and names:
             identified = True
             roles |= self.roles_of_names(names)
             what.append(f"certificate {clip(', '.join(names), 120)}")
         else:  # plaintext, or TLS without a client certificate (no tls_ca): no identity from TLS
-            uid = tcp_peer_uid(peer, self.tcp_port) if is_loopback_peer(peer) else None
+            uid = tcp_peer_uid(peer, server_port) if is_loopback_peer(peer) else None
             if uid is not None and uid in self.trusted_uids:
                 roles |= {PEER, ROUTER, OPERATOR}
                 identified = True
@@ -265,7 +272,8 @@ async def _refuse(context: grpc.aio.ServicerContext, error: KvdError) -> None:
     await context.abort(status_code(error.code), error.message)
 
 
-def _denial(method: str, allowed: frozenset[Role] | None, principal: Principal) -> KvdError:
+def denial(method: str, allowed: frozenset[Role] | None, principal: Principal) -> KvdError:
+    """The error a caller without the roles ``method`` needs gets (unauthenticated: no identity)."""
     short = method.rsplit("/", 2)[-2].rsplit(".", 1)[-1] + "/" + method.rsplit("/", 1)[-1]
     if allowed is None:
         return PermissionDenied(f"{clip(short)} is not served to anyone")
@@ -321,7 +329,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         principal = self.policy.principal(self.listener, context, context.invocation_metadata() or ())
         if allowed is not None and principal.roles & allowed:
             return
-        error = _denial(method, allowed, principal)
+        error = denial(method, allowed, principal)
         logger.info("refused %s from %s: %s", clip(method), principal.description, error.message)
         if self.on_denied is not None:
             self.on_denied(method, error.code.name)

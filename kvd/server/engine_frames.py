@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any, cast
 
@@ -30,12 +31,13 @@ import grpc
 
 from kvd.core.metrics import Metrics
 from kvd.server.client_versions import ClientVersionLog
-from kvd.server.edge import as_kvd_error, bounded
+from kvd.server.edge import as_kvd_error
 from kvd.server.engine_servicer import EngineServicer
+from kvd.server.framed import end_of, finish
 from kvd.server.request_bounds import check_request, parser_of
 from kvd_client._frames import HEADER, MAGIC, encode, frame_length
 from kvd_client.errors import ERROR_CLASS_METADATA_KEY, InvalidArgument, KvdError, Unavailable
-from kvd_client.v1 import engine_pb2
+from kvd_client.v1 import common_pb2, engine_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +54,7 @@ class _Ended(Exception):
 
     def __init__(self, code: int, message: str, error_class: str) -> None:
         super().__init__(message)
-        self.end = engine_pb2.StreamEnd(code=code, message=message, error_class=error_class)
+        self.end = common_pb2.StreamEnd(code=code, message=message, error_class=error_class)
 
 
 class FramedContext:
@@ -110,21 +112,21 @@ class EngineFrames:
         task = asyncio.current_task()
         assert task is not None
         self._streams.add(task)
-        end: engine_pb2.StreamEnd | None = None
+        end: common_pb2.StreamEnd | None = None
+        shutting_down = False
         try:
             end = await self._run(reader, writer)
         except asyncio.CancelledError:  # stop(): the connection's own task, ended here on purpose
-            end = _end_of(Unavailable("the daemon is shutting down: open the stream on its replacement"))
-        except (ConnectionError, OSError):
-            pass  # the engine went away: nobody to tell
+            shutting_down = True
+            end = end_of(Unavailable("the daemon is shutting down: open the stream on its replacement"))
+        except (ConnectionError, OSError, ssl.SSLError):
+            pass  # the caller went away: nobody to tell
         finally:
             self._streams.discard(task)
-            if end is not None:
-                with contextlib.suppress(ConnectionError, OSError, RuntimeError):
-                    writer.write(encode(engine_pb2.DaemonFrame(end=end)))
-            writer.close()
+            last = encode(engine_pb2.DaemonFrame(end=end)) if end is not None else None
+            await finish(reader, writer, last, linger=not shutting_down)
 
-    async def _run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> engine_pb2.StreamEnd:
+    async def _run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> common_pb2.StreamEnd:
         """Run one stream to its end; the end to send (OK, or the status it failed with)."""
         context = FramedContext()
         try:
@@ -147,8 +149,8 @@ class EngineFrames:
         except _Ended as ended:  # the servicer's edge mapped an error (counted there)
             return ended.end
         except KvdError as exc:  # refused before the servicer ran (its edge never saw it)
-            return _end_of(as_kvd_error(self._metrics, "EngineStream", exc))
-        return engine_pb2.StreamEnd()
+            return end_of(as_kvd_error(self._metrics, "EngineStream", exc))
+        return common_pb2.StreamEnd()
 
     async def _requests(self, reader: asyncio.StreamReader) -> AsyncIterator[engine_pb2.EngineMessage]:
         """The engine's messages, each parsed and bounded as a gRPC request is; ends at the
@@ -181,7 +183,3 @@ class EngineFrames:
             return await asyncio.wait_for(reader.readexactly(size), HELLO_TIMEOUT_S)
         except TimeoutError:
             raise InvalidArgument(f"no hello within {HELLO_TIMEOUT_S:.0f} s of connecting") from None
-
-
-def _end_of(error: KvdError) -> engine_pb2.StreamEnd:
-    return engine_pb2.StreamEnd(code=error.code.value, message=bounded(error.message), error_class=type(error).__name__)

@@ -13,6 +13,7 @@ and a channel each had opened dozens of TCP connections to it (the fleet saw 30-
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ import grpc
 
 from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult
 from kvd.server import convert
+from kvd.server.peer_frames import FramedPeerCall, split_host
 from kvd.server.peer_stream import OPERATIONS, PeerStreamCaller, StreamUnsupported
 from kvd_client.channel import PEER_CHANNEL_OPTIONS
 from kvd_client.errors import ErrorCode, KvdError, PeerUnavailable, from_status
@@ -49,11 +51,16 @@ class GrpcPeerTransport:
         own_incarnation: Callable[[], str],
         credentials: grpc.ChannelCredentials | None = None,
         calls_on_stream: bool = True,
+        frames_tls: ssl.SSLContext | None = None,
+        use_frames: bool = False,
     ) -> None:
         self._own_address = own_address
         self._own_incarnation = own_incarnation
         self._credentials = credentials
         self._calls_on_stream = calls_on_stream
+        # The peer stream on a holder's framed port where its handshake names one (kvd.server.peer_frames).
+        self._use_frames = use_frames and calls_on_stream
+        self._frames_tls = frames_tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         # One PeerStream per peer (kvd.server.peer_stream), when calls_on_stream.
         self._streams: dict[str, PeerStreamCaller] = {}
@@ -116,6 +123,11 @@ class GrpcPeerTransport:
         self.last_contact[address] = time.monotonic()
         return response
 
+    def framed(self, address: str) -> bool:
+        """Whether calls to the peer at ``address`` go on its framed port now (kvd.server.peer_frames)."""
+        stream = self._streams.get(address)
+        return stream is not None and stream.framed
+
     def _stream(self, address: str) -> PeerStreamCaller:
         stream = self._streams.get(address)
         if stream is None:
@@ -131,6 +143,13 @@ class GrpcPeerTransport:
             # later break reopens it on its next call; a dropped peer's stream is closed with it).
             self._stream(address).open()
         response = await self._call(address, "handshake", lambda stub: stub.Handshake(request, timeout=timeout_s))
+        port = response.peer_stream_port
+        if self._use_frames and port and address not in self._unary_only:
+            try:
+                host, tls = split_host(address), self._frames_tls
+            except KvdError:
+                return convert.handshake_from_pb(response)  # an address with no host: gRPC only
+            self._stream(address).open_frames(lambda: FramedPeerCall.connect(address, host, port, tls))
         return convert.handshake_from_pb(response)
 
     async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult:
@@ -246,13 +265,17 @@ class GrpcPeerTransport:
         await channel.close()
 
     async def forget(self, address: str) -> None:
-        """Close the stream and channel to a dropped peer (a later call opens new ones)."""
+        """Close the stream and channel to a dropped peer (a later call opens new ones).
+
+        Everything is taken out of the tables before anything is awaited: a call made while the
+        old stream closes opens a new stream on a new channel, never one on the channel being
+        closed (its writes would wait for good: the PreparePull that did hung to its deadline)."""
         stream = self._streams.pop(address, None)
-        if stream is not None:
-            await stream.close()
         self._unary_only.discard(address)
         self._stubs.pop(address, None)
         channel = self._channels.pop(address, None)
+        if stream is not None:
+            await stream.close()
         if channel is not None:
             await channel.close()
 

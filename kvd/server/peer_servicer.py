@@ -23,13 +23,16 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self.metrics = daemon.metrics
+        self.peer_stream_port = 0  # where the peer stream is served without gRPC (kvd.server.peer_frames)
 
     @rpc
     async def Handshake(
         self, request: peer_pb2.HandshakeRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.HandshakeResponse:
         self.daemon.require_serving()
-        return convert.handshake_to_pb(self.daemon.handshake_info())
+        response = convert.handshake_to_pb(self.daemon.handshake_info())
+        response.peer_stream_port = self.peer_stream_port
+        return response
 
     @rpc
     async def PreparePull(
@@ -69,6 +72,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             yield replies
 
     # --- the calls, whether unary or on the stream ----------------------------------------------
+
+    @property
+    def handlers(self) -> PeerHandlers:
+        """The calls of the peer stream, by kind (the gRPC stream's and the framed one's)."""
+        return self._handlers
 
     @property
     def _handlers(self) -> PeerHandlers:

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -201,22 +202,54 @@ def _error_reply(call_id: int, error: KvdError, with_class: bool = True) -> peer
 
 
 class PeerStreamCaller:
-    """Calls to one peer daemon over its PeerStream; opened on first use, reopened after a break."""
+    """Calls to one peer daemon over its PeerStream; opened on first use, reopened after a break.
+    Where the peer serves the stream on a framed port too (kvd.server.peer_frames), calls go
+    there once it is connected, and back on gRPC's stream if that one breaks."""
 
     def __init__(self, address: str, stub: Callable[[], peer_pb2_grpc.PeerServiceStub]) -> None:
         self.address = address
         self._stub = stub
         self._ids = itertools.count(1)
         self._stream: _OpenStream | None = None
+        self._framed: _OpenStream | None = None
+        self._connecting: asyncio.Task[None] | None = None
         self._closed = False
 
     def open(self) -> None:
         """Open the stream now (after a handshake), so the first pull does not wait for it."""
         self._current()
 
+    @property
+    def framed(self) -> bool:
+        """Whether calls go on the peer's framed stream now."""
+        return self._framed is not None and self._framed.broken is None
+
+    def open_frames(self, connect: Callable[[], Awaitable[Any]]) -> None:
+        """Connect the peer's framed stream in the background (a handshake named its port):
+        calls go on it once connected, on gRPC's stream until then and wherever it cannot be."""
+        if self._closed or self.framed or (self._connecting is not None and not self._connecting.done()):
+            return
+        self._connecting = asyncio.get_running_loop().create_task(
+            self._connect_frames(connect), name=f"kvd-peer-frames-{self.address}"
+        )
+
+    async def _connect_frames(self, connect: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            call = await connect()
+        except (OSError, TimeoutError, ssl.SSLError, KvdError) as exc:
+            logger.info("peer daemon %s: its framed stream is out of reach (%s): calls go over gRPC", self.address, exc)
+            return
+        if self._closed:
+            call.cancel()
+            return
+        self._framed = _OpenStream(self.address, call)
+
     def _current(self) -> _OpenStream:
         if self._closed:
             raise PeerUnavailable(f"peer daemon {self.address}: this daemon dropped it")
+        framed = self._framed
+        if framed is not None and framed.broken is None:
+            return framed
         stream = self._stream
         if stream is None or stream.broken is not None:
             stream = self._stream = _OpenStream(self.address, self._stub().PeerStream())
@@ -238,8 +271,8 @@ class PeerStreamCaller:
         except asyncio.CancelledError:
             stream.withdraw(call_id)
             raise
-        except _StreamBroken as exc:
-            if exc.error is not None and rpc_error_code(exc.error) is ErrorCode.UNIMPLEMENTED:
+        except StreamBroken as exc:
+            if exc.code is ErrorCode.UNIMPLEMENTED:
                 raise StreamUnsupported(self.address) from None
             raise exc.error_for(self.address, what) from None
         if reply.code:
@@ -252,9 +285,14 @@ class PeerStreamCaller:
 
     async def close(self) -> None:
         self._closed = True
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            await stream.close()
+        if self._connecting is not None:
+            self._connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._connecting
+        for stream in (self._stream, self._framed):
+            if stream is not None:
+                await stream.close()
+        self._stream = self._framed = None
 
 
 class StreamUnsupported(Exception):
@@ -265,27 +303,28 @@ class StreamUnsupported(Exception):
         self.address = address
 
 
-class _StreamBroken(Exception):
-    """The stream a call waited on ended before its reply."""
+class StreamBroken(Exception):
+    """The stream a call waited on ended before its reply: why, and the stream's status where it
+    had one (its code, and the kvd class a holder names; none: the peer died, the connection
+    dropped, the stream ended)."""
 
-    def __init__(self, error: grpc.aio.AioRpcError | None, why: str) -> None:
+    def __init__(self, why: str, code: ErrorCode | None = None, class_name: str = "") -> None:
         super().__init__(why)
-        self.error = error
         self.why = why
+        self.code = code
+        self.class_name = class_name
+
+    @classmethod
+    def of_rpc(cls, error: grpc.aio.AioRpcError) -> StreamBroken:
+        code = rpc_error_code(error)
+        return cls(rpc_error_details(error) or code.name, code, error_class_name(error))
 
     def error_for(self, address: str, what: str) -> KvdError:
         """What the call gets: the unary mapping of the stream's status (unreachable when the
-        status carries no kvd class: the peer died, the connection dropped, the stream ended)."""
-        if self.error is None:
+        status carries no kvd class)."""
+        if self.code is None or not self.class_name:
             return PeerUnavailable(f"peer daemon {address} unreachable during {what}: {self.why}")
-        code, details, class_name = (
-            rpc_error_code(self.error),
-            rpc_error_details(self.error),
-            error_class_name(self.error),
-        )
-        if not class_name:
-            return PeerUnavailable(f"peer daemon {address} unreachable during {what}: {details or code.name}")
-        return from_status(code, f"peer daemon {address}: {details}", class_name)
+        return from_status(self.code, f"peer daemon {address}: {self.why}", self.class_name)
 
 
 class _OpenStream:
@@ -294,7 +333,7 @@ class _OpenStream:
 
     def __init__(self, address: str, call: Any) -> None:
         self.address = address
-        self.broken: _StreamBroken | None = None
+        self.broken: StreamBroken | None = None
         self._call = call
         self._outbox: list[peer_pb2.PeerCall] = []
         self._pending: dict[int, asyncio.Future[peer_pb2.PeerReply]] = {}
@@ -333,16 +372,16 @@ class _OpenStream:
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
-            self._break(exc, "")
+            self._break(StreamBroken.of_rpc(exc))
         except Exception as exc:  # noqa: BLE001 - a write on a finished call: the reader reports its status
-            self._break(None, f"the stream ended ({type(exc).__name__})")
+            self._break(StreamBroken(f"the stream ended ({type(exc).__name__})"))
 
     async def _read(self) -> None:
         try:
             while True:
                 message = await self._call.read()
                 if message is grpc.aio.EOF:
-                    self._break(None, "the peer ended the stream")
+                    self._break(StreamBroken("the peer ended the stream"))
                     return
                 for reply in message.replies:
                     future = self._pending.pop(reply.call_id, None)
@@ -351,15 +390,17 @@ class _OpenStream:
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
-            self._break(exc, "")
+            self._break(StreamBroken.of_rpc(exc))
+        except StreamBroken as exc:  # a framed stream's end or break (kvd.server.peer_frames)
+            self._break(exc)
         except Exception as exc:
             logger.exception("peer stream to %s failed", self.address)
-            self._break(None, f"the stream failed ({type(exc).__name__})")
+            self._break(StreamBroken(f"the stream failed ({type(exc).__name__})"))
 
-    def _break(self, error: grpc.aio.AioRpcError | None, why: str) -> None:
+    def _break(self, broken: StreamBroken) -> None:
         if self.broken is not None:
             return
-        self.broken = _StreamBroken(error, why or (error.details() if error is not None else "") or "stream broken")
+        self.broken = broken
         pending, self._pending = self._pending, {}
         for future in pending.values():
             if not future.done():
@@ -372,7 +413,7 @@ class _OpenStream:
         logger.debug("peer stream to %s ended: %s", self.address, self.broken.why)
 
     async def close(self) -> None:
-        self._break(None, "this daemon dropped the peer")
+        self._break(StreamBroken("this daemon dropped the peer"))
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import grpc
 
@@ -29,10 +29,16 @@ SELFTEST_SEED_LIMIT = 1 << 63
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
-    def __init__(self, daemon: Daemon, last_contact: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        last_contact: Mapping[str, float] | None = None,
+        framed: Callable[[str], bool] = lambda _address: False,
+    ) -> None:
         self.daemon = daemon
         self.metrics = daemon.metrics
         self.last_contact = last_contact if last_contact is not None else {}  # peer address -> monotonic time
+        self.framed = framed  # peer address -> whether calls to it go on its framed port
         self.metrics_address = ""  # set by the app once /metrics listens
 
     @rpc
@@ -150,6 +156,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                     incarnation=p.incarnation,
                     agent_name=p.agent_name,
                     last_contact_s_ago=now - max(p.handshaken_at, self.last_contact.get(p.address, 0.0)),
+                    framed_stream=self.framed(p.address),
                 )
                 for p in s.peers
             ],

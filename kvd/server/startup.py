@@ -96,6 +96,8 @@ def preflight(config: KvdConfig) -> None:
 def check_ports(config: KvdConfig) -> None:
     """Probe every TCP port the daemon will listen on (see :func:`check_port`)."""
     check_port("TCP", "", config.host, config.port)
+    if config.peer_stream_port > 0:
+        check_port("peer stream", "peer-stream-", config.host, config.peer_stream_port)
     if config.metrics_port >= 0:
         check_port("metrics", "metrics-", config.metrics_host, config.metrics_port)
     if config.health_port >= 0:

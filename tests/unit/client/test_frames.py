@@ -8,7 +8,7 @@ import pytest
 
 from kvd_client import errors
 from kvd_client._frames import HEADER, MAX_FRAME_BYTES, SUFFIX, encode, end_error, frame_length, stream_socket_path
-from kvd_client.v1 import engine_pb2
+from kvd_client.v1 import common_pb2, engine_pb2
 
 
 @pytest.mark.parametrize(
@@ -39,10 +39,10 @@ def test_a_frame_is_its_length_then_its_bytes_and_the_length_is_bounded() -> Non
 
 
 def test_an_end_frame_names_the_exact_error_class_or_nothing_for_a_clean_end() -> None:
-    assert end_error(engine_pb2.StreamEnd()) is None
-    ended = end_error(engine_pb2.StreamEnd(code=5, message="no engine 'x'", error_class="UnknownEngine"))
+    assert end_error(common_pb2.StreamEnd()) is None
+    ended = end_error(common_pb2.StreamEnd(code=5, message="no engine 'x'", error_class="UnknownEngine"))
     assert type(ended) is errors.UnknownEngine and ended.message == "no engine 'x'"
-    plain = end_error(engine_pb2.StreamEnd(code=14, message="gone"))
+    plain = end_error(common_pb2.StreamEnd(code=14, message="gone"))
     assert type(plain) is errors.Unavailable
-    odd = end_error(engine_pb2.StreamEnd(code=99, message="?"))
+    odd = end_error(common_pb2.StreamEnd(code=99, message="?"))
     assert isinstance(odd, errors.KvdError) and odd.code is errors.ErrorCode.UNKNOWN

@@ -146,11 +146,9 @@ def test_bounds_hold_in_large_messages_and_at_the_limits() -> None:
 def test_denials_name_the_role_needed() -> None:
     stranger = authz.Principal("certificate stranger", frozenset(), True)
     nobody = authz.Principal("plaintext ipv4:127.0.0.1:1 (uid 65534, not trusted)", frozenset(), False)
-    denied = authz._denial("/kvd.v1.PeerService/Handshake", authz.RPC_ROLES["/kvd.v1.PeerService/Handshake"], stranger)
+    denied = authz.denial("/kvd.v1.PeerService/Handshake", authz.RPC_ROLES["/kvd.v1.PeerService/Handshake"], stranger)
     assert denied.code.name == "PERMISSION_DENIED" and "needs role peer" in denied.message
-    unauth = authz._denial(
-        "/kvd.v1.RouterService/StartPull", authz.RPC_ROLES["/kvd.v1.RouterService/StartPull"], nobody
-    )
+    unauth = authz.denial("/kvd.v1.RouterService/StartPull", authz.RPC_ROLES["/kvd.v1.RouterService/StartPull"], nobody)
     assert unauth.code.name == "UNAUTHENTICATED" and "needs role engine or router" in unauth.message
     assert {r.value for r in Role} == {"engine", "peer", "router", "operator"}
 
