@@ -81,11 +81,18 @@ def end_error(end: common_pb2.StreamEnd) -> errors.KvdError | None:
     return errors.from_status(code, end.message, end.error_class)
 
 
-def _daemon_frame(body: bytes) -> engine_pb2.DaemonFrame:
+def _message_of(body: bytes) -> engine_pb2.DaemonMessage | None:
+    """A frame's message; None for a clean end; the exact error an end frame names, raised."""
     try:
-        return engine_pb2.DaemonFrame.FromString(body)
+        frame = engine_pb2.DaemonFrame.FromString(body)
     except DecodeError as exc:
         raise errors.Internal(f"the daemon sent a frame that is not a DaemonFrame: {exc}") from None
+    if frame.WhichOneof("kind") == "message":
+        return frame.message
+    error = end_error(frame.end)
+    if error is not None:
+        raise error
+    return None
 
 
 def _died(path: str) -> errors.Unavailable:
@@ -130,14 +137,10 @@ class AsyncFramedCall:
                 body = await reader.readexactly(frame_length(await reader.readexactly(HEADER.size)))
             except (asyncio.IncompleteReadError, ConnectionError, OSError):
                 raise errors.Cancelled("engine stream cancelled") if self._cancelled else _died(self.path) from None
-            frame = _daemon_frame(body)
-            if frame.WhichOneof("kind") == "message":
-                yield frame.message
-                continue
-            error = end_error(frame.end)
-            if error is not None:
-                raise error
-            return
+            message = _message_of(body)
+            if message is None:
+                return
+            yield message
 
     def cancel(self) -> None:
         """Drop the stream (the daemon sees the connection close, as for a cancelled call)."""
@@ -189,14 +192,10 @@ class FramedCall:
                 body = self._read_exactly(sock, frame_length(self._read_exactly(sock, HEADER.size)))
             except (ConnectionError, OSError, EOFError):
                 raise errors.Cancelled("engine stream cancelled") if self._cancelled else _died(self.path) from None
-            frame = _daemon_frame(body)
-            if frame.WhichOneof("kind") == "message":
-                yield frame.message
-                continue
-            error = end_error(frame.end)
-            if error is not None:
-                raise error
-            return
+            message = _message_of(body)
+            if message is None:
+                return
+            yield message
 
     @staticmethod
     def _read_exactly(sock: socket.socket, size: int) -> bytes:

@@ -1,27 +1,30 @@
 """The control path's floor: the hops a pull crosses, with nothing of kvd in them.
 
 A 2 MiB pull costs a few ms more than the raw NIXL read of its bytes. How much of that is kvd's
-own work, and how much the shape of the path (Python processes talking gRPC and a socket)? This
+own work, and how much the shape of the path (Python processes talking over sockets)? This
 section answers by running the same hops with no logic at all, beside the pulls, in the same run:
 
-    client --one message on a bidirectional stream (Unix socket)--> reader --one message on a
-    bidirectional stream (TCP)--> holder --the same message back--> reader --one frame on a Unix
-    socket--> worker --the frame back--> reader --one message back on the client's stream--> client
+    client --one frame on a Unix socket--> reader --one frame on TCP--> holder --the same frame
+    back--> reader --one frame on a Unix socket--> worker --the frame back--> reader --one frame
+    back on the client's socket--> client
 
-which is a pull's critical path in kvd: its start on the engine stream (``start_pulls``), the
-holder's admission (``PreparePull`` on the peer stream), the READ order to the data-plane worker
-and its reply, the completion on the engine stream. Each process is Python with an asyncio loop
-and ``grpc.aio``, as kvd's are; the messages carry ~200 bytes and nobody parses them; there are
-no bytes to copy, no TLS and no interceptor. So what it measures is a floor: no control path of
-this shape can cost less on the machine. The bench prints it beside the goals (:mod:`kvd.bench.goals`).
+which is a pull's critical path in kvd: its start on the engine stream (``start_pulls``, on the
+daemon's framed socket: kvd_client._frames), the holder's admission (``PreparePull`` on the peer
+stream, on the holder's framed port: kvd.server.peer_frames), the READ order to the data-plane
+worker and its reply, the completion on the engine stream. Each process is Python with an asyncio
+loop, as kvd's are; the messages carry ~200 bytes in length-prefixed frames and nobody parses
+them; there are no bytes to copy, no TLS and no servicer. So what it measures is a floor: no
+control path of this shape can cost less on the machine. The bench prints it beside the goals
+(:mod:`kvd.bench.goals`). (Until the engine and peer streams left gRPC, the floor's first two hops
+were gRPC streams too, as kvd's were: docs/performance.md keeps those figures.)
 
 That is the floor of a design with one message per pull on every hop. Its second mode is the
 floor of a design with one message per engine *step* on every hop: the client's message carries
 a step's B pulls (B entries of the same ~200 bytes), and the reader forwards it as one admission
 message to the holder, one frame (B orders) to the worker and one completion message (B
-completions) on the engine stream, whose answers are as large. The processes are the same: they
-never look inside a message, so a step is a pull with a B-times larger message. Steps run one
-after the other, as an engine's do.
+completions) to the client, whose answers are as large. The processes are the same: they never
+look inside a message, so a step is a pull with a B-times larger message. Steps run one after the
+other, as an engine's do.
 
 Each role runs as ``python -m kvd.bench.floor ROLE ...`` and prints one ``ready`` line; it exits
 when its standard input closes (the bench holds the other end), so none outlives the bench.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import functools
 import itertools
@@ -40,14 +44,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any, ParamSpec
 
 PAYLOAD = b"p" * 192  # about the size of a StartPull / PreparePull message
 _FRAME = struct.Struct("<I")
-_SERVICE_HOLDER = "kvdfloor.Holder"
-_SERVICE_READER = "kvdfloor.Reader"
 READY_TIMEOUT_S = 30.0
 _Params = ParamSpec("_Params")
 
@@ -55,11 +57,6 @@ _Params = ParamSpec("_Params")
 class FloorFailure(Exception):
     """The floor could not be measured (a role did not start, died, or did not answer): the bench
     reports it as not measured and goes on, since kvd's own figures do not depend on it."""
-
-
-def _same(message: bytes) -> bytes:
-    """Serializer and deserializer: the floor moves bytes nobody parses."""
-    return message
 
 
 def _exit_with_parent() -> None:
@@ -74,105 +71,80 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="kvd-floor-parent", daemon=True).start()
 
 
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer every frame of a connection with itself."""
+    with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+        while True:
+            header = await reader.readexactly(_FRAME.size)
+            body = await reader.readexactly(_FRAME.unpack(header)[0])
+            writer.write(header + body)
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    return await reader.readexactly(_FRAME.unpack(await reader.readexactly(_FRAME.size))[0])
+
+
 async def _holder() -> None:
     """Answers every message of the peer stream with itself: the admission with no admission."""
-    import grpc  # noqa: PLC0415
-
-    async def peer(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-        async for message in requests:
-            yield message
-
-    server = grpc.aio.server()
-    handlers = {"Peer": grpc.stream_stream_rpc_method_handler(peer, _same, _same)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_HOLDER, handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(f"ready {port}", flush=True)
-    await server.wait_for_termination()
+    server = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    print(f"ready {server.sockets[0].getsockname()[1]}", flush=True)
+    await server.serve_forever()
 
 
 async def _worker(socket_path: str) -> None:
     """Answers every frame with itself: the READ order with no READ."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            while True:
-                header = await reader.readexactly(_FRAME.size)
-                body = await reader.readexactly(_FRAME.unpack(header)[0])
-                writer.write(header + body)
-
-    server = await asyncio.start_unix_server(serve, socket_path)
+    server = await asyncio.start_unix_server(_echo, socket_path)
     print("ready", flush=True)
     await server.serve_forever()
 
 
 async def _reader(holder_address: str, worker_path: str, socket_path: str) -> None:
-    """A pull with nothing but its hops: each message of the engine stream starts one; the pull's
-    task sends one message to the holder and waits for its answer, one frame to the worker and
-    waits for its answer, and puts the request back on the engine stream. Replies come back in order on each
-    channel, so a FIFO of waiters matches them (as kvd's channels match by id)."""
-    import grpc  # noqa: PLC0415
-
+    """A pull with nothing but its hops: each frame of the engine's connection starts one; the
+    pull's task sends one frame to the holder and waits for its answer, one frame to the worker
+    and waits for its answer, and sends the request back to the engine. Replies come back in
+    order on each connection, so a FIFO of waiters matches them (as kvd's channels match by id)."""
     loop = asyncio.get_running_loop()
-    channel = grpc.aio.insecure_channel(holder_address)
-    peer = channel.stream_stream(f"/{_SERVICE_HOLDER}/Peer", _same, _same)()
+    host, _, port = holder_address.rpartition(":")
+    holder_in, holder_out = await asyncio.open_connection(host, int(port))
     worker_in, worker_out = await asyncio.open_unix_connection(worker_path)
-    to_holder: asyncio.Queue[tuple[asyncio.Future[bytes], bytes]] = asyncio.Queue()
-    holder_waiters: asyncio.Queue[asyncio.Future[bytes]] = asyncio.Queue()
-    worker_waiters: asyncio.Queue[asyncio.Future[bytes]] = asyncio.Queue()
-    completions: asyncio.Queue[bytes] = asyncio.Queue()
+    holder_waiters: collections.deque[asyncio.Future[bytes]] = collections.deque()
+    worker_waiters: collections.deque[asyncio.Future[bytes]] = collections.deque()
 
-    async def write_peer() -> None:  # one writer: a gRPC stream takes one write at a time
+    async def answers(reader: asyncio.StreamReader, waiters: collections.deque[asyncio.Future[bytes]]) -> None:
         while True:
-            waiter, message = await to_holder.get()
-            holder_waiters.put_nowait(waiter)
-            await peer.write(message)
+            body = await _read_frame(reader)
+            waiters.popleft().set_result(body)
 
-    async def read_peer() -> None:
-        async for message in peer:
-            holder_waiters.get_nowait().set_result(message)
+    async def ask(
+        writer: asyncio.StreamWriter, waiters: collections.deque[asyncio.Future[bytes]], message: bytes
+    ) -> None:
+        answer: asyncio.Future[bytes] = loop.create_future()
+        waiters.append(answer)
+        writer.write(_FRAME.pack(len(message)) + message)
+        await answer
 
-    async def read_worker() -> None:
-        while True:
-            header = await worker_in.readexactly(_FRAME.size)
-            body = await worker_in.readexactly(_FRAME.unpack(header)[0])
-            worker_waiters.get_nowait().set_result(body)
-
-    async def pull(request: bytes) -> None:
-        admitted: asyncio.Future[bytes] = loop.create_future()
-        to_holder.put_nowait((admitted, request))
-        await admitted
-        read: asyncio.Future[bytes] = loop.create_future()
-        worker_waiters.put_nowait(read)
-        worker_out.write(_FRAME.pack(len(request)) + request)
-        await read
-        completions.put_nowait(request)
-
+    background = [
+        asyncio.create_task(answers(holder_in, holder_waiters)),
+        asyncio.create_task(answers(worker_in, worker_waiters)),
+    ]
     running: set[asyncio.Task[None]] = set()
-    background = [asyncio.create_task(c()) for c in (write_peer, read_peer, read_worker)]
 
-    async def start(requests: AsyncIterator[bytes]) -> None:
-        async for request in requests:
-            task = asyncio.create_task(pull(request))
-            running.add(task)
-            task.add_done_callback(running.discard)
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def pull(request: bytes) -> None:
+            await ask(holder_out, holder_waiters, request)
+            await ask(worker_out, worker_waiters, request)
+            writer.write(_FRAME.pack(len(request)) + request)
 
-    async def engine(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-        starting = asyncio.create_task(start(requests))
-        try:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
-                yield await completions.get()
-        finally:
-            starting.cancel()
+                task = asyncio.create_task(pull(await _read_frame(reader)))
+                running.add(task)
+                task.add_done_callback(running.discard)
 
-    server = grpc.aio.server()
-    handlers = {"Engine": grpc.stream_stream_rpc_method_handler(engine, _same, _same)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_READER, handlers),))
-    server.add_insecure_port(f"unix:{socket_path}")
-    await server.start()
+    server = await asyncio.start_unix_server(engine, socket_path)
     print("ready", flush=True)
     try:
-        await server.wait_for_termination()
+        await server.serve_forever()
     finally:
         for task in background:
             task.cancel()
@@ -184,14 +156,14 @@ class FloorProcesses:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        self.reader_target = ""  # the reader's gRPC target, once started
+        self.reader_path = ""  # the reader's engine socket, once started
 
     def start(self) -> None:
         worker_path, reader_path = str(self.workdir / "floor-worker.sock"), str(self.workdir / "floor-reader.sock")
         port = self._spawn("holder")
         self._spawn("worker", "--socket", worker_path)
         self._spawn("reader", "--holder", f"127.0.0.1:{port}", "--worker", worker_path, "--socket", reader_path)
-        self.reader_target = f"unix:{reader_path}"
+        self.reader_path = reader_path
 
     def _spawn(self, role: str, *args: str) -> str:
         """Start ``role`` and wait for its ``ready`` line; what follows ``ready`` (the holder's port)."""
@@ -238,11 +210,9 @@ def _as_floor_failure(
 
     @functools.wraps(run)
     async def guarded(*args: _Params.args, **kwargs: _Params.kwargs) -> dict[str, Any]:
-        import grpc  # noqa: PLC0415
-
         try:
             return await run(*args, **kwargs)
-        except (OSError, RuntimeError, TimeoutError, grpc.aio.AioRpcError) as exc:
+        except (OSError, RuntimeError, TimeoutError, asyncio.IncompleteReadError) as exc:
             raise FloorFailure(str(exc) or type(exc).__name__) from exc
 
     return guarded
@@ -265,91 +235,83 @@ async def measure(
     engine steps of ``step_pulls`` pulls one after the other, one message per step on every hop
     (``step``: its pulls/s, each step's latency, each process's CPU). Anything that keeps the
     floor from running is a FloorFailure."""
-    import grpc  # noqa: PLC0415
-
     floor = FloorProcesses(workdir)
     step: dict[str, Any] = {}
     try:
         floor.start()
-        async with grpc.aio.insecure_channel(floor.reader_target) as channel:
-            outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        completions, starts = await asyncio.open_unix_connection(floor.reader_path)
+        waiting: dict[bytes, asyncio.Future[None]] = {}
+        loop = asyncio.get_running_loop()
+        numbers = itertools.count()
 
-            async def starts() -> AsyncIterator[bytes]:
-                while True:
-                    yield await outbox.get()
+        async def deliver() -> None:
+            while True:
+                waiting.pop(await _read_frame(completions)).set_result(None)
 
-            completions = channel.stream_stream(f"/{_SERVICE_READER}/Engine", _same, _same)(starts())
-            waiting: dict[bytes, asyncio.Future[None]] = {}
-            loop = asyncio.get_running_loop()
-            numbers = itertools.count()
+        delivering = asyncio.create_task(deliver())
 
-            async def deliver() -> None:
-                async for message in completions:
-                    waiting.pop(message).set_result(None)
+        async def one(entries: int = 1) -> float:
+            """A pull (``entries`` 1) or a step of ``entries`` pulls: one message per hop, the
+            completion back on the client's stream, each carrying ``entries`` entries."""
+            request = PAYLOAD * entries + str(next(numbers)).encode()
+            done = loop.create_future()
+            waiting[request] = done
+            t0 = time.perf_counter()
+            starts.write(_FRAME.pack(len(request)) + request)
+            await asyncio.wait_for(done, 30)
+            return time.perf_counter() - t0
 
-            delivering = asyncio.create_task(deliver())
+        pids = floor.pids()
 
-            async def one(entries: int = 1) -> float:
-                """A pull (``entries`` 1) or a step of ``entries`` pulls: one message per hop, the
-                completion back on the client's stream, each carrying ``entries`` entries."""
-                request = PAYLOAD * entries + str(next(numbers)).encode()
-                done = loop.create_future()
-                waiting[request] = done
-                t0 = time.perf_counter()
-                outbox.put_nowait(request)
-                await asyncio.wait_for(done, 30)
-                return time.perf_counter() - t0
+        async def window(run: Callable[[], Awaitable[list[float]]]) -> tuple[list[float], float, dict[str, float]]:
+            """``run``'s latencies, its wall time and each process's CPU seconds over it."""
+            cpu0 = {role: cpu_seconds(pid) for role, pid in pids.items()}
+            client0 = time.process_time()
+            t0 = time.perf_counter()
+            latencies = await run()
+            wall = time.perf_counter() - t0
+            client = time.process_time() - client0
+            cpu = {role: cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
+            cpu["client"] = client
+            cpu["all"] = sum(cpu.values())
+            return latencies, wall, cpu
 
-            pids = floor.pids()
+        try:
+            for _ in range(min(100, one_at_a_time)):  # warm every channel and code path
+                await one()
+            single = []
+            for n in range(one_at_a_time):
+                single.append(await one())
+                if n % 50 == 0:
+                    progress("floor", 0.4 * n / max(1, one_at_a_time))
+            latencies, wall, cpu = await window(
+                lambda: _in_flight(one, in_flight, pulls, lambda done: progress("floor", 0.4 + 0.4 * done))
+            )
+            if step_pulls > 0 and steps > 0:
+                for _ in range(min(20, steps)):  # warm the larger messages' path
+                    await one(step_pulls)
 
-            async def window(run: Callable[[], Awaitable[list[float]]]) -> tuple[list[float], float, dict[str, float]]:
-                """``run``'s latencies, its wall time and each process's CPU seconds over it."""
-                cpu0 = {role: cpu_seconds(pid) for role, pid in pids.items()}
-                client0 = time.process_time()
-                t0 = time.perf_counter()
-                latencies = await run()
-                wall = time.perf_counter() - t0
-                client = time.process_time() - client0
-                cpu = {role: cpu_seconds(pid) - cpu0[role] for role, pid in pids.items()}
-                cpu["client"] = client
-                cpu["all"] = sum(cpu.values())
-                return latencies, wall, cpu
+                async def run_steps() -> list[float]:
+                    out = []
+                    for n in range(steps):
+                        out.append(await one(step_pulls))
+                        progress("floor (steps)", 0.8 + 0.2 * (n + 1) / steps)
+                    return out
 
-            try:
-                for _ in range(min(100, one_at_a_time)):  # warm every channel and code path
-                    await one()
-                single = []
-                for n in range(one_at_a_time):
-                    single.append(await one())
-                    if n % 50 == 0:
-                        progress("floor", 0.4 * n / max(1, one_at_a_time))
-                latencies, wall, cpu = await window(
-                    lambda: _in_flight(one, in_flight, pulls, lambda done: progress("floor", 0.4 + 0.4 * done))
-                )
-                if step_pulls > 0 and steps > 0:
-                    for _ in range(min(20, steps)):  # warm the larger messages' path
-                        await one(step_pulls)
-
-                    async def run_steps() -> list[float]:
-                        out = []
-                        for n in range(steps):
-                            out.append(await one(step_pulls))
-                            progress("floor (steps)", 0.8 + 0.2 * (n + 1) / steps)
-                        return out
-
-                    step_s, step_wall, step_cpu = await window(run_steps)
-                    step = {
-                        "batch": step_pulls,
-                        "steps": steps,
-                        "pulls": steps * step_pulls,
-                        "wall_s": step_wall,
-                        "step_s": step_s,
-                        "cpu_s": step_cpu,
-                    }
-            finally:
-                delivering.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                    await delivering
+                step_s, step_wall, step_cpu = await window(run_steps)
+                step = {
+                    "batch": step_pulls,
+                    "steps": steps,
+                    "pulls": steps * step_pulls,
+                    "wall_s": step_wall,
+                    "step_s": step_s,
+                    "cpu_s": step_cpu,
+                }
+        finally:
+            delivering.cancel()
+            with contextlib.suppress(asyncio.CancelledError, asyncio.IncompleteReadError, ConnectionError):
+                await delivering
+            starts.close()
     finally:
         floor.stop()
     return {

@@ -232,7 +232,7 @@ def floor_table(result: dict[str, Any]) -> list[str]:
     cpu = ", ".join(f"{name} {seconds / pulls * 1e3:.2f}" for name, seconds in result["cpu_s"].items())
     out = [
         "the control path's floor: a pull's hops (client -> reader -> holder -> reader -> worker -> reader -> "
-        "engine stream) in Python gRPC/asyncio with no kvd logic, no bytes, no TLS",
+        "engine stream) as framed sockets between Python asyncio processes, with no kvd logic, no bytes, no TLS",
         f"  one message per pull on every hop, one at a time: p50 {_ms(median(one))} ms ({len(one)} pulls); "
         f"{result['in_flight']} in flight: "
         f"{pulls / wall:.0f} pulls/s, p50 {_ms(median(lat))} ms, p99 {_ms(percentile(lat, 99))} ms; "

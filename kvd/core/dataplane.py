@@ -436,35 +436,23 @@ class DataPlane:
         step: StepPart | None = None,
     ) -> asyncio.Future[Xfer]:
         """Queue a READ (sent at the end of this loop turn, or at :meth:`flush_reads`); the future
-        is its Xfer once the worker answered the post, or raises if NIXL refused to build it (then
-        nothing was posted). Not a coroutine: the READ is queued when this returns, so a caller
-        records the future before anything can cancel it, and StartPulls posts a step's READs
-        before any of its pulls' tasks runs (kvd.core.start_posts).
+        is its Xfer once the worker answered the post, or raises if NIXL refused to build it
+        (nothing was posted). Not a coroutine: the READ is queued when this returns, so StartPulls
+        queues a step's READs before any of its pulls' tasks runs (kvd.core.start_posts).
 
-        A READ that NIXL built but failed to post (wholly or in part) has ``error`` set: part of
-        it may be on its way, so it is polled to a final state like any other. With ``step``,
-        the READ may go out within a step READ with others of this loop turn
-        (:mod:`kvd.core.step_reads`; ``notif`` is then ``step.notification`` encoded alone): it
-        gets that READ's outcome, and is final when it is.
+        A READ NIXL built but failed to post (wholly or in part) has ``error`` set: part of it may
+        be on its way, so it is polled to a final state like any other. With ``step``, it may go
+        within a step READ with others of this loop turn (:mod:`kvd.core.step_reads`; ``notif`` is
+        then ``step.notification`` encoded alone): it gets that READ's outcome, final when it is.
         """
-        assert self._loop is not None
+        assert self._loop is not None and self._batcher is not None
         xfer_id = next(self._xfer_ids)
         xfer = Xfer(xfer_id, peer, nbytes, 0.0, self._loop.create_future())
         self._xfers[xfer_id] = xfer  # before the call: the worker may settle it right after posting
-        assert self._batcher is not None
-        post = self._batcher.post(
-            ReadOrder(
-                xfer_id=xfer_id,
-                local_table=local_table,
-                local_indices=np.ascontiguousarray(local_indices, dtype=np.int32),
-                remote_table=remote_table,
-                remote_indices=np.ascontiguousarray(remote_indices, dtype=np.int32),
-                notif=notif,
-                peer=peer,
-                nbytes=nbytes,
-            ),
-            step,
-        )
+        local_indices = np.ascontiguousarray(local_indices, dtype=np.int32)
+        remote_indices = np.ascontiguousarray(remote_indices, dtype=np.int32)
+        order = ReadOrder(xfer_id, local_table, local_indices, remote_table, remote_indices, notif, peer, nbytes)
+        post = self._batcher.post(order, step)
         posted: asyncio.Future[Xfer] = self._loop.create_future()
         post.add_done_callback(functools.partial(self._answered, xfer, posted))
         return posted

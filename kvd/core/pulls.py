@@ -39,13 +39,13 @@ from kvd.core.events import FinishedRecving, LoadFailed
 from kvd.core.local_memory import Memories, MemoryState
 from kvd.core.params import TransferParams
 from kvd.core.peers import Peers, PeerSession, PeerTransport, StaleView
+from kvd.core.pull_checks import check_order
 from kvd.core.pull_plans import PullPlanner
 from kvd.core.pull_reads import PullReads, StartedReads
 from kvd.core.pull_resources import PullEnding, PullResources
 from kvd.core.registry import EngineRank
 from kvd.core.start_posts import StartPosts
 from kvd.core.transfers import RequestKey, Transfer, TransferState
-from kvd.layout import groups as kv_groups
 from kvd.layout.plan import block_geometry
 from kvd_client.errors import (
     Aborted,
@@ -173,37 +173,7 @@ class Puller:
         """
         self._require_serving()
         rank = self.registry.get(engine_id, tp_rank)
-        if not remote.daemon_address:
-            raise InvalidArgument("kv_transfer_params.daemon_address is empty: which daemon holds the KV?")
-        if not remote.lease_id:
-            raise InvalidArgument("kv_transfer_params.lease_id is empty: the holder must hold the blocks first")
-        if not remote.engine_id:
-            raise InvalidArgument("kv_transfer_params.engine_id is empty")
-        if remote.num_tokens < 1:
-            raise InvalidArgument(f"kv_transfer_params.num_tokens must be >= 1, got {remote.num_tokens}")
-        need = rank.spec.blocks_for(remote.num_tokens)
-        if len(local_block_ids) != need:
-            raise InvalidArgument(
-                f"{remote.num_tokens} tokens need {need} local blocks of {rank.spec.block_size} tokens, "
-                f"got {len(local_block_ids)} local block ids"
-            )
-        rank.spec.validate_block_ids(local_block_ids, "local block ids")
-        tables = kv_groups.num_tables(rank.groups)
-        if len(local_group_block_ids) != tables - 1:
-            raise InvalidArgument(
-                f"engine {engine_id!r} has {len(rank.groups)} KV cache groups over {tables} block tables: a pull "
-                f"needs {tables - 1} local block id lists after local_block_ids, got {len(local_group_block_ids)}"
-            )
-        for index, group in enumerate(rank.groups):
-            table = kv_groups.table_of(index, group)
-            if table == 0:
-                continue
-            ids = local_group_block_ids[table - 1]
-            if not ids:
-                raise InvalidArgument(f"{kv_groups.describe_group(index, group)}: no local block ids")
-            group.spec.validate_block_ids(ids, f"{kv_groups.describe_group(index, group)} local block ids")
-        if deadline_s < 0:
-            raise InvalidArgument(f"deadline must be >= 0, got {deadline_s}")
+        check_order(rank, remote, local_block_ids, local_group_block_ids, deadline_s)
         request_id = request_id or remote.request_id
         blocks = tuple(local_block_ids)
         group_blocks = tuple(tuple(int(b) for b in ids) for ids in local_group_block_ids)

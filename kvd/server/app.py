@@ -30,7 +30,6 @@ import os
 import selectors
 import signal
 import socket
-import ssl
 import sys
 import threading
 from pathlib import Path
@@ -48,16 +47,15 @@ from kvd import __version__
 from kvd.config import KvdConfig
 from kvd.core.daemon import Daemon
 from kvd.core.metrics import Metrics
-from kvd.server import startup, warmup
-from kvd.server.authz import TCP, UNIX, AuthInterceptor, Policy
+from kvd.server import credentials, startup, warmup
+from kvd.server.authz import TCP, UNIX, AuthInterceptor
 from kvd.server.client_versions import ClientVersionInterceptor
 from kvd.server.engine_frames import EngineFrames
 from kvd.server.notify import Notifier, watchdog
 from kvd.server.peer_client import GrpcPeerTransport
 from kvd.server.peer_frames import PeerFrames
-from kvd.server.peer_frames import tls_contexts as peer_frames_tls
 from kvd.server.servicers import EngineServicer, PeerServicer, RouterServicer
-from kvd.server.startup import CONFIG_ERROR, StartupError, Undo
+from kvd.server.startup import StartupError, Undo
 from kvd_client.channel import SERVER_OPTIONS
 from kvd_client.v1 import engine_pb2, engine_pb2_grpc, peer_pb2, peer_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -108,45 +106,6 @@ class Running:
     health_follower: asyncio.Task[None] | None = None
 
 
-def _credentials(config: KvdConfig) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
-    if not config.tls_enabled:
-        return None, None
-    cert = startup.read_tls_file("tls_cert", config.tls_cert)
-    key = startup.read_tls_file("tls_key", config.tls_key)
-    ca = startup.read_tls_file("tls_ca", config.tls_ca) if config.tls_ca else None
-    try:
-        server = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
-        channel = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise StartupError(
-            f"the TLS files are not usable: {exc}", "check tls_cert, tls_key and tls_ca", CONFIG_ERROR
-        ) from exc
-    return server, channel
-
-
-def _frames_tls(config: KvdConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
-    """The framed peer port's TLS (server, client), from the gRPC port's files (kvd.server.peer_frames)."""
-    try:
-        return peer_frames_tls(config)
-    except (OSError, ssl.SSLError, ValueError) as exc:
-        raise StartupError(
-            f"the TLS files are not usable for the peer stream: {exc}",
-            "check tls_cert, tls_key and tls_ca",
-            CONFIG_ERROR,
-        ) from exc
-
-
-def _policy(config: KvdConfig) -> Policy:
-    try:
-        return Policy.from_config(config)
-    except (OSError, ValueError) as exc:
-        raise StartupError(
-            f"cannot read router_token_file {config.router_token_file}: {exc}",
-            "fix router_token_file (one token per line, readable by the daemon)",
-            CONFIG_ERROR,
-        ) from exc
-
-
 def _add_port(
     server: grpc.aio.Server, what: str, flag: str, host: str, port: int, creds: grpc.ServerCredentials | None
 ) -> int:
@@ -183,11 +142,11 @@ async def start(config: KvdConfig, notifier: Notifier | None = None) -> Running:
 
 
 async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
-    server_creds, channel_creds = _credentials(config)
+    server_creds, channel_creds = credentials.grpc_credentials(config)
     gid = startup.resolve_group(config.engine_group)
     startup.check_ports(config)
     startup.check_tcp_security(config)
-    policy = _policy(config)
+    policy = credentials.policy(config)
     startup.apply_nixl_env(config)
     startup.prepare_socket_dir(config.unix_socket, gid, undo)
 
@@ -195,7 +154,7 @@ async def _start(config: KvdConfig, undo: Undo, notifier: Notifier) -> Running:
     metrics = Metrics()
     metrics.build_info.labels(__version__).set(1)
     holder: list[Daemon] = []
-    frames_server_tls, frames_client_tls = _frames_tls(config)
+    frames_server_tls, frames_client_tls = credentials.frames_tls(config)
     transport = GrpcPeerTransport(
         lambda: holder[0].advertise_address,
         lambda: holder[0].incarnation,

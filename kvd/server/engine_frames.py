@@ -23,9 +23,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from typing import Any, cast
+from typing import cast
 
 import grpc
 
@@ -33,7 +32,7 @@ from kvd.core.metrics import Metrics
 from kvd.server.client_versions import ClientVersionLog
 from kvd.server.edge import as_kvd_error
 from kvd.server.engine_servicer import EngineServicer
-from kvd.server.framed import end_of, finish
+from kvd.server.framed import FramedListener, end_of
 from kvd.server.request_bounds import check_request, parser_of
 from kvd_client._frames import HEADER, MAGIC, encode, frame_length
 from kvd_client.errors import ERROR_CLASS_METADATA_KEY, InvalidArgument, KvdError, Unavailable
@@ -80,51 +79,27 @@ class EngineFrames:
         self._servicer = servicer
         self._metrics = metrics
         self._versions = versions
-        self._server: asyncio.Server | None = None
-        self._streams: set[asyncio.Task[Any]] = set()
+        self._listener = FramedListener(
+            self._run,
+            lambda end: encode(engine_pb2.DaemonFrame(end=end)),
+            Unavailable("the daemon is shutting down: open the stream on its replacement"),
+        )
 
     async def start(self) -> None:
         """Listen (the caller cleared a stale socket and sets the file's group and mode, as for
         the gRPC socket: kvd.server.startup)."""
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=READ_LIMIT)
+        self._listener.server = await asyncio.start_unix_server(self._listener.serve, path=self.path, limit=READ_LIMIT)
 
     async def stop(self) -> None:
         """Stop listening and end every stream UNAVAILABLE (as the gRPC server's stop ends its calls)."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._streams):
-            task.cancel()
-        if self._streams:
-            await asyncio.gather(*self._streams, return_exceptions=True)
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5.0)
-            self._server = None
+        await self._listener.stop()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
     @property
     def streams(self) -> int:
         """Connections open now."""
-        return len(self._streams)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._streams.add(task)
-        end: common_pb2.StreamEnd | None = None
-        shutting_down = False
-        try:
-            end = await self._run(reader, writer)
-        except asyncio.CancelledError:  # stop(): the connection's own task, ended here on purpose
-            shutting_down = True
-            end = end_of(Unavailable("the daemon is shutting down: open the stream on its replacement"))
-        except (ConnectionError, OSError, ssl.SSLError):
-            pass  # the caller went away: nobody to tell
-        finally:
-            self._streams.discard(task)
-            last = encode(engine_pb2.DaemonFrame(end=end)) if end is not None else None
-            await finish(reader, writer, last, linger=not shutting_down)
+        return len(self._listener)
 
     async def _run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> common_pb2.StreamEnd:
         """Run one stream to its end; the end to send (OK, or the status it failed with)."""

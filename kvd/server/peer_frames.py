@@ -37,7 +37,7 @@ from kvd.config import KvdConfig
 from kvd.core.metrics import Metrics
 from kvd.server.authz import PEER, Policy, denial
 from kvd.server.edge import as_kvd_error
-from kvd.server.framed import end_of, finish
+from kvd.server.framed import FramedListener, end_of
 from kvd.server.peer_stream import PeerHandlers, StreamBroken, serve_peer_stream
 from kvd.server.request_bounds import check_request, parser_of
 from kvd_client._frames import HEADER, encode, end_error, frame_length
@@ -140,14 +140,17 @@ class PeerFrames:
         self._metrics = metrics
         self._tls = server_tls
         self._on_denied = on_denied
-        self._server: asyncio.Server | None = None
-        self._streams: set[asyncio.Task[Any]] = set()
+        self._listener = FramedListener(
+            self._run,
+            lambda end: encode(peer_pb2.PeerFrame(end=end)),
+            Unavailable("the daemon is shutting down: call its replacement"),
+        )
         self.port = 0
 
     async def start(self) -> int:
         """Listen; the port bound (the one asked for, or a free one for 0)."""
-        self._server = await asyncio.start_server(
-            self._serve,
+        server = self._listener.server = await asyncio.start_server(
+            self._listener.serve,
             host=self._host,
             port=self._asked_port,
             ssl=self._tls,
@@ -155,39 +158,12 @@ class PeerFrames:
             limit=READ_LIMIT,
             reuse_address=True,
         )
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        self.port = int(server.sockets[0].getsockname()[1])
         return self.port
 
     async def stop(self) -> None:
         """Stop listening and end every stream UNAVAILABLE (as the gRPC server's stop ends its calls)."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._streams):
-            task.cancel()
-        if self._streams:
-            await asyncio.gather(*self._streams, return_exceptions=True)
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5.0)
-            self._server = None
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._streams.add(task)
-        end: common_pb2.StreamEnd | None = None
-        shutting_down = False
-        try:
-            end = await self._run(reader, writer)
-        except asyncio.CancelledError:  # stop(): the connection's own task, ended here on purpose
-            shutting_down = True
-            end = end_of(Unavailable("the daemon is shutting down: call its replacement"))
-        except (ConnectionError, OSError, ssl.SSLError):
-            pass  # the caller went away: nobody to tell
-        finally:
-            self._streams.discard(task)
-            last = encode(peer_pb2.PeerFrame(end=end)) if end is not None else None
-            await finish(reader, writer, last, linger=not shutting_down)
+        await self._listener.stop()
 
     async def _run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> common_pb2.StreamEnd:
         keep_alive(writer)
