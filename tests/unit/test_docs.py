@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,6 +23,27 @@ def test_relative_links_between_docs_resolve() -> None:
         for target in DOCS:
             if f"]({target}" in text:
                 assert (REPO / "docs" / target).is_file()
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchor of every heading of a markdown text."""
+    titles = (line.lstrip("#").strip().lower() for line in markdown.splitlines() if line.startswith("#"))
+    return {re.sub(r"[^a-z0-9 _-]", "", title).replace(" ", "-") for title in titles}
+
+
+def test_every_link_to_a_section_of_the_docs_names_a_heading_there() -> None:
+    """A link ``doc.md#section`` (or ``#section`` within one doc) between the docs, the README and
+    the changelog lands on a heading: a section renamed or never written is caught here."""
+    texts = {path.name: path.read_text() for path in (REPO / "docs").glob("*.md")}
+    texts.update({name: (REPO / name).read_text() for name in ("README.md", "CHANGELOG.md")})
+    anchors = {name: heading_anchors(text) for name, text in texts.items()}
+    broken = [
+        f"{name} -> {Path(target).name or name}#{anchor}"
+        for name, text in texts.items()
+        for target, anchor in re.findall(r"\]\(([\w./-]*?\.md)?#([^)\s]+)\)", text)
+        if (Path(target).name or name) in anchors and anchor not in anchors[Path(target).name or name]
+    ]
+    assert not broken, broken
 
 
 def test_the_security_doc_lists_every_rpc_of_the_role_table() -> None:
