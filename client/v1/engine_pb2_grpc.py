@@ -72,7 +72,10 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UnregisterKvCache(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Unregister a rank: fenced at once (its pulls cancelled); answered once nothing of the
+        daemon writes or reads its memory any more, so the engine may reuse it (bounded:
+        fence_timeout_s + 5 s, docs/lifetimes.md).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

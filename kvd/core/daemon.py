@@ -278,8 +278,8 @@ class Daemon:
             engine_id, spec, regions, placements, require_commits, engine_pid, extra_groups
         )
 
-    async def unregister_engine(self, engine_id: str, tp_rank: int) -> None:
-        await self.engines.unregister_engine(engine_id, tp_rank)
+    async def unregister_engine(self, engine_id: str, tp_rank: int, *, until_let_go: bool = False) -> None:
+        await self.engines.unregister_engine(engine_id, tp_rank, until_let_go=until_let_go)
 
     def attach_stream(self, engine_id: str, tp_rank: int) -> tuple[EngineRank, int]:
         return self.engines.attach_stream(engine_id, tp_rank)

@@ -31,6 +31,11 @@ from kvd_client.errors import Internal, InvalidArgument, KvdError, Unavailable
 
 logger = logging.getLogger(__name__)
 
+# What an engine's UnregisterKvCache waits beyond fence_timeout_s for its memory to be let go: a
+# pull's fence may end in a re-map and retire (worker calls), and a peer's admitted read ends at
+# its notification. Past it the call answers anyway (Engines.unregister_engine).
+UNREGISTER_WAIT_MARGIN_S = 5.0
+
 LIVENESS_S = 0.25  # how often an engine pid without a pidfd is checked (a kill is noticed within this)
 
 
@@ -161,8 +166,27 @@ class Engines:
         finally:
             await self._memories().unpin(memory)
 
-    async def unregister_engine(self, engine_id: str, tp_rank: int) -> None:
-        await self.unregister(self.registry.get(engine_id, tp_rank), "unregistered by the engine")
+    async def unregister_engine(self, engine_id: str, tp_rank: int, *, until_let_go: bool = False) -> None:
+        """The engine's own unregistration. ``until_let_go`` (UnregisterKvCache): return only once
+        nothing of this daemon can write or read the rank's memory any more (its pulls fenced,
+        its peers' admitted reads over), so the engine may reuse that memory at once; bounded:
+        past ``fence_timeout_s`` plus UNREGISTER_WAIT_MARGIN_S it returns anyway, and logs why."""
+        rank = self.registry.get(engine_id, tp_rank)
+        memory = rank.memory
+        await self.unregister(rank, "unregistered by the engine")
+        if not until_let_go:
+            return
+        wait_s = self.config.fence_timeout_s + UNREGISTER_WAIT_MARGIN_S
+        if not await self._memories().until_let_go(memory, wait_s):
+            logger.warning(
+                "engine %s rank %d: unregistered, but after %.1fs a read into or out of its memory is "
+                "still running (%d pins, %d of them peers' reads): a late byte may still touch it",
+                engine_id,
+                tp_rank,
+                wait_s,
+                memory.pins,
+                memory.holder_pins,
+            )
 
     async def unregister(self, rank: EngineRank, reason: str) -> None:
         """Fence the rank at once; its memory is released when nothing can touch it any more.

@@ -33,6 +33,7 @@ import dataclasses
 import enum
 import logging
 import mmap
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,10 @@ from kvd.core.tables import TableCache
 from kvd.layout.geometry import DescGeometry
 
 logger = logging.getLogger(__name__)
+
+# How often an unregistration checks whether its rank's memory is let go (Memories.until_let_go):
+# only while an UnregisterKvCache waits for its pulls' fences and its peers' admitted reads.
+LET_GO_POLL_S = 0.005
 
 
 class MemoryState(enum.Enum):
@@ -287,6 +292,22 @@ class Memories:
             memory.size_bytes,
             memory.registration_id,
         )
+
+    def let_go(self, memory: LocalMemory) -> bool:
+        """Whether nothing of this daemon can write or read the engine's pages through ``memory``
+        any more: freed (no pin, no READ in flight into it), retired (host: its addresses now hold
+        throw-away pages), or gone with its worker. A quarantined VRAM mapping is not: a stale READ
+        may still land in it."""
+        return self._lost(memory) or memory.retired or memory.state is MemoryState.RELEASED
+
+    async def until_let_go(self, memory: LocalMemory, timeout_s: float) -> bool:
+        """Wait (polling, on the event loop) until :meth:`let_go`; False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while not self.let_go(memory):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(LET_GO_POLL_S)
+        return True
 
     async def _release(self, memory: LocalMemory) -> None:
         """Free or quarantine ``memory``, to the end even if the caller is cancelled meanwhile."""

@@ -106,7 +106,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def UnregisterKvCache(
         self, request: engine_pb2.UnregisterKvCacheRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.UnregisterKvCacheResponse:
-        await self.daemon.unregister_engine(request.engine_id, request.tp_rank)
+        # Answered once nothing of the daemon writes or reads the rank's memory (bounded).
+        await self.daemon.unregister_engine(request.engine_id, request.tp_rank, until_let_go=True)
         return engine_pb2.UnregisterKvCacheResponse()
 
     @rpc
