@@ -44,7 +44,7 @@ from kvd.core.pull_plans import PullPlanner
 from kvd.core.pull_reads import PullReads, StartedReads
 from kvd.core.pull_resources import PullEnding, PullResources
 from kvd.core.registry import EngineRank
-from kvd.core.start_posts import StartPosts
+from kvd.core.start_posts import StartPosts, step_flush_points
 from kvd.core.transfers import RequestKey, Transfer, TransferState
 from kvd.layout.plan import block_geometry
 from kvd_client.errors import (
@@ -127,8 +127,11 @@ class Puller:
             )
         self._require_serving()
         results: list[Transfer | KvdError] = []
+        flush_points = step_flush_points(len(orders))
         try:
-            for order in orders:
+            for index, order in enumerate(orders):
+                if index in flush_points:  # the READs queued so far leave now (kvd.core.start_posts)
+                    self._dataplane.flush_reads()
                 if isinstance(order, KvdError):
                     results.append(order)
                     continue

@@ -155,6 +155,8 @@ class FakeDataPlane:
         self._lock = threading.Lock()  # prepare_table runs in the daemon's worker threads
         self._ids = itertools.count(1)
         self.fast_poll_until = 0.0
+        self.asked = 0  # READs asked for (read), and that count at each flush_reads
+        self.flushed_at: list[int] = []
         self.started = False
         self.stopped = False
         self.log: list[tuple[str, Any]] = []  # ("register", reg) ("deregister", reg) ("add_remote", name) ...
@@ -433,12 +435,15 @@ class FakeDataPlane:
         step: Any = None,  # a fake posts every READ alone (step READs: test_core_step_reads.py)
     ) -> asyncio.Future[Xfer]:
         """As DataPlane.read: the READ is on its way when this returns (its post answers later)."""
+        self.asked += 1
         return asyncio.ensure_future(
             self._post(local_table, local_indices, remote_table, remote_indices, notif_message, peer, nbytes)
         )
 
     def flush_reads(self) -> None:
-        """As DataPlane.flush_reads (a fake posts each READ as it is asked for)."""
+        """As DataPlane.flush_reads (a fake posts each READ as it is asked for): remembers how many
+        READs had been asked for at each flush (a step's sends, kvd.core.start_posts)."""
+        self.flushed_at.append(self.asked)
 
     async def _post(
         self,

@@ -34,6 +34,7 @@ from test_core_lifetimes import (
 
 from kvd.core.daemon import PullOrder
 from kvd.core.events import FinishedRecving, FinishedSending, LoadFailed
+from kvd.core.start_posts import step_flush_points
 from kvd.core.transfers import Transfer, TransferState
 
 
@@ -221,6 +222,51 @@ def test_a_step_queues_every_read_before_any_admission_and_each_pull_ends_on_its
         assert_settled(p.reader, p.holder)
 
     run(fabric, scenario)
+
+
+def test_a_step_sends_its_reads_in_growing_sends_before_any_admission_and_every_pull_ends_done(
+    fabric: Fabric,
+) -> None:
+    """StartPulls of 14 warm pulls: their READs leave in sends of 1, 3, 9 and 1 pulls (the worker
+    copies the first while the rest are planned), every one of them before any PreparePull is
+    built; each pull then ends DONE on its own and the holder's leases all end."""
+
+    async def scenario() -> None:
+        p = await warm_pair(fabric)
+        asked = len(p.reader.transport.prepares)
+        plane = p.reader.dataplane
+        orders = []
+        for i in range(14):
+            _, params = p.holder.daemon.hold("eng-h", f"step-{i}", HOLD_BLOCKS, NUM_TOKENS)
+            orders.append(PullOrder("eng-r", 0, f"step-{i}", [(b + 2 * i) % 8 for b in LOCAL_BLOCKS], params))
+        before, flushes = plane.asked, len(plane.flushed_at)
+        transfers = p.reader.daemon.start_pulls(orders)
+        assert all(isinstance(t, Transfer) and len(t.posts) == 2 for t in transfers)
+        sent = [n - before for n in plane.flushed_at[flushes:]]
+        assert sent == [2 * 1, 2 * 4, 2 * 13, 2 * 14], f"READs asked for at each send: {sent}"
+        assert len(p.reader.transport.prepares) == asked, "every send left before any admission was asked"
+        posted = [await asyncio.gather(*t.posts) for t in transfers]  # type: ignore[union-attr]
+        for xfers in posted:
+            for xfer in xfers:
+                plane.finish(xfer)
+        for t in transfers:
+            await ended(t)  # type: ignore[arg-type]
+        await settle(p.reader, p.holder)
+        assert [t.state for t in transfers] == [DONE] * 14  # type: ignore[union-attr]
+        assert len(engine_events(p.rrank, FinishedRecving)) == 15  # the warm-up's and the step's
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
+
+
+def test_step_flush_points_grow_threefold_and_a_lone_pull_sends_once() -> None:
+    """The schedule itself: sends of 1, 3, 9, 27... pulls; a step of one pull sends once (at its end)."""
+    assert step_flush_points(1) == frozenset()
+    assert step_flush_points(2) == {1}
+    assert step_flush_points(4) == {1}
+    assert step_flush_points(5) == {1, 4}
+    assert step_flush_points(32) == {1, 4, 13}
+    assert step_flush_points(1024) == {1, 4, 13, 40, 121, 364}
 
 
 def test_a_pull_whose_holder_registered_again_queues_nothing_and_goes_the_usual_way(fabric: Fabric) -> None:
