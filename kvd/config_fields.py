@@ -113,7 +113,8 @@ class KvdConfig:
         default=True,
         metadata={
             "help": "Post the READs of an engine step's pulls from one holder engine rank into one local rank as "
-            "one NIXL transfer, blocks adjacent across pulls merged into one descriptor per layer, with one "
+            "one NIXL transfer per send to the worker (a step sends in up to four, growing), blocks adjacent "
+            "across pulls merged into one descriptor per layer, with one "
             "notification naming every pull (where the holder decodes it); each pull keeps its own admission, "
             "fence and report, and shares the transfer's outcome. false: a NIXL transfer per pull."
         },
