@@ -143,8 +143,8 @@ class Puller:
                     logger.exception("internal error starting pull %r of a batch", order.request_id)
                     results.append(Internal(f"internal error starting pull {order.request_id!r}; see the daemon's log"))
         finally:
-            # The step's READs queued as its pulls started go to the worker now, before any of
-            # their tasks runs (kvd.core.start_posts).
+            # The rest of the step's READs (those queued since its last send) go to the worker
+            # now, before any of its tasks runs (kvd.core.start_posts).
             self._dataplane.flush_reads()
         return results
 
