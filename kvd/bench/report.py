@@ -107,8 +107,21 @@ def overhead_table(result: dict[str, Any]) -> list[str]:
         f"p99 {_ms(percentile(over, 99))} ms; pull p50 {_ms(median(result['kvd_s']))} ms, "
         f"raw p50 {_ms(median(result['raw_s']))} ms (each pull started on the engine stream, as the engine "
         "patch starts them)",
+        *_layout_line(result),
         *_by_call_line(result.get("start_pull")),
         *_paused_line(result.get("paused")),
+    ]
+
+
+def _layout_line(result: dict[str, Any]) -> list[str]:
+    """The same pairs against a raw READ with a pull's descriptors: the layout's share taken out."""
+    over = result.get("overhead_vs_layout_s")
+    if not over:
+        return []
+    return [
+        f"  against a raw read with a pull's descriptors (64 of 32 KiB, each pair): overhead p50 "
+        f"{_ms(median(over))} ms; that raw read p50 {_ms(median(result['raw_layout_s']))} ms (the layout's "
+        "own cost, which any reader of these blocks pays)"
     ]
 
 
@@ -130,7 +143,19 @@ def _paused_line(paused: dict[str, Any] | None) -> list[str]:
     over = paused["overhead_s"]
     return [
         f"  each after {paused['pause_s'] * 1e3:.0f} ms with nothing moving ({len(over)} pairs): overhead p50 "
-        f"{_ms(median(over))} ms, p90 {_ms(percentile(over, 90))} ms; pull p50 {_ms(median(paused['kvd_s']))} ms"
+        f"{_ms(median(over))} ms, p90 {_ms(percentile(over, 90))} ms; pull p50 {_ms(median(paused['kvd_s']))} ms",
+        *_paused_raw_line(paused),
+    ]
+
+
+def _paused_raw_line(paused: dict[str, Any]) -> list[str]:
+    """The paused pulls against a raw read after the same pause: what a pause costs the bytes."""
+    over = paused.get("overhead_vs_paused_raw_s")
+    if not over:
+        return []
+    return [
+        f"  against a raw read after the same pause: overhead p50 {_ms(median(over))} ms; that raw read p50 "
+        f"{_ms(median(paused['raw_after_pause_s']))} ms (back to back: {_ms(median(paused['raw_s']))} ms)"
     ]
 
 

@@ -353,11 +353,23 @@ class RawReader:
                 "DRAM",
             )
 
-    def read(self) -> float:
-        """One READ of the whole scratch, polled to DONE; seconds."""
+    def read(self, layout: bool = False) -> float:
+        """One READ of the whole scratch, polled to DONE; seconds.
+
+        ``layout``: with the descriptors a pull of the block has (one per plane, 64 of 32 KiB,
+        into slot 0's piece of every plane), as :meth:`read_step` reads them: what the layout
+        itself costs one READ, which a pull pays and the one-descriptor READ does not."""
         zero = np.array([0], np.int32)
+        if layout and self._local_planes is None:
+            raise ValueError(f"a raw READ with a block's descriptors needs a scratch of one block, not {self.nbytes}")
         t0 = time.perf_counter()
-        handle = self.agent.make_prepped_xfer("READ", self._local, zero, self._remote, zero)
+        if layout:
+            planes = np.arange(BLOCK_PLANES, dtype=np.int32)
+            handle = self.agent.make_prepped_xfer(
+                "READ", self._local_planes, planes * self.slots, self._remote_planes, planes
+            )
+        else:
+            handle = self.agent.make_prepped_xfer("READ", self._local, zero, self._remote, zero)
         state = self.agent.transfer(handle)
         while state == "PROC":
             state = self.agent.check_xfer_state(handle)

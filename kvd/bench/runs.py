@@ -107,30 +107,42 @@ async def sizes(session: Session, sizes_mb: list[int], samples: int, progress: P
 
 async def overhead(session: Session, samples: int, progress: Progress) -> dict[str, Any]:
     """2 MiB pulls and raw reads interleaved: pull - raw, pair by pair (the control path's cost);
-    then up to PAUSED_PAIRS more, each pull after PAUSE_S with nothing moving (``paused``)."""
-    kvd, raw, transfer_ids, by_call = await _pairs(session, samples, 0.0, 2, "control overhead", progress)
-    paused_kvd, paused_raw, _, _ = await _pairs(
-        session, min(samples, PAUSED_PAIRS), PAUSE_S, 0, "control overhead after a pause", progress
-    )
+    then up to PAUSED_PAIRS more, each pull after PAUSE_S with nothing moving (``paused``).
+
+    Beside each pair's raw READ (one descriptor of 2 MiB, the goal's baseline), two more
+    baselines that attribute the overhead: the same bytes read with a pull's descriptors
+    (``raw_layout_s``: what the layout itself costs any reader), and, in the paused section, a
+    raw READ after the same pause as the pull (``raw_after_pause_s``: what a pause costs the
+    bytes themselves on this machine, no control path at all)."""
+    pairs = await _pairs(session, samples, 0.0, 2, "control overhead", progress)
+    paused = await _pairs(session, min(samples, PAUSED_PAIRS), PAUSE_S, 0, "control overhead after a pause", progress)
     return {
         "size_bytes": BLOCK_BYTES,
-        "kvd_s": kvd,
-        "raw_s": raw,
-        "overhead_s": [k - r for k, r in zip(kvd, raw, strict=True)],
-        "phase_s": await _phases(session, transfer_ids),
+        "kvd_s": pairs.kvd,
+        "raw_s": pairs.raw,
+        "overhead_s": _less(pairs.kvd, pairs.raw),
+        "raw_layout_s": pairs.raw_layout,
+        "overhead_vs_layout_s": _less(pairs.kvd, pairs.raw_layout),
+        "phase_s": await _phases(session, pairs.transfer_ids),
         # The same pulls started by a StartPull call (the path before pulls on the engine stream),
         # each right after a pair: against the pair's raw read.
         "start_pull": {
-            "kvd_s": by_call,
-            "overhead_s": [k - r for k, r in zip(by_call, raw, strict=True)],
+            "kvd_s": pairs.by_call,
+            "overhead_s": _less(pairs.by_call, pairs.raw),
         },
         "paused": {
             "pause_s": PAUSE_S,
-            "kvd_s": paused_kvd,
-            "raw_s": paused_raw,
-            "overhead_s": [k - r for k, r in zip(paused_kvd, paused_raw, strict=True)],
+            "kvd_s": paused.kvd,
+            "raw_s": paused.raw,
+            "overhead_s": _less(paused.kvd, paused.raw),
+            "raw_after_pause_s": paused.raw_after_pause,
+            "overhead_vs_paused_raw_s": _less(paused.kvd, paused.raw_after_pause),
         },
     }
+
+
+def _less(minuends: list[float], subtrahends: list[float]) -> list[float]:
+    return [a - b for a, b in zip(minuends, subtrahends, strict=True)]
 
 
 PAUSE_S = 0.05
@@ -139,19 +151,26 @@ not back to back, and every process on the path runs its code cold after a pause
 PAUSED_PAIRS = 30
 
 
-async def _pairs(
-    session: Session, pairs: int, pause_s: float, warm_up: int, label: str, progress: Progress
-) -> tuple[list[float], list[float], list[str], list[float]]:
+@dataclasses.dataclass
+class _Pairs:
+    """What :func:`_pairs` measured, sample by sample (seconds)."""
+
+    kvd: list[float] = dataclasses.field(default_factory=list)
+    raw: list[float] = dataclasses.field(default_factory=list)
+    raw_layout: list[float] = dataclasses.field(default_factory=list)  # back to back only
+    raw_after_pause: list[float] = dataclasses.field(default_factory=list)  # paused only
+    transfer_ids: list[str] = dataclasses.field(default_factory=list)
+    by_call: list[float] = dataclasses.field(default_factory=list)  # back to back only
+
+
+async def _pairs(session: Session, pairs: int, pause_s: float, warm_up: int, label: str, progress: Progress) -> _Pairs:
     """``pairs`` 2 MiB pulls, each followed by a raw read of the same bytes and each after
-    ``pause_s`` (0: back to back), the first ``warm_up`` more not kept: (pull seconds, raw
-    seconds, the pulls' transfer ids, and with no pause, each pair followed by the same pull
-    started by a StartPull call: its seconds). Each pull's bytes land in block 0; the last's are
-    checked."""
+    ``pause_s`` (0: back to back), the first ``warm_up`` more not kept. Back to back, each pair
+    is followed by a raw read with a pull's descriptors and by the same pull started by a
+    StartPull call; paused, by a raw read after the same pause. Each pull's bytes land in block
+    0; the last's are checked."""
     held = await session.hold(BLOCK_BYTES, (pairs + warm_up) * (1 if pause_s else 2))
-    kvd: list[float] = []
-    raw: list[float] = []
-    by_call: list[float] = []
-    transfer_ids: list[str] = []
+    out = _Pairs()
     holds = iter(held)
     for i in range(pairs + warm_up):
         if pause_s:
@@ -159,16 +178,25 @@ async def _pairs(
         elapsed = await session.engine.pull(next(holds).kv_transfer_params, 0)
         transfer_id = session.engine.last_transfer_id
         raw_s = session.raw.read()
-        called = 0.0 if pause_s else await session.engine.pull(next(holds).kv_transfer_params, 0, how="single")
+        if pause_s:
+            await asyncio.sleep(pause_s)
+            extra = session.raw.read()
+            called = 0.0
+        else:
+            extra = session.raw.read(layout=True)
+            called = await session.engine.pull(next(holds).kv_transfer_params, 0, how="single")
         if i >= warm_up:
-            kvd.append(elapsed)
-            raw.append(raw_s)
-            transfer_ids.append(transfer_id)
-            if not pause_s:
-                by_call.append(called)
+            out.kvd.append(elapsed)
+            out.raw.append(raw_s)
+            out.transfer_ids.append(transfer_id)
+            if pause_s:
+                out.raw_after_pause.append(extra)
+            else:
+                out.raw_layout.append(extra)
+                out.by_call.append(called)
         progress(label, (i + 1) / (pairs + warm_up))
     session.verify(0, BLOCK_BYTES)
-    return kvd, raw, transfer_ids, by_call
+    return out
 
 
 async def _phases(session: Session, transfer_ids: list[str]) -> list[dict[str, float]]:

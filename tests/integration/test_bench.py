@@ -48,6 +48,8 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
         "the control path's floor",
         "by path, in turns",
         "goals",
+        "against a raw read with a pull's descriptors",
+        "against a raw read after the same pause",
     ):
         assert table in result.stdout, result.stdout
 
@@ -66,9 +68,19 @@ def test_bench_writes_every_sample_and_the_plots(tmp_path: Path) -> None:
     assert overhead["overhead_s"] == pytest.approx(
         [k - r for k, r in zip(overhead["kvd_s"], overhead["raw_s"], strict=True)]
     )
+    # Each pair also against a raw READ with a pull's descriptors (the layout's own cost)
+    assert len(overhead["raw_layout_s"]) == 4 and all(r > 0 for r in overhead["raw_layout_s"])
+    assert overhead["overhead_vs_layout_s"] == pytest.approx(
+        [k - r for k, r in zip(overhead["kvd_s"], overhead["raw_layout_s"], strict=True)]
+    )
     paused = overhead["paused"]  # the same pairs, each pull after a pause (as an engine's come)
     assert paused["pause_s"] > 0 and len(paused["overhead_s"]) == len(paused["kvd_s"]) == 4
     assert all(k > 0 and r > 0 for k, r in zip(paused["kvd_s"], paused["raw_s"], strict=True))
+    # ... and against a raw READ after the same pause (what a pause costs the bytes themselves)
+    assert len(paused["raw_after_pause_s"]) == 4 and all(r > 0 for r in paused["raw_after_pause_s"])
+    assert paused["overhead_vs_paused_raw_s"] == pytest.approx(
+        [k - r for k, r in zip(paused["kvd_s"], paused["raw_after_pause_s"], strict=True)]
+    )
     assert any("with nothing moving" in line for line in result.stdout.splitlines())
     by_call = overhead["start_pull"]  # each pair followed by the same pull started by a StartPull call
     assert len(by_call["kvd_s"]) == len(by_call["overhead_s"]) == 4 and all(k > 0 for k in by_call["kvd_s"])
