@@ -30,7 +30,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
-from kvd.core.peers import HandshakeInfo, PeerTransport, PrepareRequest, PrepareResult
+from kvd.core.peers import AskedAdmission, HandshakeInfo, PeerTransport, PrepareRequest, PrepareResult
 from kvd_client.errors import DeadlineExceeded
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,14 @@ class LoopbackTransport:
                 local, reader_address=address, reader_incarnation=self._holder.incarnation
             ),
         )
+
+    def ask_prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> AskedAdmission | None:
+        if address in self._own:
+            return None  # this daemon's own holder: prepare_pull answers it in place
+        return self._peers.ask_prepare_pull(address, request, timeout_s)
+
+    def flush(self) -> None:
+        self._peers.flush()
 
     async def abandon_pull(
         self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float

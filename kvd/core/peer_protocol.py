@@ -100,12 +100,34 @@ class PrepareResult:
     verify_after_read: bool = False  # a soft hold: FinishRead must succeed before the pull is done
 
 
+class AskedAdmission(Protocol):
+    """A PreparePull already queued to its holder (:meth:`PeerTransport.ask_prepare_pull`)."""
+
+    async def answer(self) -> PrepareResult:
+        """The holder's answer, as :meth:`PeerTransport.prepare_pull` returns or raises it (its
+        timeout counted from the ask); a cancel of this wait withdraws the call."""
+        ...
+
+    def withdraw(self) -> None:
+        """Nobody will await the answer (the pull ended before its task ran): the holder is told
+        to stop working on it. A no-op once answered."""
+
+
 class PeerTransport(Protocol):
     """How the core reaches a peer daemon (implemented over gRPC in ``kvd.server``)."""
 
     async def handshake(self, address: str, timeout_s: float) -> HandshakeInfo: ...
 
     async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult: ...
+
+    def ask_prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> AskedAdmission | None:
+        """Queue the PreparePull now, without awaiting anything, to leave at the next
+        :meth:`flush`: how StartPulls sends a pull's admission before it returns. None where the
+        transport cannot (the caller then awaits :meth:`prepare_pull`)."""
+
+    def flush(self) -> None:
+        """Send the calls asked so far now, where that needs no await (the rest leave as the
+        transport's own tasks write them)."""
 
     async def abandon_pull(
         self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float

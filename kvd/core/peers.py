@@ -31,6 +31,7 @@ from typing import Any
 from kvd.core.dataplane import DataPlane, NixlRegion
 from kvd.core.metrics import Metrics
 from kvd.core.peer_protocol import (
+    AskedAdmission,
     HandshakeInfo,
     PeerTransport,
     PrepareRequest,
@@ -45,6 +46,7 @@ from kvd_client.errors import InvalidArgument, KvdError, PeerUnavailable, Unavai
 # Defined here before kvd.core.peer_protocol and kvd.core.remote_agents: still importable from here.
 __all__ = [
     "MAX_STALE_REGIONS",
+    "AskedAdmission",
     "HandshakeInfo",
     "NixlRegion",
     "PeerSession",

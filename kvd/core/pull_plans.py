@@ -18,7 +18,16 @@ from collections.abc import Callable
 
 from kvd.config import KvdConfig
 from kvd.core.params import TransferParams
-from kvd.core.peers import Peers, PeerSession, PeerTransport, PrepareRequest, PrepareResult, RemoteEngine, unreachable
+from kvd.core.peers import (
+    AskedAdmission,
+    Peers,
+    PeerSession,
+    PeerTransport,
+    PrepareRequest,
+    PrepareResult,
+    RemoteEngine,
+    unreachable,
+)
 from kvd.core.registry import EngineRank
 from kvd.core.transfers import Transfer
 from kvd.layout.convert_plan import CostModel
@@ -157,6 +166,50 @@ class PullPlanner:
             )
         return pull_plan, remote_ranks
 
+    def _admission_request(
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        pull_plan: PullPlan,
+        remote_ranks: dict[int, RemoteEngine],
+        read_id: str,
+    ) -> PrepareRequest:
+        holder_spec = remote_ranks[pull_plan.remote_ranks[0]].view.spec
+        return PrepareRequest(
+            lease_id=remote.lease_id,
+            engine_id=remote.engine_id,
+            block_ids=tuple(remote.block_ids[: holder_spec.blocks_for(remote.num_tokens)]),
+            num_tokens=remote.num_tokens,
+            reader_tp_rank=rank.tp_rank,
+            reader_tp_size=rank.spec.tp_size,
+            remote_tp_ranks=tuple(pull_plan.remote_ranks),
+            reader_transfer_id=transfer.transfer_id,
+            read_timeout_s=max(0.001, transfer.started + transfer.deadline_s - time.monotonic()),
+            group_block_ids=self.remote_groups(remote),
+            read_id=read_id,
+            registration_ids=self._planned_registrations(pull_plan, remote_ranks) if read_id else (),
+        )
+
+    @property
+    def _admission_timeout_s(self) -> float:
+        return self.config.commit_wait_s + self.config.handshake_timeout_s
+
+    def ask_admission(
+        self,
+        transfer: Transfer,
+        rank: EngineRank,
+        remote: TransferParams,
+        pull_plan: PullPlan,
+        remote_ranks: dict[int, RemoteEngine],
+    ) -> AskedAdmission | None:
+        """Queue the admission of a pull whose READs are queued already (kvd.core.start_posts),
+        without awaiting anything: it leaves when StartPulls flushes the transport, before the
+        step's last READs go to the worker. :meth:`admit` with ``asked`` reads its answer. None
+        where the transport cannot queue it (``admit`` then asks as usual)."""
+        request = self._admission_request(transfer, rank, remote, pull_plan, remote_ranks, transfer.transfer_id)
+        return self._transport.ask_prepare_pull(remote.daemon_address, request, self._admission_timeout_s)
+
     async def admit(
         self,
         session: PeerSession,
@@ -166,29 +219,20 @@ class PullPlanner:
         pull_plan: PullPlan,
         remote_ranks: dict[int, RemoteEngine],
         read_id: str = "",
+        asked: AskedAdmission | None = None,
     ) -> PrepareResult:
         """Have the holder admit the read (PreparePull). With ``read_id`` the pull's READs are
         posted beside this call (PullReads.beside_admission): the holder checks the registrations
-        planned against, and an AbandonPull is left to the pull's end, once its READs are final."""
-        holder_spec = remote_ranks[pull_plan.remote_ranks[0]].view.spec
+        planned against, and an AbandonPull is left to the pull's end, once its READs are final.
+        ``asked``: the call is on its way already (:meth:`ask_admission`, asked with the pull's
+        transfer id as ``read_id``); only its answer is read here."""
         planned = self._planned_registrations(pull_plan, remote_ranks)
         try:
-            request = PrepareRequest(
-                lease_id=remote.lease_id,
-                engine_id=remote.engine_id,
-                block_ids=tuple(remote.block_ids[: holder_spec.blocks_for(remote.num_tokens)]),
-                num_tokens=remote.num_tokens,
-                reader_tp_rank=rank.tp_rank,
-                reader_tp_size=rank.spec.tp_size,
-                remote_tp_ranks=tuple(pull_plan.remote_ranks),
-                reader_transfer_id=transfer.transfer_id,
-                read_timeout_s=max(0.001, transfer.started + transfer.deadline_s - time.monotonic()),
-                group_block_ids=self.remote_groups(remote),
-                read_id=read_id,
-                registration_ids=planned if read_id else (),
-            )
-            timeout_s = self.config.commit_wait_s + self.config.handshake_timeout_s
-            prepared = await self._transport.prepare_pull(remote.daemon_address, request, timeout_s)
+            if asked is not None:
+                prepared = await asked.answer()
+            else:
+                request = self._admission_request(transfer, rank, remote, pull_plan, remote_ranks, read_id)
+                prepared = await self._transport.prepare_pull(remote.daemon_address, request, self._admission_timeout_s)
         except (UnknownEngine, StaleRegistration) as exc:  # the holder's ranks changed (registered again)
             raise StaleHandshake("holder ranks changed", exc) from exc
         except KvdError as exc:

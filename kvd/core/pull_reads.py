@@ -28,7 +28,7 @@ from kvd.core.dataplane import DataPlane, Xfer
 from kvd.core.local_memory import LocalMemory
 from kvd.core.metrics import Metrics
 from kvd.core.params import TransferParams
-from kvd.core.peers import Peers, PeerSession, PeerTransport, PrepareResult, RemoteEngine, StaleView
+from kvd.core.peers import AskedAdmission, Peers, PeerSession, PeerTransport, PrepareResult, RemoteEngine, StaleView
 from kvd.core.pull_plans import PullPlanner, StaleHandshake, lease_unexpired, names_the_leased_registrations
 from kvd.core.pull_resources import PullResources
 from kvd.core.registry import EngineRank
@@ -49,6 +49,8 @@ class StartedReads:
     session: PeerSession
     plan: PullPlan
     remote_ranks: dict[int, RemoteEngine]
+    # Its admission, queued as it started too (PullPlanner.ask_admission), or None: asked by its task.
+    asked: AskedAdmission | None = None
 
 
 class PullReads:
@@ -103,7 +105,15 @@ class PullReads:
         """
         if started is not None:
             return await self._admitted(
-                transfer, rank, remote, held, started.session, started.plan, started.remote_ranks, posted=True
+                transfer,
+                rank,
+                remote,
+                held,
+                started.session,
+                started.plan,
+                started.remote_ranks,
+                posted=True,
+                asked=started.asked,
             )
         if not lease_unexpired(remote):
             return False
@@ -151,11 +161,14 @@ class PullReads:
         remote_ranks: dict[int, RemoteEngine],
         *,
         posted: bool,
+        asked: AskedAdmission | None = None,
     ) -> bool:
         """The admission asked beside the pull's READs (posted here, or already as it started:
-        ``posted``)."""
+        ``posted``; ``asked``: the admission too, only its answer is left to read)."""
         admission = asyncio.ensure_future(
-            self._planner.admit(session, transfer, rank, remote, plan, remote_ranks, read_id=transfer.transfer_id)
+            self._planner.admit(
+                session, transfer, rank, remote, plan, remote_ranks, read_id=transfer.transfer_id, asked=asked
+            )
         )
         admission.add_done_callback(_retrieved)  # a pull cancelled while posting never awaits it
         posting: KvdError | None = None
@@ -169,6 +182,8 @@ class PullReads:
             posting = exc
         except BaseException:
             admission.cancel()
+            if asked is not None:  # a task cancelled before its first step never reads (nor withdraws) it
+                asked.withdraw()
             raise
         try:
             prepared = await admission

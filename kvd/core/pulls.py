@@ -97,6 +97,7 @@ class Puller:
         self.config = config = ctx.config
         self.metrics = metrics = ctx.metrics
         self.peers = peers
+        self._transport = transport  # its flush sends a step's admissions (kvd.core.start_posts)
         self.registry = registry = ctx.registry
         self.transfers = ctx.transfers
         self._dataplane = dataplane  # the worker new pulls run through (rebind replaces it)
@@ -143,8 +144,10 @@ class Puller:
                     logger.exception("internal error starting pull %r of a batch", order.request_id)
                     results.append(Internal(f"internal error starting pull {order.request_id!r}; see the daemon's log"))
         finally:
-            # The rest of the step's READs (those queued since its last send) go to the worker
-            # now, before any of its tasks runs (kvd.core.start_posts).
+            # The step's admissions go to their holders now, in one message each, then the rest
+            # of its READs (those queued since the last send) to the worker, before any of its
+            # tasks runs (kvd.core.start_posts).
+            self._transport.flush()
             self._dataplane.flush_reads()
         return results
 
@@ -215,6 +218,8 @@ class Puller:
         if transfer.began or not task.cancelled():
             return
         error = Aborted(f"pull of request {transfer.request_id!r} from {remote.daemon_address} aborted before it began")
+        if started is not None and started.asked is not None:
+            started.asked.withdraw()  # the holder may admit it all the same: the pull's end tells it
         if started is None:
             self._report(transfer, rank, remote, error)
             return

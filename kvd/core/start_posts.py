@@ -8,10 +8,13 @@ worker ~8 ms after StartPulls arrived, after every pull had been planned and eve
 built and written (docs/performance.md, "A step's READs sent as it starts"). Here a pull that
 needs nothing it would have to wait for is planned and its READs queued at once, in the call
 that starts it; StartPulls then sends the step's READs to the worker (one step READ per pair of
-lists: kvd.core.step_reads) before anything else of the step runs. The pull's task then asks the
-holder's admission beside READs already under way (:meth:`PullReads.beside_admission`): the
-rules are those of any READ posted beside its admission (docs/lifetimes.md, "A READ beside its
-admission"), only the order of the two in the event loop differs.
+lists: kvd.core.step_reads) before anything else of the step runs. Each such pull's admission is
+queued here too (:meth:`PullPlanner.ask_admission`), and StartPulls writes the step's admissions
+out (one message per holder) just before its last READs: the holder starts on them within the
+call, not two event-loop turns after it (the pull's task, then the peer stream's writer). The
+pull's task then only reads the answer, beside READs already under way
+(:meth:`PullReads.beside_admission`): the rules are those of any READ posted beside its admission
+(docs/lifetimes.md, "A READ beside its admission"), only the order of the two differs.
 
 A step's READs leave in a few sends, not one: the first pull's READs as soon as it is planned,
 then the next 3, the next 9, and the rest (:func:`step_flush_points`). The worker copies the first
@@ -131,4 +134,5 @@ class StartPosts:
             self._reads.queue_read(
                 held, session, plan, index, remote_ranks[group.remote_rank], local_table, remote_table, tag, quiet
             )
-        return StartedReads(held, session, plan, remote_ranks)
+        asked = self._planner.ask_admission(transfer, rank, remote, plan, remote_ranks)
+        return StartedReads(held, session, plan, remote_ranks, asked)

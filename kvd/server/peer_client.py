@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult
+from kvd.core.peers import AskedAdmission, HandshakeInfo, PrepareRequest, PrepareResult
 from kvd.server import convert
 from kvd.server.peer_frames import FramedPeerCall, split_host
-from kvd.server.peer_stream import OPERATIONS, PeerStreamCaller, StreamUnsupported
+from kvd.server.peer_stream import OPERATIONS, PeerStreamCaller, StreamUnsupported, SubmittedCall
 from kvd_client.channel import PEER_CHANNEL_OPTIONS
 from kvd_client.errors import ErrorCode, KvdError, PeerUnavailable, from_status
 from kvd_client.grpc_errors import error_class_name, rpc_error_code, rpc_error_details
@@ -40,6 +40,32 @@ def _to_kvd(exc: grpc.RpcError, address: str, what: str) -> KvdError:
     if code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) and not class_name:
         return PeerUnavailable(f"peer daemon {address} unreachable during {what}: {details or code.name}")
     return from_status(code, f"peer daemon {address}: {details}", class_name)
+
+
+def _unary(kind: str, request: Any, timeout_s: float) -> Callable[[peer_pb2_grpc.PeerServiceStub], Awaitable[Any]]:
+    def unary(stub: peer_pb2_grpc.PeerServiceStub) -> Awaitable[Any]:
+        return getattr(stub, OPERATIONS[kind])(request, timeout=timeout_s)
+
+    return unary
+
+
+def _prepared(response: peer_pb2.PreparePullResponse) -> PrepareResult:
+    return PrepareResult(tuple(response.registration_ids), response.notif_tag, response.verify_after_read)
+
+
+class _StreamAdmission:
+    """A PreparePull queued on a peer's stream (GrpcPeerTransport.ask_prepare_pull)."""
+
+    def __init__(self, transport: GrpcPeerTransport, address: str, submitted: SubmittedCall) -> None:
+        self._transport = transport
+        self._address = address
+        self._submitted = submitted
+
+    async def answer(self) -> PrepareResult:
+        return _prepared(await self._transport.answer(self._address, "prepare pull", self._submitted))
+
+    def withdraw(self) -> None:
+        self._submitted.withdraw()
 
 
 class GrpcPeerTransport:
@@ -65,6 +91,7 @@ class GrpcPeerTransport:
         # One PeerStream per peer (kvd.server.peer_stream), when calls_on_stream.
         self._streams: dict[str, PeerStreamCaller] = {}
         self._unary_only: set[str] = set()  # peers that answered the stream UNIMPLEMENTED
+        self._to_flush: set[str] = set()  # peers with calls asked (ask_prepare_pull) since the last flush
         # One stub per channel: building one per call showed in the pull path's profile.
         self._stubs: dict[str, peer_pb2_grpc.PeerServiceStub] = {}
         # Dropped peer -> (its AbandonPull channel, the calls using it): see the module docstring.
@@ -105,21 +132,21 @@ class GrpcPeerTransport:
     ) -> Any:
         """One call to a peer: a message on its stream, or the unary RPC of the same name
         (``calls_on_stream`` false, or a peer without the stream)."""
-
-        def unary(stub: peer_pb2_grpc.PeerServiceStub) -> Awaitable[Any]:
-            return getattr(stub, OPERATIONS[kind])(request, timeout=timeout_s)
-
         if not self._calls_on_stream or address in self._unary_only:
-            return await self._call(address, what, unary)
-        stream = self._stream(address)
+            return await self._call(address, what, _unary(kind, request, timeout_s))
+        return await self.answer(address, what, self._stream(address).submit(kind, request, timeout_s))
+
+    async def answer(self, address: str, what: str, submitted: SubmittedCall) -> Any:
+        """The response of a call submitted on the peer's stream (its unary RPC where the peer
+        turns out to serve no stream)."""
         try:
-            response = await stream.call(kind, request, timeout_s, what)
+            response = await submitted.reply(what)
         except StreamUnsupported:
             # An older holder (no PeerStream): it ran nothing; unary calls to it from now on
             # (until it is dropped: a restarted, upgraded holder gets the stream again).
             logger.info("peer daemon %s does not serve PeerStream: calling it with unary RPCs", address)
             self._unary_only.add(address)
-            return await self._call(address, what, unary)
+            return await self._call(address, what, _unary(submitted.kind, submitted.request, submitted.timeout_s))
         self.last_contact[address] = time.monotonic()
         return response
 
@@ -152,8 +179,8 @@ class GrpcPeerTransport:
             self._stream(address).open_frames(lambda: FramedPeerCall.connect(address, host, port, tls))
         return convert.handshake_from_pb(response)
 
-    async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult:
-        message = peer_pb2.PreparePullRequest(
+    def _prepare_message(self, request: PrepareRequest) -> peer_pb2.PreparePullRequest:
+        return peer_pb2.PreparePullRequest(
             lease_id=request.lease_id,
             engine_id=request.engine_id,
             block_ids=list(request.block_ids),
@@ -170,14 +197,32 @@ class GrpcPeerTransport:
             read_id=request.read_id,
             registration_ids=list(request.registration_ids),
         )
-        response = await self._peer_call(
-            address,
-            "prepare pull",
-            "prepare_pull",
-            message,
-            timeout_s,
-        )
-        return PrepareResult(tuple(response.registration_ids), response.notif_tag, response.verify_after_read)
+
+    async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult:
+        message = self._prepare_message(request)
+        return _prepared(await self._peer_call(address, "prepare pull", "prepare_pull", message, timeout_s))
+
+    def ask_prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> AskedAdmission | None:
+        """Queue the PreparePull on the peer's stream now (it leaves at :meth:`flush`); None
+        where it cannot be queued without an await (unary calls, a stream this daemon dropped):
+        the caller then awaits :meth:`prepare_pull`, which says why."""
+        if not self._calls_on_stream or address in self._unary_only:
+            return None
+        try:
+            submitted = self._stream(address).submit("prepare_pull", self._prepare_message(request), timeout_s)
+        except KvdError:
+            return None
+        self._to_flush.add(address)
+        return _StreamAdmission(self, address, submitted)
+
+    def flush(self) -> None:
+        """Write the calls asked since the last flush to their peers now, where their streams
+        take a write without an await (kvd.server.peer_stream: PeerStreamCaller.flush)."""
+        for address in self._to_flush:
+            stream = self._streams.get(address)
+            if stream is not None:
+                stream.flush()
+        self._to_flush.clear()
 
     async def abandon_pull(
         self, address: str, lease_id: str, reader_tp_rank: int, reader_transfer_id: str, reason: str, timeout_s: float

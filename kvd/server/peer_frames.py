@@ -241,6 +241,14 @@ class FramedPeerCall:
         self._writer.write(encode(calls))
         await self._writer.drain()
 
+    def write_now(self, calls: peer_pb2.PeerCalls) -> bool:
+        """Write without awaiting, where nothing of this stream is still unsent (so no write
+        ever grows the buffer past what :meth:`write`'s drain bounds); False: nothing written."""
+        if self._cancelled or self._writer.transport.get_write_buffer_size():
+            return False
+        self._writer.write(encode(calls))
+        return True
+
     async def read(self) -> peer_pb2.PeerReplies | Any:
         """The holder's next replies; ``grpc.aio.EOF`` at its clean end; StreamBroken otherwise."""
         try:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -255,33 +256,27 @@ class PeerStreamCaller:
             stream = self._stream = _OpenStream(self.address, self._stub().PeerStream())
         return stream
 
-    async def call(self, kind: str, request: Any, timeout_s: float, what: str) -> Any:
-        """Make one call and return its response (the message of its kind)."""
+    def submit(self, kind: str, request: Any, timeout_s: float) -> SubmittedCall:
+        """Queue one call now, without awaiting anything: it leaves with the stream's next write
+        (the writer task's, or :meth:`flush`'s). Its answer is :meth:`SubmittedCall.reply`'s."""
         stream = self._current()
         call_id = next(self._ids)
         future = stream.submit(
             peer_pb2.PeerCall(call_id=call_id, timeout_ms=max(1, int(timeout_s * 1000)), **{kind: request})
         )
-        try:
-            async with asyncio.timeout(timeout_s):
-                reply: peer_pb2.PeerReply = await future
-        except TimeoutError:
-            stream.withdraw(call_id)
-            raise PeerUnavailable(f"peer daemon {self.address} unreachable during {what}: DEADLINE_EXCEEDED") from None
-        except asyncio.CancelledError:
-            stream.withdraw(call_id)
-            raise
-        except StreamBroken as exc:
-            if exc.code is ErrorCode.UNIMPLEMENTED:
-                raise StreamUnsupported(self.address) from None
-            raise exc.error_for(self.address, what) from None
-        if reply.code:
-            code = ErrorCode(reply.code)
-            if code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) and not reply.error_class:
-                # As a unary call's status without a kvd class (the holder gave up at the deadline).
-                raise PeerUnavailable(f"peer daemon {self.address} unreachable during {what}: {reply.error_message}")
-            raise from_status(code, f"peer daemon {self.address}: {reply.error_message}", reply.error_class)
-        return getattr(reply, kind)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        return SubmittedCall(stream, call_id, future, kind, request, timeout_s, deadline)
+
+    async def call(self, kind: str, request: Any, timeout_s: float, what: str) -> Any:
+        """Make one call and return its response (the message of its kind)."""
+        return await self.submit(kind, request, timeout_s).reply(what)
+
+    def flush(self) -> None:
+        """Write the calls queued so far now, where the stream can take them without waiting
+        (:meth:`_OpenStream.flush`); the rest leave with the writer task's next write."""
+        for stream in (self._framed, self._stream):
+            if stream is not None:
+                stream.flush()
 
     async def close(self) -> None:
         self._closed = True
@@ -327,6 +322,51 @@ class StreamBroken(Exception):
         return from_status(self.code, f"peer daemon {address}: {self.why}", self.class_name)
 
 
+@dataclasses.dataclass(eq=False)
+class SubmittedCall:
+    """One call queued on a peer stream (:meth:`PeerStreamCaller.submit`), its reply not read yet."""
+
+    stream: _OpenStream
+    call_id: int
+    future: asyncio.Future[peer_pb2.PeerReply]
+    kind: str
+    request: Any
+    timeout_s: float
+    deadline: float  # event-loop time
+
+    async def reply(self, what: str) -> Any:
+        """The submitted call's response (the message of its kind), or its error; past its
+        deadline, or cancelled, the call is withdrawn."""
+        address = self.stream.address
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                reply: peer_pb2.PeerReply = await self.future
+        except TimeoutError:
+            self.withdraw()
+            raise PeerUnavailable(f"peer daemon {address} unreachable during {what}: DEADLINE_EXCEEDED") from None
+        except asyncio.CancelledError:
+            self.withdraw()
+            raise
+        except StreamBroken as exc:
+            if exc.code is ErrorCode.UNIMPLEMENTED:
+                raise StreamUnsupported(address) from None
+            raise exc.error_for(address, what) from None
+        if reply.code:
+            code = ErrorCode(reply.code)
+            if code in (ErrorCode.UNAVAILABLE, ErrorCode.DEADLINE_EXCEEDED) and not reply.error_class:
+                # As a unary call's status without a kvd class (the holder gave up at the deadline).
+                raise PeerUnavailable(f"peer daemon {address} unreachable during {what}: {reply.error_message}")
+            raise from_status(code, f"peer daemon {address}: {reply.error_message}", reply.error_class)
+        return getattr(reply, self.kind)
+
+    def withdraw(self) -> None:
+        """Nobody will read the reply: forget it, and have the holder cancel its work (a no-op
+        once the reply is in: the stream forgot the call as it read the reply)."""
+        self.stream.withdraw(self.call_id)
+        if self.future.done() and not self.future.cancelled():
+            self.future.exception()  # read, so an unread error is not reported as lost
+
+
 class _OpenStream:
     """One PeerStream call: a writer that sends what queued as one message, a reader that
     resolves each call's future by its id."""
@@ -338,6 +378,7 @@ class _OpenStream:
         self._outbox: list[peer_pb2.PeerCall] = []
         self._pending: dict[int, asyncio.Future[peer_pb2.PeerReply]] = {}
         self._wake = asyncio.Event()
+        self._writing = False  # the writer task is inside a write (flush leaves the outbox to it)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._write(), name=f"kvd-peer-stream-writer-{address}"),
@@ -368,13 +409,35 @@ class _OpenStream:
                 if self._outbox:
                     batch = list(self._outbox)
                     self._outbox.clear()
+                    self._writing = True
                     await self._call.write(peer_pb2.PeerCalls(calls=batch))
+                    self._writing = False
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
             self._break(StreamBroken.of_rpc(exc))
         except Exception as exc:  # noqa: BLE001 - a write on a finished call: the reader reports its status
             self._break(StreamBroken(f"the stream ended ({type(exc).__name__})"))
+
+    def flush(self) -> None:
+        """Write what is queued now, in this call, where the stream takes a write without an
+        await: the framed stream (kvd.server.peer_frames) with nothing of its own unsent and the
+        writer task not inside a write. A call queued in StartPulls then leaves in StartPulls, not
+        two event-loop turns later. Otherwise (gRPC's stream, a write in progress, bytes unsent)
+        the writer task sends it, in order, as before."""
+        if not self._outbox or self.broken is not None or self._writing:
+            return
+        write_now = getattr(self._call, "write_now", None)
+        if write_now is None:
+            return
+        batch = list(self._outbox)
+        try:
+            written = write_now(peer_pb2.PeerCalls(calls=batch))
+        except Exception as exc:  # noqa: BLE001 - as the writer task's write: the stream breaks
+            self._break(StreamBroken(f"the stream ended ({type(exc).__name__})"))
+            return
+        if written:
+            del self._outbox[: len(batch)]
 
     async def _read(self) -> None:
         try:

@@ -22,8 +22,9 @@ READY = engine_pb2.DaemonMessage(ready=engine_pb2.StreamReady(takes_pulls=True))
 
 
 async def let_started_pulls_run() -> None:
-    """Yield to the event loop twice before answering pulls just started: they plan and queue
-    their PreparePull (first turn), and the peer stream's writer sends it (second).
+    """Yield to the event loop twice before answering pulls just started: those not started warm
+    plan and queue their PreparePull (first turn), and the peer stream's writer sends it (second).
+    (A warm pull's admission left within StartPulls already: kvd.core.start_posts.)
 
     The holder's admission is on each pull's critical path; the answer is not (an engine waits
     for the pull's end on its engine stream, a router for its status). Sending the answer first

@@ -444,6 +444,7 @@ class FakeDataPlane:
         """As DataPlane.flush_reads (a fake posts each READ as it is asked for): remembers how many
         READs had been asked for at each flush (a step's sends, kvd.core.start_posts)."""
         self.flushed_at.append(self.asked)
+        self.fabric.sends.append(("reads", self.asked))
 
     async def _post(
         self,
@@ -532,6 +533,38 @@ class FakeDataPlane:
         self.log.append(("final", xfer))
 
 
+class FakeAskedAdmission:
+    """A PreparePull asked ahead (FakePeerTransport.ask_prepare_pull): the call runs as
+    ``prepare_pull`` would, from the flush that sends it; a cancel of ``answer`` withdraws it."""
+
+    def __init__(self, transport: FakePeerTransport, address: str, request: PrepareRequest, timeout_s: float) -> None:
+        self._transport = transport
+        self._address = address
+        self._request = request
+        self._timeout_s = timeout_s
+        self._call: asyncio.Task[PrepareResult] | None = None
+        self.withdrawn = False
+
+    def send(self) -> None:
+        self._transport.sent_asks.append(self._request.reader_transfer_id)
+        if not self.withdrawn:
+            self._call = asyncio.ensure_future(
+                self._transport.prepare_pull(self._address, self._request, self._timeout_s)
+            )
+            self._call.add_done_callback(lambda call: call.cancelled() or call.exception())
+
+    async def answer(self) -> PrepareResult:
+        assert self._call is not None, "an admission asked ahead is answered only once a flush sent it"
+        return await self._call
+
+    def withdraw(self) -> None:
+        if not self.withdrawn:
+            self.withdrawn = True
+            self._transport.withdrawn_asks.append(self._request.reader_transfer_id)
+        if self._call is not None:
+            self._call.cancel()
+
+
 class FakePeerTransport:
     """PeerTransport that calls the holder Daemon object directly (or returns test-set answers)."""
 
@@ -555,6 +588,9 @@ class FakePeerTransport:
         self.finished = Tally()
         self.finish_lost: KvdError | None = None  # raised instead of delivering a FinishRead (lost on its way)
         self._tags: dict[str, list[str]] = {}  # reader transfer id -> notification tags it was given
+        self._unflushed: list[FakeAskedAdmission] = []  # asked (ask_prepare_pull), not sent yet
+        self.sent_asks: list[str] = []  # reader transfer ids of the admissions asked, as flush sent them
+        self.withdrawn_asks: list[str] = []  # ... and of those withdrawn
 
     def _holder(self, address: str) -> Any:
         daemon = self.fabric.daemons.get(address)
@@ -569,6 +605,24 @@ class FakePeerTransport:
         holder = self._holder(address)
         holder.require_serving()
         return holder.handshake_info()
+
+    def ask_prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> FakeAskedAdmission | None:
+        """As the gRPC transport queues a PreparePull on its peer's stream: it leaves at the next
+        :meth:`flush` (``Fabric.asks_early`` False: None, the core asks with prepare_pull)."""
+        if not self.fabric.asks_early:
+            return None
+        asked = FakeAskedAdmission(self, address, request, timeout_s)
+        if not self._unflushed:  # unflushed, it leaves at the end of this loop turn (the writer task's send)
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._unflushed.append(asked)
+        return asked
+
+    def flush(self) -> None:
+        unflushed, self._unflushed = self._unflushed, []
+        if unflushed:
+            self.fabric.sends.append(("admissions", len(unflushed)))
+        for asked in unflushed:
+            asked.send()
 
     async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult:
         reader_transfer_id = request.reader_transfer_id
@@ -694,6 +748,12 @@ class Fabric:
         self.start_gate: Gate | None = None  # holds FakeDataPlane.start (a replacement worker starting)
         self.start_errors: list[BaseException] = []  # raised, one per start, by the next workers started
         self.shm_names: list[str] = []
+        # Readers queue a warm pull's admission in StartPulls, as the gRPC transport does
+        # (PeerTransport.ask_prepare_pull); False: their pulls' tasks ask it.
+        self.asks_early = True
+        # In order, what readers sent: ("reads", READs asked for so far on that plane) at each
+        # flush of READs, ("admissions", how many) at each send of admissions asked ahead.
+        self.sends: list[tuple[str, int]] = []
 
     def make_dataplane(
         self,

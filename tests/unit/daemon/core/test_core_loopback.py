@@ -32,6 +32,12 @@ class Inner:
         self.calls.append(("handshake", address))
         return _info(self.incarnations[address])
 
+    def ask_prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> None:
+        return None
+
+    def flush(self) -> None:
+        pass
+
     async def prepare_pull(self, address: str, request: PrepareRequest, timeout_s: float) -> PrepareResult:
         self.calls.append(("prepare_pull", address))
         return PrepareResult((9,), "peer-tag")

@@ -1,6 +1,10 @@
 """A warm pull's READs queued by the StartPull(s) that starts it, before any task of its step runs
 (kvd.core.start_posts), then admitted beside them: every interleaving that matters, by hand.
 
+Each test runs twice: with the transport queueing the admission in StartPulls too, as the gRPC
+transport does (PeerTransport.ask_prepare_pull; sent before the step's last READs), and with the
+pull's task asking it (a transport that cannot queue it).
+
 Two real daemons over the fake data planes and peer transport of lifetime_fakes.py. Each test
 warms the pair with one whole pull first (the handshake cached, the lists prepared): only then
 does a pull qualify. The fakes flag every lifetime violation (an AbandonPull or a FinishRead sent
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from kvtest import small_spec
 from lifetime_fakes import Fabric, Gate
 from test_core_lifetimes import (
@@ -38,6 +43,12 @@ from kvd.core.start_posts import step_flush_points
 from kvd.core.transfers import Transfer, TransferState
 
 
+@pytest.fixture(params=[True, False], ids=["admission-asked-in-start", "admission-asked-by-task"])
+def fabric(fabric: Fabric, request: pytest.FixtureRequest) -> Fabric:
+    fabric.asks_early = request.param
+    return fabric
+
+
 async def warm_pair(fabric: Fabric, **reader_config: Any) -> Pair:
     """A pair whose reader has pulled once, to the end: its next pulls qualify."""
     p = await make_pair(fabric, read_beside_admission=True, **reader_config)
@@ -52,13 +63,21 @@ async def warm_pair(fabric: Fabric, **reader_config: Any) -> Pair:
 
 
 def start_warm(p: Pair, request_id: str) -> tuple[Transfer, str]:
-    """Start a pull and check, before anything else runs, that its READs are already queued
-    and nothing has been asked of the holder yet."""
-    asked = len(p.reader.transport.prepares)
-    transfer, lease_id = p.pull(request_id)
+    """Start a pull as an engine does (StartPulls) and check, before anything else runs, that its
+    READs are queued, and its admission sent to the holder (first) where the transport queues
+    it, or not asked yet where the pull's task asks it."""
+    prepared, sends = len(p.reader.transport.prepares), len(p.fabric.sends)
+    lease, params = p.holder.daemon.hold("eng-h", request_id, HOLD_BLOCKS, NUM_TOKENS)
+    (transfer,) = p.reader.daemon.start_pulls([PullOrder("eng-r", 0, request_id, LOCAL_BLOCKS, params)])
+    assert isinstance(transfer, Transfer)
     assert transfer.state is READING and len(transfer.posts) == 2, "a warm pull queues its READs as it starts"
-    assert len(p.reader.transport.prepares) == asked, "the admission is asked after the READs, by the pull's task"
-    return transfer, lease_id
+    assert len(p.reader.transport.prepares) == prepared, "the holder has run nothing of it yet"
+    if p.fabric.asks_early:
+        assert p.reader.transport.sent_asks[-1] == transfer.transfer_id
+        assert [kind for kind, _ in p.fabric.sends[sends:]] == ["admissions", "reads"], "the admission, then the READs"
+    else:
+        assert transfer.transfer_id not in p.reader.transport.sent_asks, "the pull's task asks the admission"
+    return transfer, lease.lease_id
 
 
 def test_a_warm_pull_queues_its_reads_as_it_starts_and_ends_done_with_one_finish_read(fabric: Fabric) -> None:
@@ -141,8 +160,9 @@ def test_a_refused_admission_with_reads_in_flight_fences_and_reports_failed_once
 
 def test_a_pull_cancelled_before_its_task_began_still_fences_reports_once_and_hands_back(fabric: Fabric) -> None:
     """A cancel in the very turn the pull started: asyncio never runs the task's body, yet the
-    READs were queued. The pull's end runs all the same: ABORTED once its READs are final,
-    one LoadFailed, every pin handed back, the holder told AbandonPull after the READs."""
+    READs were queued (and the admission sent). The pull's end runs all the same: its admission
+    withdrawn, ABORTED once its READs are final, one LoadFailed, every pin handed back, the
+    holder told AbandonPull after the READs."""
 
     async def scenario() -> None:
         p = await warm_pair(fabric)
@@ -151,6 +171,8 @@ def test_a_pull_cancelled_before_its_task_began_still_fences_reports_once_and_ha
         transfer.task.cancel()  # before it ever ran
         xfers = await asyncio.gather(*transfer.posts)
         await asyncio.sleep(0.01)
+        if fabric.asks_early:  # its admission, sent in StartPulls, is withdrawn: nobody reads the answer
+            assert p.reader.transport.withdrawn_asks == [transfer.transfer_id]
         assert not transfer.began and not transfer.state.final, "reported only once its READs are final"
         for xfer in xfers:
             p.reader.dataplane.finish(xfer)
@@ -244,7 +266,12 @@ def test_a_step_sends_its_reads_in_growing_sends_before_any_admission_and_every_
         assert all(isinstance(t, Transfer) and len(t.posts) == 2 for t in transfers)
         sent = [n - before for n in plane.flushed_at[flushes:]]
         assert sent == [2 * 1, 2 * 4, 2 * 13, 2 * 14], f"READs asked for at each send: {sent}"
-        assert len(p.reader.transport.prepares) == asked, "every send left before any admission was asked"
+        assert len(p.reader.transport.prepares) == asked, "the holder ran no admission before every send left"
+        kinds = [kind if kind == "reads" else (kind, n) for kind, n in p.fabric.sends[-5:]]
+        if fabric.asks_early:  # the step's 14 admissions in one send, before its last READs
+            assert kinds == ["reads", "reads", "reads", ("admissions", 14), "reads"], kinds
+        else:
+            assert ("admissions", 14) not in p.fabric.sends
         posted = [await asyncio.gather(*t.posts) for t in transfers]  # type: ignore[union-attr]
         for xfers in posted:
             for xfer in xfers:

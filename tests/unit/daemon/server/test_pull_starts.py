@@ -225,6 +225,11 @@ def test_the_daemons_bound_on_pulls_per_message_fails_every_item_and_starts_noth
             def flush_reads() -> None:
                 pass
 
+        class _transport:  # stands in for Puller._transport: the step's admissions are flushed
+            @staticmethod
+            def flush() -> None:
+                pass
+
         def start_order(self, order: PullOrder) -> Any:
             return FakeTransfer(f"xfer-{order.request_id}")
 
