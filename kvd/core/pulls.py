@@ -144,11 +144,11 @@ class Puller:
                     logger.exception("internal error starting pull %r of a batch", order.request_id)
                     results.append(Internal(f"internal error starting pull {order.request_id!r}; see the daemon's log"))
         finally:
-            # The step's admissions go to their holders now, in one message each, then the rest
-            # of its READs (those queued since the last send) to the worker, before any of its
+            # The rest of the step's READs (those queued since its last send) go to the worker
+            # now, then its admissions to their holders, one message each, before any of its
             # tasks runs (kvd.core.start_posts).
-            self._transport.flush()
             self._dataplane.flush_reads()
+            self._transport.flush()
         return results
 
     def start_order(self, order: PullOrder) -> Transfer:

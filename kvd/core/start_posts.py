@@ -10,7 +10,7 @@ needs nothing it would have to wait for is planned and its READs queued at once,
 that starts it; StartPulls then sends the step's READs to the worker (one step READ per pair of
 lists: kvd.core.step_reads) before anything else of the step runs. Each such pull's admission is
 queued here too (:meth:`PullPlanner.ask_admission`), and StartPulls writes the step's admissions
-out (one message per holder) just before its last READs: the holder starts on them within the
+out (one message per holder) right after its last READs: the holder starts on them within the
 call, not two event-loop turns after it (the pull's task, then the peer stream's writer). The
 pull's task then only reads the answer, beside READs already under way
 (:meth:`PullReads.beside_admission`): the rules are those of any READ posted beside its admission

@@ -2,7 +2,7 @@
 (kvd.core.start_posts), then admitted beside them: every interleaving that matters, by hand.
 
 Each test runs twice: with the transport queueing the admission in StartPulls too, as the gRPC
-transport does (PeerTransport.ask_prepare_pull; sent before the step's last READs), and with the
+transport does (PeerTransport.ask_prepare_pull; sent right after the step's last READs), and with the
 pull's task asking it (a transport that cannot queue it).
 
 Two real daemons over the fake data planes and peer transport of lifetime_fakes.py. Each test
@@ -64,7 +64,7 @@ async def warm_pair(fabric: Fabric, **reader_config: Any) -> Pair:
 
 def start_warm(p: Pair, request_id: str) -> tuple[Transfer, str]:
     """Start a pull as an engine does (StartPulls) and check, before anything else runs, that its
-    READs are queued, and its admission sent to the holder (first) where the transport queues
+    READs are queued, and its admission sent to the holder (after them) where the transport queues
     it, or not asked yet where the pull's task asks it."""
     prepared, sends = len(p.reader.transport.prepares), len(p.fabric.sends)
     lease, params = p.holder.daemon.hold("eng-h", request_id, HOLD_BLOCKS, NUM_TOKENS)
@@ -74,7 +74,7 @@ def start_warm(p: Pair, request_id: str) -> tuple[Transfer, str]:
     assert len(p.reader.transport.prepares) == prepared, "the holder has run nothing of it yet"
     if p.fabric.asks_early:
         assert p.reader.transport.sent_asks[-1] == transfer.transfer_id
-        assert [kind for kind, _ in p.fabric.sends[sends:]] == ["admissions", "reads"], "the admission, then the READs"
+        assert [kind for kind, _ in p.fabric.sends[sends:]] == ["reads", "admissions"], "the READs, then the admission"
     else:
         assert transfer.transfer_id not in p.reader.transport.sent_asks, "the pull's task asks the admission"
     return transfer, lease.lease_id
@@ -268,8 +268,8 @@ def test_a_step_sends_its_reads_in_growing_sends_before_any_admission_and_every_
         assert sent == [2 * 1, 2 * 4, 2 * 13, 2 * 14], f"READs asked for at each send: {sent}"
         assert len(p.reader.transport.prepares) == asked, "the holder ran no admission before every send left"
         kinds = [kind if kind == "reads" else (kind, n) for kind, n in p.fabric.sends[-5:]]
-        if fabric.asks_early:  # the step's 14 admissions in one send, before its last READs
-            assert kinds == ["reads", "reads", "reads", ("admissions", 14), "reads"], kinds
+        if fabric.asks_early:  # the step's 14 admissions in one send, right after its last READs
+            assert kinds[-5:] == ["reads", "reads", "reads", "reads", ("admissions", 14)], kinds
         else:
             assert ("admissions", 14) not in p.fabric.sends
         posted = [await asyncio.gather(*t.posts) for t in transfers]  # type: ignore[union-attr]
