@@ -204,8 +204,8 @@ class PullPlanner:
         remote_ranks: dict[int, RemoteEngine],
     ) -> AskedAdmission | None:
         """Queue the admission of a pull whose READs are queued already (kvd.core.start_posts),
-        without awaiting anything: it leaves when StartPulls flushes the transport, before the
-        step's last READs go to the worker. :meth:`admit` with ``asked`` reads its answer. None
+        without awaiting anything: it leaves when StartPulls flushes the transport, right after
+        the step's last READs go to the worker. :meth:`admit` with ``asked`` reads its answer. None
         where the transport cannot queue it (``admit`` then asks as usual)."""
         request = self._admission_request(transfer, rank, remote, pull_plan, remote_ranks, transfer.transfer_id)
         return self._transport.ask_prepare_pull(remote.daemon_address, request, self._admission_timeout_s)

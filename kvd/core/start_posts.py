@@ -36,6 +36,7 @@ way, unchanged. Event-loop only.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 
 from kvd.config import KvdConfig
@@ -54,6 +55,8 @@ from kvd.core.pull_reads import PullReads, StartedReads
 from kvd.core.pull_resources import PullResources
 from kvd.core.registry import EngineRank
 from kvd.core.transfers import Transfer
+
+logger = logging.getLogger(__name__)
 
 STEP_FLUSH_GROWTH = 3
 """Each send of a step's READs carries this many times the pulls of the one before (1, 3, 9, ...).
@@ -134,5 +137,9 @@ class StartPosts:
             self._reads.queue_read(
                 held, session, plan, index, remote_ranks[group.remote_rank], local_table, remote_table, tag, quiet
             )
-        asked = self._planner.ask_admission(transfer, rank, remote, plan, remote_ranks)
+        try:
+            asked = self._planner.ask_admission(transfer, rank, remote, plan, remote_ranks)
+        except Exception:  # a bug must not strand READs already queued: the pull's task asks it then
+            logger.exception("queueing the admission of pull %s failed; its task asks it", transfer.transfer_id)
+            asked = None
         return StartedReads(held, session, plan, remote_ranks, asked)

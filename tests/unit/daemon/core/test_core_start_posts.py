@@ -332,3 +332,32 @@ def test_a_reader_worker_lost_with_reads_queued_at_the_start_fails_the_pull_unav
         assert [e.request_id for e in engine_events(p.rrank, FinishedRecving)] == ["warm-up"]
 
     run(fabric, scenario)
+
+
+def test_a_failure_to_queue_the_admission_leaves_it_to_the_pulls_task_and_the_pull_ends_done(
+    fabric: Fabric, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in queueing the admission (here: the transport raises) must not strand the READs
+    already queued: it is logged, the pull's task asks the admission as usual, the pull is DONE."""
+
+    async def scenario() -> None:
+        p = await warm_pair(fabric)
+
+        def broken(*_args: Any) -> None:
+            raise RuntimeError("broken transport")
+
+        p.reader.transport.ask_prepare_pull = broken  # type: ignore[method-assign]
+        lease, params = p.holder.daemon.hold("eng-h", "req-2", HOLD_BLOCKS, NUM_TOKENS)
+        (transfer,) = p.reader.daemon.start_pulls([PullOrder("eng-r", 0, "req-2", LOCAL_BLOCKS, params)])
+        assert isinstance(transfer, Transfer) and len(transfer.posts) == 2, "its READs were queued all the same"
+        for xfer in await asyncio.gather(*transfer.posts):
+            p.reader.dataplane.finish(xfer)
+        await ended(transfer)
+        await settle(p.reader, p.holder)
+        assert transfer.state is DONE
+        assert p.reader.transport.prepares[-1]["reader_transfer_id"] == transfer.transfer_id
+        assert [e.lease_id for e in engine_events(p.hrank, FinishedSending)][-1] == lease.lease_id
+        assert "queueing the admission of pull" in caplog.text
+        assert_settled(p.reader, p.holder)
+
+    run(fabric, scenario)
