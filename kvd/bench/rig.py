@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 
 from kvd.bench.cpu import cpu_seconds, split_cpu_seconds
+from kvd.bench.leftovers import segment_name
 from kvd.spawn import DaemonProcess, launch_daemon, stop_launches, wait_ready
 from kvd_client import errors
 from kvd_client.aio import AsyncKvdClient
@@ -112,7 +113,7 @@ class Engine:
         self.client = client
         self.spec = scratch.scratch_layout(capacity_blocks * BLOCK_BYTES)
         self.engine_id = f"bench-{uuid.uuid4().hex[:8]}"
-        self.shm_name = f"kvd-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.shm_name = segment_name(os.getpid(), uuid.uuid4().hex[:8])
         self.buffer = create_shm_tensor(self.shm_name, self.spec.total_bytes)
         # Resident, as an engine's KV cache is once allocated: a page of a new shm file is only
         # allocated when first written, and the first pull into it paid that (~2.5 ms per 2 MiB

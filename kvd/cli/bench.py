@@ -295,8 +295,16 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvd bench: {exc}", file=sys.stderr)
         return 2
-    from kvd.bench import goals, report, runs  # noqa: PLC0415
+    from kvd.bench import goals, leftovers, report, runs  # noqa: PLC0415
     from kvd_client import errors  # noqa: PLC0415
+
+    files, freed = leftovers.remove_dead_runs_files()
+    if files:
+        print(
+            f"kvd bench: removed {files} shared-memory file(s) of earlier runs that ended without removing them "
+            f"({freed / (1 << 30):.1f} GiB)",
+            flush=True,
+        )
 
     out = Path(args.out or f"kvd-bench-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
