@@ -304,8 +304,14 @@ class Holder:
                 if admission.ended is None:
                     self.leases.abandon(lease_id, reader, reader_tp_rank)
                 raise
+        # The registrations admitted and pinned, as checked above: a soft pin awaits the engine, and
+        # a rank re-mapped meanwhile (this daemon fencing a read of its own) now names a new one.
+        # The reader compares this answer with what it planned on, and a mismatch there means
+        # "admitted nothing" to it: naming the new one left this admission unended (the fleet saw
+        # it time out and retire the memory, never proven over). The pinned mapping stays the
+        # engine's pages until the admission ends (kvd.core.pull_resources: _cut_off waits).
         return PrepareResult(
-            registration_ids=tuple(ranks[r].registration_id for r in remote_tp_ranks),
+            registration_ids=current,
             notif_tag=notif.tag(lease_id, admission.admission_id),
             verify_after_read=lease.soft,
         )

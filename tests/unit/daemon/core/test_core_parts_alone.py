@@ -187,3 +187,38 @@ def test_holder_alone_admits_a_read_of_a_held_lease_and_refuses_a_wrong_prefix()
         assert rank.memory.holder_pins == 0 and parts.ctx.leases.open_admissions == 0
 
     run(scenario)
+
+
+def test_an_admission_names_the_registrations_it_pinned_when_the_rank_is_re_mapped_during_a_soft_pin() -> None:
+    """A soft lease's admission awaits the engine's pin; the rank re-mapped meanwhile (this daemon
+    fencing a read of its own) has a new registration by the answer. The answer names the pinned
+    one, which the reader planned on: naming the new one read as "admitted nothing" to the reader,
+    which then never ended the admission (the fleet saw it time out and retire the memory)."""
+
+    async def scenario(parts: Parts) -> None:
+        rank = await parts.register("eng-h", small_spec())
+        pinned = rank.memory
+        checks = parts.holder.holdchecks
+        checks.connected = lambda engine_id: True  # type: ignore[method-assign]
+
+        async def pin_while_re_mapped(*_args: object) -> tuple[bool, str]:
+            rank.memory = dataclasses.replace(pinned, registration_id=pinned.registration_id + 100)
+            return True, ""
+
+        checks.check = pin_while_re_mapped  # type: ignore[method-assign]
+        checks.unpin = lambda *_args: None  # type: ignore[method-assign]
+        lease, _ = parts.holds.hold("eng-h", "req-1", [0, 1, 2], 40, soft=True)
+        request = PrepareRequest(
+            lease.lease_id, "eng-h", (0, 1, 2), 40, 0, 1, (0,), read_id="t1", registration_ids=(pinned.registration_id,)
+        )
+
+        result = await parts.holder.prepare_pull(request, reader_address="reader.test:1", reader_incarnation="r1")
+
+        assert rank.registration_id == pinned.registration_id + 100, "re-mapped while the engine pinned"
+        assert result.registration_ids == (pinned.registration_id,), "the answer names what was admitted"
+        assert pinned.holder_pins == 1 and parts.ctx.leases.open_admissions == 1
+        parts.holder.abandon_pull(lease.lease_id, 0, "test", "r1", reader_transfer_id="")
+        await parts.holder.followups.settle(5.0)
+        assert pinned.holder_pins == 0 and parts.ctx.leases.open_admissions == 0
+
+    run(scenario)
