@@ -40,6 +40,7 @@ from kvd.bench.rig import (
     scratch_engine_id,
 )
 from kvd_client.aio import AsyncKvdClient
+from kvd_client.errors import UnknownTransfer
 from kvd_client.v1 import common_pb2
 
 Progress = Callable[[str, float], None]
@@ -200,10 +201,18 @@ async def _pairs(session: Session, pairs: int, pause_s: float, warm_up: int, lab
 
 
 async def _phases(session: Session, transfer_ids: list[str]) -> list[dict[str, float]]:
-    """Where each pull's time went, as the reader daemon saw it (``TransferStatus.phase_s``)."""
-    phases = []
+    """Where each pull's time went, as the reader daemon saw it (``TransferStatus.phase_s``).
+
+    A daemon keeps only its last finished transfers (kvd.core.transfers.KEEP_FINISHED): a run of
+    more pulls than that (``--overhead-samples 6000``) reads the phases of those still kept (an
+    empty entry for each of the others)."""
+    phases: list[dict[str, float]] = []
     for transfer_id in transfer_ids:
-        status = await session.local.get_transfer(transfer_id)
+        try:
+            status = await session.local.get_transfer(transfer_id)
+        except UnknownTransfer:
+            phases.append({})  # one entry per pull, in order: the report pairs them with its times
+            continue
         phases.append({**dict(status.phase_s), "done": status.elapsed_s})
     return phases
 

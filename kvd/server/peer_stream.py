@@ -21,7 +21,8 @@ The semantics are the unary calls', call by call:
   same (mTLS) channel as the unary calls; every message is bounds-checked as any request is.
 
 **Owners and threads.** Everything runs on the daemon's event loop. :func:`serve_peer_stream`
-(the holder's half) owns one task per call in flight and ends them with the stream.
+(the holder's half) owns one task per call that waits (a call its handler answers at once, as
+most PreparePulls and FinishReads, has none) and ends them with the stream.
 :class:`PeerStreamCaller` (the reader's half) owns one gRPC stream call, its writer and reader
 tasks, and the futures of the calls in flight on it; ``close()`` ends them all.
 """
@@ -33,6 +34,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 import ssl
@@ -57,7 +59,10 @@ from kvd_client.v1 import peer_pb2, peer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-PeerHandler = Callable[[Any], Awaitable[Any]]
+PeerHandler = Callable[[Any], Any]
+"""A call's handler: it returns the reply, or an awaitable of it where it must wait (run as a
+task of its own, with the call's deadline and withdrawal). A reply returned at once is queued in
+the turn that read the call: no task, no further turn before the reply is written."""
 PeerHandlers = Mapping[str, PeerHandler]
 
 # The unary method each kind of call stands for: errors are counted under the same operation.
@@ -82,7 +87,8 @@ MAX_REPLIES_MESSAGE_BYTES = 16 << 20
 async def serve_peer_stream(
     requests: AsyncIterator[peer_pb2.PeerCalls], handlers: PeerHandlers, metrics: Metrics | None
 ) -> AsyncIterator[peer_pb2.PeerReplies]:
-    """Run every call of the stream as its own task; yield their replies, batched.
+    """Run every call of the stream (a task each where its handler must wait); yield their
+    replies, batched.
 
     Ends once the caller half-closed and every call is answered, or with the error of a
     malformed message (the servicer's edge turns it into the stream's status). A stream the
@@ -110,12 +116,12 @@ async def serve_peer_stream(
         wake.set()
         room.set()
 
-    async def run(call: peer_pb2.PeerCall, kind: str) -> None:
+    async def run(call: peer_pb2.PeerCall, kind: str, pending: Awaitable[Any]) -> None:
         operation = OPERATIONS[kind]
         timeout_s = call.timeout_ms / 1000 if call.timeout_ms else None
         try:
             async with asyncio.timeout(timeout_s):
-                response = await handlers[kind](getattr(call, kind))
+                response = await pending
             answer(peer_pb2.PeerReply(call_id=call.call_id, **{kind: response}))
         except asyncio.CancelledError:
             return  # withdrawn by the caller, or the stream ended: nobody waits for a reply
@@ -146,7 +152,15 @@ async def serve_peer_stream(
                 )
             )
         else:
-            task = loop.create_task(run(call, kind), name=f"kvd-peer-call-{kind}")
+            try:
+                outcome = handlers[kind](getattr(call, kind))
+            except Exception as exc:  # noqa: BLE001 - every failure goes back to its caller, typed
+                answer(_error_reply(call.call_id, as_kvd_error(metrics, OPERATIONS[kind], exc)))
+                return
+            if not inspect.isawaitable(outcome):
+                answer(peer_pb2.PeerReply(call_id=call.call_id, **{kind: outcome}))
+                return
+            task = loop.create_task(run(call, kind, outcome), name=f"kvd-peer-call-{kind}")
             running[call.call_id] = task
             task.add_done_callback(functools.partial(forget, call.call_id))
 
