@@ -85,11 +85,17 @@ MAX_REPLIES_MESSAGE_BYTES = 16 << 20
 
 
 async def serve_peer_stream(
-    requests: AsyncIterator[peer_pb2.PeerCalls], handlers: PeerHandlers, metrics: Metrics | None
+    requests: AsyncIterator[peer_pb2.PeerCalls],
+    handlers: PeerHandlers,
+    metrics: Metrics | None,
+    write_now: Callable[[peer_pb2.PeerReplies], bool] | None = None,
 ) -> AsyncIterator[peer_pb2.PeerReplies]:
     """Run every call of the stream (a task each where its handler must wait); yield their
     replies, batched.
 
+    ``write_now`` (the framed stream's; gRPC's has none) writes replies in the turn that read
+    their calls, where the connection has nothing unsent (False: nothing written, they are
+    yielded as usual): a call answered at once then costs no turn of this generator either.
     Ends once the caller half-closed and every call is answered, or with the error of a
     malformed message (the servicer's edge turns it into the stream's status). A stream the
     caller cancels (or whose connection drops) cancels the calls still running.
@@ -167,11 +173,33 @@ async def serve_peer_stream(
     def full() -> bool:
         return len(running) + len(ready) >= MAX_CALLS_IN_FLIGHT or pending_bytes >= MAX_PENDING_REPLY_BYTES
 
+    def next_batch() -> tuple[list[peer_pb2.PeerReply], int]:
+        batch: list[peer_pb2.PeerReply] = []
+        batch_bytes = 0
+        while ready and (not batch or batch_bytes + ready[0][1] <= MAX_REPLIES_MESSAGE_BYTES):
+            reply, size = ready.popleft()
+            batch.append(reply)
+            batch_bytes += size
+        return batch, batch_bytes
+
+    def write_ready_now() -> None:
+        nonlocal pending_bytes
+        assert write_now is not None
+        while ready:
+            batch, batch_bytes = next_batch()
+            if not write_now(peer_pb2.PeerReplies(replies=batch)):
+                ready.extendleft(reversed([(reply, reply.ByteSize()) for reply in batch]))
+                return
+            pending_bytes -= batch_bytes
+            room.set()
+
     async def read() -> None:
         try:
             async for message in requests:
                 for call in message.calls:
                     accept(call)
+                if ready and write_now is not None:
+                    write_ready_now()
                 while full():  # a caller that does not read its replies is not read either
                     room.clear()
                     await room.wait()
@@ -184,12 +212,7 @@ async def serve_peer_stream(
             await wake.wait()
             wake.clear()
             while ready:
-                batch: list[peer_pb2.PeerReply] = []
-                batch_bytes = 0
-                while ready and (not batch or batch_bytes + ready[0][1] <= MAX_REPLIES_MESSAGE_BYTES):
-                    reply, size = ready.popleft()
-                    batch.append(reply)
-                    batch_bytes += size
+                batch, batch_bytes = next_batch()
                 yield peer_pb2.PeerReplies(replies=batch)
                 pending_bytes -= batch_bytes
                 room.set()

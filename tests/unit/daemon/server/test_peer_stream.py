@@ -416,3 +416,65 @@ def test_a_caller_that_does_not_read_its_replies_is_not_read_either(monkeypatch:
         assert len(first.replies) + len(rest) == 100 and len(pulled) == 100
 
     _run(scenario)
+
+
+def test_replies_answered_at_once_are_written_in_the_reading_turn_and_the_rest_go_out_through_the_stream() -> None:
+    """serve_peer_stream's write_now (the framed stream's): replies answered in the turn that read
+    their message are written there; while it cannot take them (bytes unsent) they are yielded
+    as usual, and so are the replies of calls that waited. Each reply goes out exactly once."""
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+        written: list[list[str]] = []
+        accepting = [True]
+
+        def write_now(replies: peer_pb2.PeerReplies) -> bool:
+            if not accepting[0]:
+                return False
+            written.append([r.prepare_pull.notif_tag for r in replies.replies])
+            return True
+
+        def handler(request: peer_pb2.PreparePullRequest) -> Any:
+            if request.lease_id.startswith("wait"):
+                return _waited(request)
+            return peer_pb2.PreparePullResponse(notif_tag=request.lease_id)
+
+        async def _waited(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
+            await gate.wait()
+            return peer_pb2.PreparePullResponse(notif_tag=request.lease_id)
+
+        def message(*lease_ids: str, first_id: int) -> peer_pb2.PeerCalls:
+            return peer_pb2.PeerCalls(
+                calls=[
+                    peer_pb2.PeerCall(call_id=first_id + i, prepare_pull=_prepare(lease_id))
+                    for i, lease_id in enumerate(lease_ids)
+                ]
+            )
+
+        sent = asyncio.Queue[peer_pb2.PeerCalls | None]()
+
+        async def requests() -> AsyncIterator[peer_pb2.PeerCalls]:
+            while (item := await sent.get()) is not None:
+                yield item
+
+        yielded: list[list[str]] = []
+
+        async def consume() -> None:
+            async for replies in serve_peer_stream(requests(), {"prepare_pull": handler}, None, write_now):
+                yielded.append([r.prepare_pull.notif_tag for r in replies.replies])
+
+        consumer = asyncio.ensure_future(consume())
+        await sent.put(message("a", "b", "wait-1", first_id=1))
+        await asyncio.sleep(0.05)
+        assert written == [["a", "b"]] and yielded == [], "answered at once: written in the reading turn"
+        accepting[0] = False
+        await sent.put(message("c", "d", first_id=10))
+        await asyncio.sleep(0.05)
+        assert yielded == [["c", "d"]] and written == [["a", "b"]], "the connection busy: yielded instead"
+        gate.set()
+        await asyncio.sleep(0.05)
+        assert yielded == [["c", "d"], ["wait-1"]], "a call that waited is answered through the stream"
+        await sent.put(None)
+        await asyncio.wait_for(consumer, 5)
+
+    _run(scenario)
