@@ -30,10 +30,6 @@ class CommitTracker:
     def watermark(self, engine_id: str, tp_rank: int, request_id: str) -> int:
         return self._marks.get((engine_id, tp_rank, request_id), 0)
 
-    def committed(self, engine_id: str, tp_rank: int, request_id: str, tokens: int) -> bool:
-        """Whether ``tokens`` are committed already (:meth:`wait_for` would not wait)."""
-        return self._marks.get((engine_id, tp_rank, request_id), 0) >= tokens
-
     def commit(self, engine_id: str, tp_rank: int, request_id: str, tokens: int) -> None:
         """Raise the watermark (never lowers it) and wake the waiters it satisfies."""
         key = (engine_id, tp_rank, request_id)
@@ -59,9 +55,9 @@ class CommitTracker:
 
     async def wait_for(self, engine_id: str, tp_rank: int, request_id: str, tokens: int, timeout_s: float) -> bool:
         """True once ``tokens`` are committed; False if that did not happen within ``timeout_s``."""
-        if self.committed(engine_id, tp_rank, request_id, tokens):
-            return True
         key = (engine_id, tp_rank, request_id)
+        if self._marks.get(key, 0) >= tokens:
+            return True
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters[key].append((tokens, fut))
         try:

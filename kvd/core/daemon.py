@@ -347,13 +347,6 @@ class Daemon:
             request, reader_address=reader_address, reader_incarnation=reader_incarnation
         )
 
-    def prepare_pull_now(
-        self, request: PrepareRequest, *, reader_address: str = "", reader_incarnation: str = ""
-    ) -> PrepareResult | None:
-        return self.holder.prepare_pull_now(
-            request, reader_address=reader_address, reader_incarnation=reader_incarnation
-        )
-
     async def finish_read(
         self,
         lease_id: str,
@@ -363,16 +356,6 @@ class Daemon:
         nbytes: int = 0,
     ) -> None:
         await self.holder.finish_read(lease_id, reader_tp_rank, reader_incarnation, reader_transfer_id, nbytes)
-
-    def finish_read_now(
-        self,
-        lease_id: str,
-        reader_tp_rank: int,
-        reader_incarnation: str = "",
-        reader_transfer_id: str = "",
-        nbytes: int = 0,
-    ) -> bool:
-        return self.holder.finish_read_now(lease_id, reader_tp_rank, reader_incarnation, reader_transfer_id, nbytes)
 
     def abandon_pull(
         self,

@@ -37,14 +37,16 @@ from kvd.core.finishing import Finishing
 from kvd.core.leases import Admission, AdmissionEnd, Lease
 from kvd.core.local_memory import LocalMemory
 from kvd.core.peers import HandshakeInfo, PrepareRequest, PrepareResult, RemoteEngine
-from kvd.core.read_requests import checked_read, hold_seconds
 from kvd.core.registry import EngineRank
+from kvd.layout import groups as kv_groups
 from kvd_client.errors import (
     FailedPrecondition,
     HeldKvEvicted,
+    InvalidArgument,
     StaleRegistration,
     UnknownEngine,
     UnknownLease,
+    UnsupportedModelFeature,
 )
 from kvd_client.v1.schema import HoldCheckAction
 
@@ -228,23 +230,68 @@ class Holder:
         refuses the read, admitting nothing (an early READ's parts are then never counted: the
         lease stays whole for a retry). ``reader_address`` labels metrics and logs.
         """
-        lease = self._checked_read(request)
-        ranks = self._holder_ranks(request.engine_id, request.remote_tp_ranks)
-        for r in request.remote_tp_ranks:
+        lease_id, engine_id, block_ids = request.lease_id, request.engine_id, request.block_ids
+        num_tokens, remote_tp_ranks = request.num_tokens, request.remote_tp_ranks
+        reader_tp_rank, reader_tp_size = request.reader_tp_rank, request.reader_tp_size
+        read_timeout_s, read_id = request.read_timeout_s, request.read_id
+        reader_transfer_id, registration_ids = request.reader_transfer_id, request.registration_ids
+        group_block_ids = request.group_block_ids
+        self._require_serving()
+        if read_id and not notif.valid_read_id(read_id):
+            raise InvalidArgument(
+                f"read id {read_id[:80]!r} is not 1-{notif.READ_ID_MAX} characters of letters, digits, '.', '_', '-'"
+            )
+        lease = self.leases.get(lease_id)
+        if lease.engine_id != engine_id:
+            raise InvalidArgument(f"lease {lease_id!r} holds engine {lease.engine_id!r}, not {engine_id!r}")
+        if tuple(block_ids) != lease.block_ids[: len(block_ids)] or not block_ids:
+            raise InvalidArgument(f"block ids {list(block_ids)[:8]} are not a prefix of lease {lease_id!r}'s blocks")
+        if not 1 <= num_tokens <= lease.num_tokens:
+            raise InvalidArgument(f"the read asks for {num_tokens} tokens, lease {lease_id!r} holds {lease.num_tokens}")
+        self._check_group_read(lease, group_block_ids, num_tokens)
+        hold_s = read_timeout_s or self.config.transfer_deadline_s
+        if hold_s > self.config.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"the read asks to be admitted for {hold_s:.1f}s, longer than max_lease_ttl_s "
+                f"{self.config.max_lease_ttl_s}s: use a shorter pull deadline"
+            )
+        if reader_tp_size < 1 or not 0 <= reader_tp_rank < reader_tp_size:
+            raise InvalidArgument(f"reader tp_rank {reader_tp_rank} / tp_size {reader_tp_size} is not a rank")
+        if lease.reader_tp_size and lease.reader_tp_size != reader_tp_size:
+            raise InvalidArgument(
+                f"lease {lease_id!r} is being read by a TP-{lease.reader_tp_size} engine, not TP-{reader_tp_size}"
+            )
+        ranks = self._holder_ranks(engine_id, remote_tp_ranks)
+        for r in remote_tp_ranks:
             if not ranks[r].require_commits:
                 continue
-            if not await self.commits.wait_for(
-                request.engine_id, r, lease.request_id, request.num_tokens, self.config.commit_wait_s
-            ):
-                have = self.commits.watermark(request.engine_id, r, lease.request_id)
+            if not await self.commits.wait_for(engine_id, r, lease.request_id, num_tokens, self.config.commit_wait_s):
+                have = self.commits.watermark(engine_id, r, lease.request_id)
                 raise FailedPrecondition(
-                    f"request {lease.request_id!r} on engine {request.engine_id!r} rank {r}: only {have} of "
-                    f"{request.num_tokens} tokens committed after {self.config.commit_wait_s}s (no post-forward "
-                    "signal yet?)"
+                    f"request {lease.request_id!r} on engine {engine_id!r} rank {r}: only {have} of {num_tokens} "
+                    f"tokens committed after {self.config.commit_wait_s}s (no post-forward signal yet?)"
                 )
         # The wait yielded: the lease and the ranks may have changed meanwhile. From here to the
-        # soft pin nothing awaits, so what is checked is what is pinned.
-        admission, current = self._admit(request, lease, reader_address, reader_incarnation)
+        # return nothing awaits, so what is checked is what is pinned.
+        self._require_serving()
+        self._require_dataplane()
+        ranks = self._holder_ranks(engine_id, remote_tp_ranks)
+        current = tuple(ranks[r].registration_id for r in remote_tp_ranks)
+        if registration_ids and tuple(registration_ids) != current:
+            raise StaleRegistration(
+                f"engine {engine_id!r} ranks {list(remote_tp_ranks)} are registrations {list(current)} here, not "
+                f"{list(registration_ids)}: handshake again and retry"
+            )
+        reader = _reader_key(reader_incarnation, reader_transfer_id)
+        admission = self.leases.admit(lease_id, reader, reader_tp_rank, reader_tp_size, hold_s, read_id)
+        memories = self._memories()
+        for r in remote_tp_ranks:
+            memories.pin(ranks[r].memory, holder=True)
+            admission.pinned.append(ranks[r].memory)
+        self._poll_fast_while_admitted()
+        self.leases.claim_early_parts(admission)  # its READ may be over already (a hard hold's read then ends)
+        if reader_address:
+            self._reader_labels[admission.admission_id] = reader_address
         if lease.soft:
             try:
                 await self._pin_soft(lease, admission)
@@ -255,85 +302,36 @@ class Holder:
                 # never proven over would retire the holder's memory.
                 self._soft_pins.pop(admission.admission_id, None)
                 if admission.ended is None:
-                    self.leases.abandon(
-                        request.lease_id,
-                        _reader_key(reader_incarnation, request.reader_transfer_id),
-                        request.reader_tp_rank,
-                    )
+                    self.leases.abandon(lease_id, reader, reader_tp_rank)
                 raise
-        return self._prepared(lease, admission, current)
-
-    def prepare_pull_now(
-        self, request: PrepareRequest, *, reader_address: str = "", reader_incarnation: str = ""
-    ) -> PrepareResult | None:
-        """:meth:`prepare_pull` where it needs nothing to wait for (a hard lease whose tokens are
-        all committed: most pulls), answered in the caller's own turn of the event loop instead of
-        a task's (the admission is the pull's critical path: docs/performance.md). None where it
-        would wait, having changed nothing: the caller then runs :meth:`prepare_pull`. Errors
-        are :meth:`prepare_pull`'s."""
-        lease = self._checked_read(request)
-        if lease.soft:
-            return None
-        ranks = self._holder_ranks(request.engine_id, request.remote_tp_ranks)
-        for r in request.remote_tp_ranks:
-            if ranks[r].require_commits and not self.commits.committed(
-                request.engine_id, r, lease.request_id, request.num_tokens
-            ):
-                return None
-        admission, current = self._admit(request, lease, reader_address, reader_incarnation)
-        return self._prepared(lease, admission, current)
-
-    def _checked_read(self, request: PrepareRequest) -> Lease:
-        self._require_serving()
-        return checked_read(request, self.leases, self.registry, self.config)
-
-    def _admit(
-        self, request: PrepareRequest, lease: Lease, reader_address: str, reader_incarnation: str
-    ) -> tuple[Admission, tuple[int, ...]]:
-        """Admit the read and pin its memory (no await: what is checked here is what is pinned);
-        the admission and the registrations it pinned."""
-        self._require_serving()
-        self._require_dataplane()
-        remote_tp_ranks, registration_ids = request.remote_tp_ranks, request.registration_ids
-        ranks = self._holder_ranks(request.engine_id, remote_tp_ranks)
-        current = tuple(ranks[r].registration_id for r in remote_tp_ranks)
-        if registration_ids and tuple(registration_ids) != current:
-            raise StaleRegistration(
-                f"engine {request.engine_id!r} ranks {list(remote_tp_ranks)} are registrations {list(current)} here, "
-                f"not {list(registration_ids)}: handshake again and retry"
-            )
-        reader = _reader_key(reader_incarnation, request.reader_transfer_id)
-        admission = self.leases.admit(
-            request.lease_id,
-            reader,
-            request.reader_tp_rank,
-            request.reader_tp_size,
-            hold_seconds(request, self.config),
-            request.read_id,
-        )
-        memories = self._memories()
-        for r in remote_tp_ranks:
-            memories.pin(ranks[r].memory, holder=True)
-            admission.pinned.append(ranks[r].memory)
-        self._poll_fast_while_admitted()
-        self.leases.claim_early_parts(admission)  # its READ may be over already (a hard hold's read then ends)
-        if reader_address:
-            self._reader_labels[admission.admission_id] = reader_address
-        return admission, current
-
-    @staticmethod
-    def _prepared(lease: Lease, admission: Admission, current: tuple[int, ...]) -> PrepareResult:
-        # The registrations admitted and pinned, as checked in _admit: a soft pin awaits the engine,
-        # and a rank re-mapped meanwhile (this daemon fencing a read of its own) now names a new
-        # one. The reader compares this answer with what it planned on, and a mismatch there means
+        # The registrations admitted and pinned, as checked above: a soft pin awaits the engine, and
+        # a rank re-mapped meanwhile (this daemon fencing a read of its own) now names a new one.
+        # The reader compares this answer with what it planned on, and a mismatch there means
         # "admitted nothing" to it: naming the new one left this admission unended (the fleet saw
         # it time out and retire the memory, never proven over). The pinned mapping stays the
         # engine's pages until the admission ends (kvd.core.pull_resources: _cut_off waits).
         return PrepareResult(
             registration_ids=current,
-            notif_tag=notif.tag(lease.lease_id, admission.admission_id),
+            notif_tag=notif.tag(lease_id, admission.admission_id),
             verify_after_read=lease.soft,
         )
+
+    def _check_group_read(self, lease: Lease, group_block_ids: Sequence[Sequence[int]], num_tokens: int) -> None:
+        """A read of a hybrid model's lease reads the lease's own group blocks, all its tokens."""
+        if tuple(tuple(ids) for ids in group_block_ids) != lease.group_block_ids:
+            raise InvalidArgument(
+                f"the read names {len(group_block_ids)} KV cache groups' block ids that are not lease "
+                f"{lease.lease_id!r}'s ({len(lease.group_block_ids)} groups after group 0)"
+            )
+        if not lease.group_block_ids or num_tokens == lease.num_tokens:
+            return
+        ranks = self.registry.ranks_of(lease.engine_id)
+        for index, group in enumerate(next(iter(ranks.values())).groups) if ranks else ():
+            if group.kind is not kv_groups.KvGroupKind.FULL_ATTENTION:
+                raise UnsupportedModelFeature(
+                    f"{kv_groups.describe_group(index, group)}: a {group.kind.name.lower()} group holds the state "
+                    f"after all {lease.num_tokens} held tokens; a read of {num_tokens} tokens cannot use it"
+                )
 
     async def _pin_soft(self, lease: Lease, admission: Admission) -> None:
         """Have the engine verify the soft hold's blocks and pin them for this read, or refuse it.
@@ -378,10 +376,22 @@ class Holder:
         unpinned: HeldKvEvicted when they no longer carry the request's KV (the reader must not
         report the pull done); the lease then ends as evicted.
         """
-        begun = self._finish_read_begin(lease_id, reader_tp_rank, reader_incarnation, reader_transfer_id, nbytes)
-        if begun is None:
+        reader = _reader_key(reader_incarnation, reader_transfer_id)
+        admission = self.leases.admission_of(lease_id, reader, reader_tp_rank)
+        lease = self.leases.find(lease_id)
+        if nbytes:  # labelled as its admission's served transfer is (the reader's address)
+            label = self._reader_labels.get(admission.admission_id, "") if admission is not None else ""
+            self.metrics.transfer_bytes.labels(label, "serve").inc(nbytes)
+        if admission is None and (lease is None or not lease.soft):
+            late = self.leases.prove_abandoned(lease_id, reader, reader_tp_rank)
+            if late is not None:  # it timed out while its READs moved: they are over now
+                self._admission_proven(late, "its reader's FinishRead arrived")
+                return
+        if admission is None or lease is None:
+            raise UnknownLease(f"lease {lease_id!r} has no read admitted for rank {reader_tp_rank} of that reader")
+        if not lease.soft:
+            self.leases.finish_read(lease_id, admission, verified=True)
             return
-        lease, admission = begun
         ok, why = False, "the engine's pin of the blocks was lost"
         if admission.soft_pinned:
             admission.soft_pinned = False
@@ -402,47 +412,6 @@ class Holder:
                 f"request {lease.request_id!r} on engine {lease.engine_id!r}: its blocks changed during the read "
                 f"({why}); the pulled bytes must not be used"
             )
-
-    def finish_read_now(
-        self,
-        lease_id: str,
-        reader_tp_rank: int,
-        reader_incarnation: str = "",
-        reader_transfer_id: str = "",
-        nbytes: int = 0,
-    ) -> bool:
-        """:meth:`finish_read` where nothing waits (any lease but a soft one: the engine verifies
-        those), in the caller's turn; False for a soft lease, having changed nothing (the caller
-        then runs :meth:`finish_read`). Errors are :meth:`finish_read`'s."""
-        lease = self.leases.find(lease_id)
-        if lease is not None and lease.soft:
-            return False
-        begun = self._finish_read_begin(lease_id, reader_tp_rank, reader_incarnation, reader_transfer_id, nbytes)
-        assert begun is None, "only a soft lease's read is left to verify"
-        return True
-
-    def _finish_read_begin(
-        self, lease_id: str, reader_tp_rank: int, reader_incarnation: str, reader_transfer_id: str, nbytes: int
-    ) -> tuple[Lease, Admission] | None:
-        """FinishRead up to what only a soft lease still needs: None when the read is over (a
-        hard lease's, or one proven over late), else the soft lease and its admission."""
-        reader = _reader_key(reader_incarnation, reader_transfer_id)
-        admission = self.leases.admission_of(lease_id, reader, reader_tp_rank)
-        lease = self.leases.find(lease_id)
-        if nbytes:  # labelled as its admission's served transfer is (the reader's address)
-            label = self._reader_labels.get(admission.admission_id, "") if admission is not None else ""
-            self.metrics.transfer_bytes.labels(label, "serve").inc(nbytes)
-        if admission is None and (lease is None or not lease.soft):
-            late = self.leases.prove_abandoned(lease_id, reader, reader_tp_rank)
-            if late is not None:  # it timed out while its READs moved: they are over now
-                self._admission_proven(late, "its reader's FinishRead arrived")
-                return None
-        if admission is None or lease is None:
-            raise UnknownLease(f"lease {lease_id!r} has no read admitted for rank {reader_tp_rank} of that reader")
-        if not lease.soft:
-            self.leases.finish_read(lease_id, admission, verified=True)
-            return None
-        return lease, admission
 
     def _holder_ranks(self, engine_id: str, remote_tp_ranks: Sequence[int]) -> dict[int, EngineRank]:
         ranks = self.registry.ranks_of(engine_id)

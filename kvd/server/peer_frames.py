@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import socket
 import ssl
@@ -178,8 +177,7 @@ class PeerFrames:
                 ) from None
             if magic != MAGIC:
                 raise InvalidArgument(f"not a kvd peer stream: it must begin with {MAGIC!r}, got {magic!r}")
-            write_now = functools.partial(_write_replies_now, writer)
-            async for replies in serve_peer_stream(self._requests(reader), self._handlers(), self._metrics, write_now):
+            async for replies in serve_peer_stream(self._requests(reader), self._handlers(), self._metrics):
                 writer.write(encode(peer_pb2.PeerFrame(replies=replies)))
                 await writer.drain()
         except _Refused as refused:
@@ -269,16 +267,6 @@ class FramedPeerCall:
     def cancel(self) -> None:
         self._cancelled = True
         self._writer.close()
-
-
-def _write_replies_now(writer: asyncio.StreamWriter, replies: peer_pb2.PeerReplies) -> bool:
-    """Write a holder's replies in the caller's turn where the connection has nothing unsent
-    (serve_peer_stream's ``write_now``); False: nothing written (the stream's loop sends them,
-    its drain bounding what waits)."""
-    if writer.transport.get_write_buffer_size() or writer.transport.is_closing():
-        return False
-    writer.write(encode(peer_pb2.PeerFrame(replies=replies)))
-    return True
 
 
 def split_host(address: str) -> str:

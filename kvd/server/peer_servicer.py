@@ -5,12 +5,12 @@ Thin: validate, call the core, translate."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 
 import grpc
 
 from kvd.core.daemon import Daemon
-from kvd.core.peers import PrepareRequest, PrepareResult
+from kvd.core.peers import PrepareRequest
 from kvd.server import convert
 from kvd.server.edge import rpc
 from kvd.server.peer_stream import PeerHandlers, serve_peer_stream
@@ -44,7 +44,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def AbandonPull(
         self, request: peer_pb2.AbandonPullRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.AbandonPullResponse:
-        return self._abandon_pull(request)
+        return await self._abandon_pull(request)
 
     @rpc
     async def FinishRead(
@@ -56,13 +56,13 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     async def RenewLeases(
         self, request: peer_pb2.RenewLeasesRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.RenewLeasesResponse:
-        return self._renew_leases(request)
+        return await self._renew_leases(request)
 
     @rpc
     async def ReleaseLeases(
         self, request: peer_pb2.ReleaseLeasesRequest, context: grpc.aio.ServicerContext
     ) -> peer_pb2.ReleaseLeasesResponse:
-        return self._release_leases(request)
+        return await self._release_leases(request)
 
     @rpc
     async def PeerStream(
@@ -80,35 +80,42 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     @property
     def _handlers(self) -> PeerHandlers:
-        # PreparePull and FinishRead answer in the turn their message is read where nothing waits
-        # (kvd.server.peer_stream: a handler's plain return is the reply, an awaitable a task's).
         return {
-            "prepare_pull": self._prepare_pull_on_stream,
+            "prepare_pull": self._prepare_pull,
             "abandon_pull": self._abandon_pull,
-            "finish_read": self._finish_read_on_stream,
+            "finish_read": self._finish_read,
             "renew_leases": self._renew_leases,
             "release_leases": self._release_leases,
         }
 
     async def _prepare_pull(self, request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
         result = await self.daemon.prepare_pull(
-            _prepare_request(request),
+            PrepareRequest(
+                lease_id=request.lease_id,
+                engine_id=request.engine_id,
+                block_ids=tuple(request.block_ids),
+                num_tokens=request.num_tokens,
+                reader_tp_rank=request.reader_tp_rank,
+                reader_tp_size=request.reader_tp_size,
+                remote_tp_ranks=tuple(request.remote_tp_ranks),
+                reader_transfer_id=request.reader_transfer_id,
+                read_timeout_s=request.read_timeout_ms / 1000,
+                group_block_ids=convert.group_ids_from_pb(
+                    request.group_block_ids, request.group_block_counts, "prepare pull"
+                ),
+                read_id=request.read_id,
+                registration_ids=tuple(request.registration_ids),
+            ),
             reader_address=request.reader_address,
             reader_incarnation=request.reader_incarnation,
         )
-        return _prepare_response(result)
-
-    def _prepare_pull_on_stream(
-        self, request: peer_pb2.PreparePullRequest
-    ) -> peer_pb2.PreparePullResponse | Awaitable[peer_pb2.PreparePullResponse]:
-        result = self.daemon.prepare_pull_now(
-            _prepare_request(request),
-            reader_address=request.reader_address,
-            reader_incarnation=request.reader_incarnation,
+        return peer_pb2.PreparePullResponse(
+            registration_ids=list(result.registration_ids),
+            notif_tag=result.notif_tag,
+            verify_after_read=result.verify_after_read,
         )
-        return self._prepare_pull(request) if result is None else _prepare_response(result)
 
-    def _abandon_pull(self, request: peer_pb2.AbandonPullRequest) -> peer_pb2.AbandonPullResponse:
+    async def _abandon_pull(self, request: peer_pb2.AbandonPullRequest) -> peer_pb2.AbandonPullResponse:
         self.daemon.abandon_pull(
             request.lease_id,
             request.reader_tp_rank,
@@ -128,46 +135,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         )
         return peer_pb2.FinishReadResponse()
 
-    def _finish_read_on_stream(
-        self, request: peer_pb2.FinishReadRequest
-    ) -> peer_pb2.FinishReadResponse | Awaitable[peer_pb2.FinishReadResponse]:
-        done = self.daemon.finish_read_now(
-            request.lease_id,
-            request.reader_tp_rank,
-            reader_incarnation=request.reader_incarnation,
-            reader_transfer_id=request.reader_transfer_id,
-            nbytes=request.nbytes,
-        )
-        return peer_pb2.FinishReadResponse() if done else self._finish_read(request)
-
-    def _renew_leases(self, request: peer_pb2.RenewLeasesRequest) -> peer_pb2.RenewLeasesResponse:
+    async def _renew_leases(self, request: peer_pb2.RenewLeasesRequest) -> peer_pb2.RenewLeasesResponse:
         return peer_pb2.RenewLeasesResponse(unknown_lease_ids=self.daemon.renew_leases(list(request.lease_ids)))
 
-    def _release_leases(self, request: peer_pb2.ReleaseLeasesRequest) -> peer_pb2.ReleaseLeasesResponse:
+    async def _release_leases(self, request: peer_pb2.ReleaseLeasesRequest) -> peer_pb2.ReleaseLeasesResponse:
         self.daemon.release_leases(list(request.lease_ids), request.reason or "released by the reader's daemon")
         return peer_pb2.ReleaseLeasesResponse()
-
-
-def _prepare_request(request: peer_pb2.PreparePullRequest) -> PrepareRequest:
-    return PrepareRequest(
-        lease_id=request.lease_id,
-        engine_id=request.engine_id,
-        block_ids=tuple(request.block_ids),
-        num_tokens=request.num_tokens,
-        reader_tp_rank=request.reader_tp_rank,
-        reader_tp_size=request.reader_tp_size,
-        remote_tp_ranks=tuple(request.remote_tp_ranks),
-        reader_transfer_id=request.reader_transfer_id,
-        read_timeout_s=request.read_timeout_ms / 1000,
-        group_block_ids=convert.group_ids_from_pb(request.group_block_ids, request.group_block_counts, "prepare pull"),
-        read_id=request.read_id,
-        registration_ids=tuple(request.registration_ids),
-    )
-
-
-def _prepare_response(result: PrepareResult) -> peer_pb2.PreparePullResponse:
-    return peer_pb2.PreparePullResponse(
-        registration_ids=list(result.registration_ids),
-        notif_tag=result.notif_tag,
-        verify_after_read=result.verify_after_read,
-    )

@@ -21,8 +21,7 @@ The semantics are the unary calls', call by call:
   same (mTLS) channel as the unary calls; every message is bounds-checked as any request is.
 
 **Owners and threads.** Everything runs on the daemon's event loop. :func:`serve_peer_stream`
-(the holder's half) owns one task per call that waits (a call its handler answers at once, as
-most PreparePulls and FinishReads, has none) and ends them with the stream.
+(the holder's half) owns one task per call in flight and ends them with the stream.
 :class:`PeerStreamCaller` (the reader's half) owns one gRPC stream call, its writer and reader
 tasks, and the futures of the calls in flight on it; ``close()`` ends them all.
 """
@@ -34,7 +33,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import inspect
 import itertools
 import logging
 import ssl
@@ -59,10 +57,7 @@ from kvd_client.v1 import peer_pb2, peer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-PeerHandler = Callable[[Any], Any]
-"""A call's handler: it returns the reply, or an awaitable of it where it must wait (run as a
-task of its own, with the call's deadline and withdrawal). A reply returned at once is queued in
-the turn that read the call: no task, no further turn before the reply is written."""
+PeerHandler = Callable[[Any], Awaitable[Any]]
 PeerHandlers = Mapping[str, PeerHandler]
 
 # The unary method each kind of call stands for: errors are counted under the same operation.
@@ -85,17 +80,10 @@ MAX_REPLIES_MESSAGE_BYTES = 16 << 20
 
 
 async def serve_peer_stream(
-    requests: AsyncIterator[peer_pb2.PeerCalls],
-    handlers: PeerHandlers,
-    metrics: Metrics | None,
-    write_now: Callable[[peer_pb2.PeerReplies], bool] | None = None,
+    requests: AsyncIterator[peer_pb2.PeerCalls], handlers: PeerHandlers, metrics: Metrics | None
 ) -> AsyncIterator[peer_pb2.PeerReplies]:
-    """Run every call of the stream (a task each where its handler must wait); yield their
-    replies, batched.
+    """Run every call of the stream as its own task; yield their replies, batched.
 
-    ``write_now`` (the framed stream's; gRPC's has none) writes replies in the turn that read
-    their calls, where the connection has nothing unsent (False: nothing written, they are
-    yielded as usual): a call answered at once then costs no turn of this generator either.
     Ends once the caller half-closed and every call is answered, or with the error of a
     malformed message (the servicer's edge turns it into the stream's status). A stream the
     caller cancels (or whose connection drops) cancels the calls still running.
@@ -122,12 +110,12 @@ async def serve_peer_stream(
         wake.set()
         room.set()
 
-    async def run(call: peer_pb2.PeerCall, kind: str, pending: Awaitable[Any]) -> None:
+    async def run(call: peer_pb2.PeerCall, kind: str) -> None:
         operation = OPERATIONS[kind]
         timeout_s = call.timeout_ms / 1000 if call.timeout_ms else None
         try:
             async with asyncio.timeout(timeout_s):
-                response = await pending
+                response = await handlers[kind](getattr(call, kind))
             answer(peer_pb2.PeerReply(call_id=call.call_id, **{kind: response}))
         except asyncio.CancelledError:
             return  # withdrawn by the caller, or the stream ended: nobody waits for a reply
@@ -158,48 +146,18 @@ async def serve_peer_stream(
                 )
             )
         else:
-            try:
-                outcome = handlers[kind](getattr(call, kind))
-            except Exception as exc:  # noqa: BLE001 - every failure goes back to its caller, typed
-                answer(_error_reply(call.call_id, as_kvd_error(metrics, OPERATIONS[kind], exc)))
-                return
-            if not inspect.isawaitable(outcome):
-                answer(peer_pb2.PeerReply(call_id=call.call_id, **{kind: outcome}))
-                return
-            task = loop.create_task(run(call, kind, outcome), name=f"kvd-peer-call-{kind}")
+            task = loop.create_task(run(call, kind), name=f"kvd-peer-call-{kind}")
             running[call.call_id] = task
             task.add_done_callback(functools.partial(forget, call.call_id))
 
     def full() -> bool:
         return len(running) + len(ready) >= MAX_CALLS_IN_FLIGHT or pending_bytes >= MAX_PENDING_REPLY_BYTES
 
-    def next_batch() -> tuple[list[peer_pb2.PeerReply], int]:
-        batch: list[peer_pb2.PeerReply] = []
-        batch_bytes = 0
-        while ready and (not batch or batch_bytes + ready[0][1] <= MAX_REPLIES_MESSAGE_BYTES):
-            reply, size = ready.popleft()
-            batch.append(reply)
-            batch_bytes += size
-        return batch, batch_bytes
-
-    def write_ready_now() -> None:
-        nonlocal pending_bytes
-        assert write_now is not None
-        while ready:
-            batch, batch_bytes = next_batch()
-            if not write_now(peer_pb2.PeerReplies(replies=batch)):
-                ready.extendleft(reversed([(reply, reply.ByteSize()) for reply in batch]))
-                return
-            pending_bytes -= batch_bytes
-            room.set()
-
     async def read() -> None:
         try:
             async for message in requests:
                 for call in message.calls:
                     accept(call)
-                if ready and write_now is not None:
-                    write_ready_now()
                 while full():  # a caller that does not read its replies is not read either
                     room.clear()
                     await room.wait()
@@ -212,7 +170,12 @@ async def serve_peer_stream(
             await wake.wait()
             wake.clear()
             while ready:
-                batch, batch_bytes = next_batch()
+                batch: list[peer_pb2.PeerReply] = []
+                batch_bytes = 0
+                while ready and (not batch or batch_bytes + ready[0][1] <= MAX_REPLIES_MESSAGE_BYTES):
+                    reply, size = ready.popleft()
+                    batch.append(reply)
+                    batch_bytes += size
                 yield peer_pb2.PeerReplies(replies=batch)
                 pending_bytes -= batch_bytes
                 room.set()

@@ -189,46 +189,6 @@ def test_holder_alone_admits_a_read_of_a_held_lease_and_refuses_a_wrong_prefix()
     run(scenario)
 
 
-def test_an_admission_that_needs_no_wait_is_made_at_once_and_one_that_would_wait_is_left_untouched() -> None:
-    """prepare_pull_now (the peer stream's answer in the turn the call is read): a hard lease with
-    its tokens committed is admitted as prepare_pull admits it, and its FinishRead ends it at once
-    too; a soft lease (the engine pins it) or tokens not committed yet give None and change
-    nothing, and the awaited prepare_pull then does the whole of it."""
-
-    async def scenario(parts: Parts) -> None:
-        rank = await parts.register("eng-h", small_spec())
-        rank.require_commits = True
-        hard, _ = parts.holds.hold("eng-h", "req-1", [0, 1, 2], 40)
-        request = PrepareRequest(
-            hard.lease_id, "eng-h", (0, 1, 2), 40, 0, 1, (0,), registration_ids=(rank.registration_id,)
-        )
-
-        assert parts.holder.prepare_pull_now(request, reader_incarnation="r1") is None, "40 tokens not committed"
-        assert rank.memory.holder_pins == 0 and parts.ctx.leases.open_admissions == 0
-        with pytest.raises(InvalidArgument, match="not a prefix"):  # errors are prepare_pull's, at once
-            parts.holder.prepare_pull_now(dataclasses.replace(request, block_ids=(1, 2)))
-
-        parts.ctx.commits.commit("eng-h", 0, "req-1", 40)
-        result = parts.holder.prepare_pull_now(request, reader_address="reader.test:1", reader_incarnation="r1")
-        assert result is not None and result.registration_ids == (rank.registration_id,)
-        assert not result.verify_after_read
-        assert rank.memory.holder_pins == 1 and parts.ctx.leases.open_admissions == 1
-        assert parts.holder.finish_read_now(hard.lease_id, 0, "r1", nbytes=1 << 20)
-        await parts.holder.followups.settle(5.0)
-        assert rank.memory.holder_pins == 0 and parts.ctx.leases.open_admissions == 0
-
-        parts.holder.holdchecks.connected = lambda engine_id: True  # type: ignore[method-assign]
-        soft, _ = parts.holds.hold("eng-h", "req-2", [3], 16, soft=True)
-        parts.ctx.commits.commit("eng-h", 0, "req-2", 16)
-        soft_request = PrepareRequest(soft.lease_id, "eng-h", (3,), 16, 0, 1, (0,))
-        assert parts.holder.prepare_pull_now(soft_request, reader_incarnation="r1") is None
-        assert not parts.holder.finish_read_now(soft.lease_id, 0, "r1")
-        assert rank.memory.holder_pins == 0 and parts.ctx.leases.open_admissions == 0
-        assert parts.ctx.leases.find(soft.lease_id) is soft, "the soft lease is still whole for prepare_pull"
-
-    run(scenario)
-
-
 def test_an_admission_names_the_registrations_it_pinned_when_the_rank_is_re_mapped_during_a_soft_pin() -> None:
     """A soft lease's admission awaits the engine's pin; the rank re-mapped meanwhile (this daemon
     fencing a read of its own) has a new registration by the answer. The answer names the pinned

@@ -118,56 +118,6 @@ def test_errors_come_back_as_their_own_class_and_a_bug_as_internal() -> None:
     _run(scenario)
 
 
-def test_a_handler_that_answers_at_once_runs_in_the_reading_turn_without_a_task_and_its_errors_are_typed() -> None:
-    """A plain return is the reply and a raise the call's error, both in the task that read the
-    message (no task per call); an awaitable in the same message still runs as a task of its own
-    and does not hold the others back."""
-
-    async def scenario() -> None:
-        reading_tasks: set[asyncio.Task[Any] | None] = set()
-        gate = asyncio.Event()
-
-        def at_once(request: peer_pb2.PreparePullRequest) -> Any:
-            reading_tasks.add(asyncio.current_task())
-            if request.lease_id == "expired":
-                raise LeaseExpired("lease 'expired' on request 'r' expired")
-            if request.lease_id == "bug":
-                raise RuntimeError("a bug")
-            if request.lease_id == "later":
-                return _gated(request)
-            return peer_pb2.PreparePullResponse(notif_tag=f"now-{request.lease_id}")
-
-        async def _gated(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
-            await gate.wait()
-            return peer_pb2.PreparePullResponse(notif_tag="later")
-
-        server, port = await _serve(Holder({"prepare_pull": at_once}))
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        caller = PeerStreamCaller("holder:1", lambda: peer_pb2_grpc.PeerServiceStub(channel))
-        try:
-            later = asyncio.ensure_future(caller.call("prepare_pull", _prepare("later"), 10, "prepare pull"))
-            replies = await asyncio.gather(
-                *(caller.call("prepare_pull", _prepare(str(i)), 10, "prepare pull") for i in range(20))
-            )
-            assert [r.notif_tag for r in replies] == [f"now-{i}" for i in range(20)]
-            assert not later.done()  # the awaitable one waits in its own task, the others were answered
-            with pytest.raises(LeaseExpired, match="peer daemon holder:1: lease 'expired'"):
-                await caller.call("prepare_pull", _prepare("expired"), 10, "prepare pull")
-            with pytest.raises(Internal, match="internal error in PreparePull"):
-                await caller.call("prepare_pull", _prepare("bug"), 10, "prepare pull")
-            gate.set()
-            assert (await later).notif_tag == "later"
-            # Every handler ran in one task, the stream's reader: none was given a task of its own.
-            assert len(reading_tasks) == 1 and None not in reading_tasks
-            assert next(iter(reading_tasks)).get_name() == "kvd-peer-stream-reader"  # type: ignore[union-attr]
-        finally:
-            await caller.close()
-            await channel.close()
-            await server.stop(None)
-
-    _run(scenario)
-
-
 def test_a_call_past_its_timeout_is_unreachable_and_its_work_is_cancelled_at_the_holder() -> None:
     async def scenario() -> None:
         started, cancelled = asyncio.Event(), asyncio.Event()
@@ -414,67 +364,5 @@ def test_a_caller_that_does_not_read_its_replies_is_not_read_either(monkeypatch:
         assert len(first.replies) >= 1 and len(pulled) <= 8  # ~4 replies of ~510 bytes fill 2000
         rest = [r async for m in stream for r in m.replies]  # reading again lets the rest in
         assert len(first.replies) + len(rest) == 100 and len(pulled) == 100
-
-    _run(scenario)
-
-
-def test_replies_answered_at_once_are_written_in_the_reading_turn_and_the_rest_go_out_through_the_stream() -> None:
-    """serve_peer_stream's write_now (the framed stream's): replies answered in the turn that read
-    their message are written there; while it cannot take them (bytes unsent) they are yielded
-    as usual, and so are the replies of calls that waited. Each reply goes out exactly once."""
-
-    async def scenario() -> None:
-        gate = asyncio.Event()
-        written: list[list[str]] = []
-        accepting = [True]
-
-        def write_now(replies: peer_pb2.PeerReplies) -> bool:
-            if not accepting[0]:
-                return False
-            written.append([r.prepare_pull.notif_tag for r in replies.replies])
-            return True
-
-        def handler(request: peer_pb2.PreparePullRequest) -> Any:
-            if request.lease_id.startswith("wait"):
-                return _waited(request)
-            return peer_pb2.PreparePullResponse(notif_tag=request.lease_id)
-
-        async def _waited(request: peer_pb2.PreparePullRequest) -> peer_pb2.PreparePullResponse:
-            await gate.wait()
-            return peer_pb2.PreparePullResponse(notif_tag=request.lease_id)
-
-        def message(*lease_ids: str, first_id: int) -> peer_pb2.PeerCalls:
-            return peer_pb2.PeerCalls(
-                calls=[
-                    peer_pb2.PeerCall(call_id=first_id + i, prepare_pull=_prepare(lease_id))
-                    for i, lease_id in enumerate(lease_ids)
-                ]
-            )
-
-        sent = asyncio.Queue[peer_pb2.PeerCalls | None]()
-
-        async def requests() -> AsyncIterator[peer_pb2.PeerCalls]:
-            while (item := await sent.get()) is not None:
-                yield item
-
-        yielded: list[list[str]] = []
-
-        async def consume() -> None:
-            async for replies in serve_peer_stream(requests(), {"prepare_pull": handler}, None, write_now):
-                yielded.append([r.prepare_pull.notif_tag for r in replies.replies])
-
-        consumer = asyncio.ensure_future(consume())
-        await sent.put(message("a", "b", "wait-1", first_id=1))
-        await asyncio.sleep(0.05)
-        assert written == [["a", "b"]] and yielded == [], "answered at once: written in the reading turn"
-        accepting[0] = False
-        await sent.put(message("c", "d", first_id=10))
-        await asyncio.sleep(0.05)
-        assert yielded == [["c", "d"]] and written == [["a", "b"]], "the connection busy: yielded instead"
-        gate.set()
-        await asyncio.sleep(0.05)
-        assert yielded == [["c", "d"], ["wait-1"]], "a call that waited is answered through the stream"
-        await sent.put(None)
-        await asyncio.wait_for(consumer, 5)
 
     _run(scenario)
