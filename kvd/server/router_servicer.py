@@ -77,7 +77,9 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def WatchTransfers(
         self, requests: AsyncIterator[router_pb2.WatchTransfersRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.WatchTransfersResponse]:
-        self.daemon.require_serving()
+        # Not require_serving: a stream opened in the shutdown's grace still gets the outcomes of
+        # the pulls it watches (the watches refuse new streams once the daemon closed them, and
+        # a pull the stream asks to start is refused UNAVAILABLE by the start itself).
         async for response in serve_watch_stream(
             self.daemon.watches, self.daemon.incarnation, requests, self._start_watched_pulls
         ):

@@ -5,7 +5,8 @@ A router starts pulls on the reader daemon's TCP port and waits on all of them o
 waited on one stream move exact bytes; a pull that ended before it was watched is answered with
 how it ended; unknown, empty and hostile input is refused per id or ends only that stream; a
 cancelled pull's waiter gets its exact class; a daemon stopped mid-watch sends the outcomes of the
-pulls it aborted and ends the stream UNAVAILABLE, and one killed leaves its waiters Unavailable.
+pulls it aborted and ends the stream UNAVAILABLE (a stream opened in its grace period included),
+and one killed leaves its waiters Unavailable.
 
 Pulls that stay in flight as long as the test needs: the holder requires commits
 (``require_commits``) and waits long for them (``--commit-wait-s``), so a pull of tokens not
@@ -251,6 +252,58 @@ def test_a_daemon_stopped_mid_watch_sends_the_outcomes_then_unavailable(spawn_da
             raw.next()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
         raw.close()
+    finally:
+        reader.registered = False  # its daemon is gone
+        holder.close()
+        reader.close()
+
+
+def test_a_watch_opened_in_the_shutdown_grace_gets_the_outcomes_and_starts_nothing(spawn_daemon) -> None:
+    """A router that opens its stream after SIGTERM, within the grace period, is served: its waits
+    get the outcomes of the pulls the daemon aborts (Aborted, shutting down), a pull it asks to
+    start on that stream is refused Unavailable and starts nothing, and once the daemon exited a
+    new wait is Unavailable."""
+    a = spawn_daemon("--commit-wait-s", "60", name="a")
+    b = spawn_daemon("--shutdown-grace-s", "3", name="b")
+    holder, reader = engines(a, b, seed=40, require_commits=True)
+    try:
+        ids = [
+            reader.client.start_pull(
+                engine_id="reader",
+                request_id=f"g{i}",
+                local_block_ids=[1 + 2 * i, 2 + 2 * i],
+                remote=hold(holder, f"g{i}", 2 * i),
+            ).transfer_id
+            for i in range(2)
+        ]
+        late = hold(holder, "late", 6)
+        b.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "signal received" not in b.log_tail(20):
+            assert time.monotonic() < deadline, b.log_tail(20)
+            time.sleep(0.02)
+
+        async def watch_in_grace() -> tuple[list[object], BaseException | None, BaseException | None]:
+            async with AsyncKvdClient(b.tcp, timeout_s=60) as router:
+                try:
+                    await router.pull(engine_id="reader", request_id="late", local_block_ids=[7, 8], remote=late)
+                    refused = None
+                except errors.KvdError as exc:
+                    refused = exc
+                results = await router.wait_transfers(ids)
+                assert await asyncio.to_thread(b.process.wait, 30) == 0
+                try:
+                    await router.wait_transfer(ids[0], timeout_s=10)
+                except errors.KvdError as exc:
+                    return results, refused, exc
+                return results, refused, None
+
+        results, refused, later = asyncio.run(watch_in_grace())
+        assert type(refused) is errors.Unavailable and "shutting down" in str(refused), refused
+        for result in results:
+            assert type(result) is errors.Aborted and "shutting down" in str(result), result
+        assert isinstance(later, errors.Unavailable), later
+        assert reader.buffer.eq(FILL).all(), "an aborted or refused pull wrote into the engine's blocks"
     finally:
         reader.registered = False  # its daemon is gone
         holder.close()
