@@ -254,6 +254,11 @@ async def concurrency(
     return out
 
 
+HOLD_AHEAD_PULLS = 4096
+"""The batched section's leases held at once, ahead of the steps that pull them (a few seconds'
+pulls here, far inside a lease's TTL)."""
+
+
 async def batched(
     session: Session, batches: list[int], pulls_per_level: int, progress: Progress
 ) -> list[dict[str, Any]]:
@@ -280,7 +285,9 @@ async def batched(
         batch = min(batch, engine.capacity_blocks)
         steps = max(4, -(-pulls_per_level // batch))
         for m, mode in enumerate(modes):
-            held = [h.kv_transfer_params for h in await session.hold(BLOCK_BYTES, steps * batch)]
+            # Held ahead of the timed steps, at most HOLD_AHEAD_PULLS at a time: a long run's
+            # later leases would otherwise expire before their step (NOT_FOUND at the holder).
+            held: list[Any] = await _hold_ahead(session, batch, steps)
             engine.buffer.zero_()
             session.raw.read_step(batch)  # untimed: the raw agent's first step of this geometry
             session.raw.read_step(batch, layout=True)
@@ -288,6 +295,8 @@ async def batched(
             raw = _Window()
             laid = _Window()
             for step in range(steps):
+                if step * batch >= len(held):  # outside every window
+                    held += await _hold_ahead(session, batch, steps - step)
                 cpu0, client0, t0 = session.daemons.cpu(), own_cpu_seconds(), time.perf_counter()
                 kvd.latency_s += await engine.pull_step(held[step * batch : (step + 1) * batch], 0, mode)
                 kvd.add(time.perf_counter() - t0, _cpu_since(session, cpu0, client0))
@@ -312,6 +321,12 @@ async def batched(
                 }
             )
     return out
+
+
+async def _hold_ahead(session: Session, batch: int, steps_left: int) -> list[Any]:
+    """The kv_transfer_params of the next steps' leases, at most HOLD_AHEAD_PULLS of them."""
+    count = min(steps_left, max(1, HOLD_AHEAD_PULLS // batch)) * batch
+    return [h.kv_transfer_params for h in await session.hold(BLOCK_BYTES, count)]
 
 
 def _raw_step(session: Session, window: _Window, batch: int, layout: bool) -> None:
