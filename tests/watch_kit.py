@@ -27,6 +27,20 @@ def hold(holder: ShmEngine, request_id: str, first_block: int) -> common_pb2.KvT
     ).kv_transfer_params
 
 
+def start_pulls(holder: ShmEngine, reader: ShmEngine, prefix: str, count: int) -> list[str]:
+    """``count`` pulls started on the reader's daemon, pull i (request ``<prefix><i>``) of the
+    holder's blocks 2i, 2i+1 into the reader's blocks 2i+1, 2i+2; their transfer ids."""
+    return [
+        reader.client.start_pull(
+            engine_id="reader",
+            request_id=f"{prefix}{i}",
+            local_block_ids=[1 + 2 * i, 2 + 2 * i],
+            remote=hold(holder, f"{prefix}{i}", 2 * i),
+        ).transfer_id
+        for i in range(count)
+    ]
+
+
 def engines(holder_daemon, reader_daemon, *, seed: int, require_commits: bool = False) -> tuple[ShmEngine, ShmEngine]:
     """A holder engine of random bytes and a reader engine of FILL, room for PULLS pulls."""
     spec = small_spec(num_blocks=2 * PULLS + 8)

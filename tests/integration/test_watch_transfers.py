@@ -22,7 +22,7 @@ import time
 
 import grpc
 import pytest
-from watch_kit import FILL, PULLS, TOKENS, RawWatch, engines, hold
+from watch_kit import FILL, PULLS, TOKENS, RawWatch, engines, hold, start_pulls
 
 from kvd_client import AsyncKvdClient, KvdClient, errors
 from kvd_client.v1 import common_pb2, router_pb2
@@ -215,15 +215,7 @@ def test_a_daemon_stopped_mid_watch_sends_the_outcomes_then_unavailable(spawn_da
     b = spawn_daemon("--shutdown-grace-s", "0.5", name="b")
     holder, reader = engines(a, b, seed=40, require_commits=True)
     try:
-        ids = [
-            reader.client.start_pull(
-                engine_id="reader",
-                request_id=f"s{i}",
-                local_block_ids=[1 + 2 * i, 2 + 2 * i],
-                remote=hold(holder, f"s{i}", 2 * i),
-            ).transfer_id
-            for i in range(2)
-        ]
+        ids = start_pulls(holder, reader, "s", 2)
         raw = RawWatch(b.tcp)
         raw.next()
         raw.send(*ids)
@@ -267,15 +259,7 @@ def test_a_watch_opened_in_the_shutdown_grace_gets_the_outcomes_and_starts_nothi
     b = spawn_daemon("--shutdown-grace-s", "3", name="b")
     holder, reader = engines(a, b, seed=40, require_commits=True)
     try:
-        ids = [
-            reader.client.start_pull(
-                engine_id="reader",
-                request_id=f"g{i}",
-                local_block_ids=[1 + 2 * i, 2 + 2 * i],
-                remote=hold(holder, f"g{i}", 2 * i),
-            ).transfer_id
-            for i in range(2)
-        ]
+        ids = start_pulls(holder, reader, "g", 2)
         late = hold(holder, "late", 6)
         b.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -317,15 +301,7 @@ def test_a_daemon_killed_mid_watch_leaves_its_waiters_unavailable(spawn_daemon) 
     b = spawn_daemon(name="b")
     holder, reader = engines(a, b, seed=40, require_commits=True)
     try:
-        ids = [
-            reader.client.start_pull(
-                engine_id="reader",
-                request_id=f"k{i}",
-                local_block_ids=[1 + 2 * i, 2 + 2 * i],
-                remote=hold(holder, f"k{i}", 2 * i),
-            ).transfer_id
-            for i in range(3)
-        ]
+        ids = start_pulls(holder, reader, "k", 3)
         with KvdClient(b.tcp, timeout_s=120) as router:
 
             def kill_soon() -> None:
