@@ -221,42 +221,62 @@ async def concurrency(
     session: Session, levels: list[int], pulls_per_level: int, progress: Progress
 ) -> list[dict[str, Any]]:
     """2 MiB pulls with ``level`` in flight: latencies, pulls/s, and the CPU seconds each process
-    spent over the level's window (``cpu_s``: reader, holder, client = this process, all = their
-    sum); divided by the pulls, the CPU a pull costs."""
+    spent over the level's windows (``cpu_s``: reader, holder, client = this process, all = their
+    sum); divided by the pulls, the CPU a pull costs. The leases are held a chunk at a time,
+    between windows (:func:`_pulls_held_ahead`)."""
     engine = session.engine
     out = []
     for n, level in enumerate(levels):
         level = min(level, engine.capacity_blocks)
         count = max(pulls_per_level, 4 * level)
-        held = collections.deque(await session.hold(BLOCK_BYTES, count))
         engine.buffer.zero_()
-        cpu0 = session.daemons.cpu()  # /proc read outside the client's window (it is the bench's CPU)
-        client0 = own_cpu_seconds()
-        t0 = time.perf_counter()
 
         def tick(done: int, n: int = n, level: int = level, count: int = count) -> None:
             progress(f"concurrency {level}", (n + done / count) / len(levels))
 
-        latencies = await _in_flight(engine.pull, held, level, tick)
-        wall = time.perf_counter() - t0
-        cpu = _cpu_since(session, cpu0, client0)
+        window = await _pulls_held_ahead(session, engine.pull, count, level, tick)
         for block in range(level):  # every block a pull landed in holds the pattern
             session.verify(block, BLOCK_BYTES)
         out.append(
             {
                 "in_flight": level,
                 "pulls": count,
-                "wall_s": wall,
-                "latency_s": latencies,
-                "cpu_s": cpu,
+                "wall_s": window.wall_s,
+                "latency_s": window.latency_s,
+                "cpu_s": window.cpu_s,
             }
         )
     return out
 
 
 HOLD_AHEAD_PULLS = 4096
-"""The batched section's leases held at once, ahead of the steps that pull them (a few seconds'
-pulls here, far inside a lease's TTL)."""
+"""Leases held at once, ahead of the pulls (or steps) that use them, outside every timed window (a
+few seconds' pulls here, far inside a lease's TTL): held all up front, a long run's later leases
+would expire before their pull (NOT_FOUND at the holder)."""
+
+
+async def _pulls_held_ahead(
+    session: Session, pull: PullOne, count: int, level: int, tick: Callable[[int], None]
+) -> _Window:
+    """``count`` 2 MiB pulls with ``level`` in flight (:func:`_in_flight`), their leases held
+    HOLD_AHEAD_PULLS at a time between timed windows: the windows' wall time, latencies and CPU
+    seconds per process (as in :func:`concurrency`), summed. In flight drains between windows,
+    once per HOLD_AHEAD_PULLS pulls."""
+    window = _Window()
+    done = 0
+    while done < count:
+        held = collections.deque(await session.hold(BLOCK_BYTES, min(HOLD_AHEAD_PULLS, count - done)))
+        cpu0 = session.daemons.cpu()  # /proc read outside the client's window (it is the bench's CPU)
+        client0 = own_cpu_seconds()
+        t0 = time.perf_counter()
+
+        def tick_all(k: int, before: int = done) -> None:
+            tick(before + k)
+
+        window.latency_s += await _in_flight(pull, held, level, tick_all)
+        window.add(time.perf_counter() - t0, _cpu_since(session, cpu0, client0))
+        done = len(window.latency_s)
+    return window
 
 
 async def batched(
@@ -391,8 +411,8 @@ async def router_path(
 ) -> list[dict[str, Any]]:
     """2 MiB pulls with ``in_flight`` in flight, each of :data:`ROUTER_MODES` in turn (each round
     starting with the next), ``rounds`` times (so the three share the machine's load), into the
-    same engine's blocks from the same holder, leases fetched before each window (as in the
-    concurrency section), after an untimed window of each: pulls/s, p50/p99 and the CPU per pull
+    same engine's blocks from the same holder, leases held a chunk at a time between windows (as
+    in the concurrency section), after an untimed window of each: pulls/s, p50/p99 and the CPU per pull
     of every process, per mode and round.
 
     A router's pull rides its client's one ``WatchTransfers`` stream on the reader's TCP port
@@ -435,19 +455,13 @@ async def router_path(
         # place once (a window's cost depends on what ran before it, e.g. a pre-fault still running).
         order = ROUTER_MODES[r % len(ROUTER_MODES) :] + ROUTER_MODES[: r % len(ROUTER_MODES)]
         for m, mode in enumerate(order):
-            held = collections.deque(await session.hold(BLOCK_BYTES, pulls))
             engine.buffer.zero_()
-            cpu0 = session.daemons.cpu()
-            client0 = own_cpu_seconds()
-            t0 = time.perf_counter()
             step = r * len(ROUTER_MODES) + m
 
             def tick(done: int, step: int = step, mode: str = mode) -> None:
                 progress(f"router path ({mode})", (step + done / pulls) / steps)
 
-            latencies = await _in_flight(paths[mode], held, in_flight, tick)
-            wall = time.perf_counter() - t0
-            cpu = _cpu_since(session, cpu0, client0)
+            window = await _pulls_held_ahead(session, paths[mode], pulls, in_flight, tick)
             for block in range(in_flight):
                 session.verify(block, BLOCK_BYTES)
             out.append(
@@ -456,9 +470,9 @@ async def router_path(
                     "round": r,
                     "in_flight": in_flight,
                     "pulls": pulls,
-                    "wall_s": wall,
-                    "latency_s": latencies,
-                    "cpu_s": cpu,
+                    "wall_s": window.wall_s,
+                    "latency_s": window.latency_s,
+                    "cpu_s": window.cpu_s,
                 }
             )
     return out
