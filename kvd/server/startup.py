@@ -145,12 +145,12 @@ def check_tcp_security(config: KvdConfig) -> None:
 
 def apply_nixl_env(config: KvdConfig, environ: MutableMapping[str, str] | None = None) -> None:
     """Set UCX's (NIXL's backend) environment before any agent is created: its memory-type cache
-    off, and the devices to use and listen on.
+    off, its native backtrace on a crash, and the devices to use and listen on.
 
     UCX reads its settings from the environment when NIXL creates the UCX backend; this is the one
-    place kvd writes them: ``UCX_MEMTYPE_CACHE`` (unless the environment sets it), and
-    ``UCX_NET_DEVICES`` from ``nixl_net_devices`` (unset: UCX's own default applies, or what the
-    service's environment says).
+    place kvd writes them: ``UCX_MEMTYPE_CACHE`` and ``UCX_HANDLE_ERRORS`` (each unless the
+    environment sets it), and ``UCX_NET_DEVICES`` from ``nixl_net_devices`` (unset: UCX's own
+    default applies, or what the service's environment says).
     """
     env = os.environ if environ is None else environ
     # UCX's memory-type cache knows the GPU memory that existed when UCX started and the
@@ -160,6 +160,11 @@ def apply_nixl_env(config: KvdConfig, environ: MutableMapping[str, str] | None =
     # memory is detected as host by UCX"; seen on an H200, docs/gpu-check.md). Without the cache
     # UCX asks CUDA what each registered pointer is. An operator's own setting wins.
     env.setdefault("UCX_MEMTYPE_CACHE", "n")
+    # A worker that crashes inside UCX leaves only its Python stacks (faulthandler) without this:
+    # the UCX bundled with NIXL prints no native backtrace by default, and one is what names the
+    # UCX function that crashed (a holder's worker killed by UCX's purge of a dead reader's TCP
+    # endpoint: docs/failure-rules.md). UCX prints it, then the worker dies of the same signal.
+    env.setdefault("UCX_HANDLE_ERRORS", "bt")
     if not config.nixl_net_devices:
         return
     logger.info("NIXL/UCX limited to devices %s (nixl_net_devices)", config.nixl_net_devices)

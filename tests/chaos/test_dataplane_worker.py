@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -58,6 +59,12 @@ STEP_BLOCKS = 4
 DEADLINE_MS = 6000  # a hung worker is found within 2 s (heartbeat every 1 s, 1 s to answer)
 HEARTBEAT_TIMEOUT_S = 1.0  # a SIGSTOPped worker is found hung within ~1.5 s
 FD_SLACK = 4
+# UCX 1.23 (bundled with NIXL 1.5.1) can crash a worker whose peer dies mid-read over TCP: purging
+# the dead peer's TCP endpoint, it fast-forwards a pending send whose memory state was never set
+# (SIGSEGV in ucp_request_memory_dereg under uct_tcp_ep_pending_purge) or hits the assertion stub
+# its discard path leaves for pending sends. Not kvd's code, and not something a worker can refuse:
+# kvd contains it (docs/failure-rules.md), and the test checks that, not its absence.
+UCX_TCP_PURGE_CRASH = re.compile(r"uct_tcp_ep_pending_purge|stubs\.c:\d+ +Assertion `0' failed")
 PATTERN = 0x5A
 PATTERN64 = int.from_bytes(bytes([PATTERN] * 8), "little", signed=True)  # the pattern as torch.int64
 LATE_S = {"tcp": 1.5, "default": 1.0}  # a whole 512 MiB pull takes under a second on loopback
@@ -312,6 +319,14 @@ def _pull_ends(messages: list, request_ids: set[str]) -> list:
     return ends
 
 
+def ucx_tcp_purge_crash(daemon: DaemonProcess, logged_before: int) -> bool:
+    """Whether the daemon's log, past ``logged_before`` bytes, shows a worker of it crashing in
+    UCX's purge of a dead peer's TCP endpoint (:data:`UCX_TCP_PURGE_CRASH`)."""
+    with open(daemon.log_path, "rb") as log:
+        log.seek(logged_before)
+        return UCX_TCP_PURGE_CRASH.search(log.read().decode(errors="replace")) is not None
+
+
 def gauge_settles(daemon: DaemonProcess, name: str, timeout_s: float) -> float:
     """The gauge once 0, or its value after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -379,6 +394,7 @@ def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
     # Each side's restarts so far, from the daemons themselves: a round that failed earlier
     # cannot shift this round's count.
     restarts_before = {name: pair.side(name)[1].client.get_status().dataplane_restarts for name in ("holder", "reader")}
+    logged_before = {name: pair.side(name)[0].log_path.stat().st_size for name in ("holder", "reader")}
     step = chaos_round % 4 < 2  # rounds 0, 1 (both sides), 4, 5: one step; 2, 3: StartPull calls
     count = STEP_PULLS if step else CONCURRENT
     chunk = STEP_BLOCKS if step else NUM_BLOCKS // count
@@ -421,6 +437,11 @@ def test_worker_killed_mid_read(pair: Pair, chaos_round: int) -> None:
         assert [e.engine_id for e in status.engines] == [engine.engine_id], f"the {name} engine lost its registration"
         expected = restarts_before[name] + (name == side)
         got = status.dataplane_restarts
+        if name != side and tcp and got == expected + 1 and ucx_tcp_purge_crash(daemon, logged_before[name]):
+            # The other side's worker died in UCX's TCP purge (see UCX_TCP_PURGE_CRASH): contained
+            # like any lost worker, once, and everything below must hold all the same.
+            print(f"the {name}'s worker died in UCX's purge of the dead peer's TCP endpoint and was replaced")
+            expected += 1
         assert got == expected, f"the {name} restarted {got}x, not {expected}x"
     assert victim.client.get_status().dataplane_last_restart == restart_reason(sig)
     restarts = metric_value(scrape(victim_daemon.metrics), "kvd_dataplane_restarts_total", reason=restart_reason(sig))

@@ -193,17 +193,23 @@ def test_socket_dir_is_created_owner_only(tmp_path: Path) -> None:
 def test_ucx_memtype_cache_is_off_unless_the_operator_says_otherwise() -> None:
     # With the cache, VRAM opened through CUDA IPC after UCX started was taken for host memory and
     # NIXL refused to register it (seen on an H200: docs/gpu-check.md).
-    env = {"UCX_MEMTYPE_CACHE": "y"}
+    env = {"UCX_MEMTYPE_CACHE": "y", "UCX_HANDLE_ERRORS": "none"}
     startup.apply_nixl_env(KvdConfig(), env)
-    assert env == {"UCX_MEMTYPE_CACHE": "y"}
+    assert env == {"UCX_MEMTYPE_CACHE": "y", "UCX_HANDLE_ERRORS": "none"}
+
+
+def test_a_crash_inside_ucx_leaves_its_native_backtrace_unless_the_operator_says_otherwise() -> None:
+    env: dict[str, str] = {}
+    startup.apply_nixl_env(KvdConfig(), env)
+    assert env["UCX_HANDLE_ERRORS"] == "bt"
 
 
 def test_nixl_net_devices_become_ucx_net_devices_in_one_place() -> None:
     env: dict[str, str] = {}
     startup.apply_nixl_env(KvdConfig(), env)
-    assert env == {"UCX_MEMTYPE_CACHE": "n"}
+    assert env == {"UCX_MEMTYPE_CACHE": "n", "UCX_HANDLE_ERRORS": "bt"}
     startup.apply_nixl_env(KvdConfig(nixl_net_devices="lo"), env)
-    assert env == {"UCX_MEMTYPE_CACHE": "n", "UCX_NET_DEVICES": "lo"}
+    assert env == {"UCX_MEMTYPE_CACHE": "n", "UCX_HANDLE_ERRORS": "bt", "UCX_NET_DEVICES": "lo"}
     with pytest.raises(ValueError, match="nixl_net_devices"):
         KvdConfig(nixl_net_devices="lo; rm -rf /")
 
